@@ -1,0 +1,390 @@
+// GradFunction: runs the dx and dw passes planned by plan_split on LibTorch's
+// engine (capture pre-hooks in dx, edge masks in dw) and accumulates dw into
+// the weights' .grad(); forward_and_gradfn wraps a function around it.
+#include "hp/autograd/grad_function.h"
+
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <algorithm>
+#include <unordered_set>
+
+#include "hp/autograd/split_plan.h"
+
+namespace hp::autograd {
+
+using torch::autograd::Engine;
+using torch::autograd::FunctionPreHook;
+using torch::autograd::variable_list;
+
+std::vector<int64_t> GradPosition::resolve(size_t num_inputs) const {
+  std::vector<int64_t> out;
+  switch (kind_) {
+    case Kind::All:
+      for (size_t i = 0; i < num_inputs; ++i)
+        out.push_back(static_cast<int64_t>(i));
+      return out;
+    case Kind::None:
+      return out;
+    case Kind::List:
+      break;
+  }
+  std::unordered_set<int64_t> seen;
+  for (int64_t p : positions_) {
+    TORCH_CHECK(p >= 0 && p < static_cast<int64_t>(num_inputs), "grad_position index ", p,
+                " is out of range for ", num_inputs, " inputs; use an index in [0, ", num_inputs,
+                ")");
+    TORCH_CHECK(seen.insert(p).second, "grad_position lists input ", p,
+                " twice; list each input once");
+    out.push_back(p);
+  }
+  return out;
+}
+
+namespace {
+
+// Records a node's incoming gradients (one per input slot) during dx.
+struct CaptureHook : FunctionPreHook {
+  CaptureHook(std::shared_ptr<std::vector<variable_list>> sink, size_t index)
+      : sink_(std::move(sink)), index_(index) {}
+  variable_list operator()(const variable_list& grads) override {
+    (*sink_)[index_] = grads;
+    return grads;
+  }
+  std::shared_ptr<std::vector<variable_list>> sink_;
+  size_t index_;
+};
+
+// Installs capture hooks for the lifetime of the guard (removed even on throw).
+class CaptureHooks {
+ public:
+  CaptureHooks(const std::vector<std::shared_ptr<Node>>& nodes,
+               const std::shared_ptr<std::vector<variable_list>>& sink) {
+    for (size_t j = 0; j < nodes.size(); ++j) {
+      auto hook = std::make_unique<CaptureHook>(sink, j);
+      installed_.emplace_back(nodes[j].get(), hook.get());
+      nodes[j]->add_pre_hook(std::move(hook));
+    }
+  }
+  ~CaptureHooks() {
+    for (auto& [node, hook] : installed_) {
+      auto& hooks = node->pre_hooks();
+      hooks.erase(std::remove_if(hooks.begin(), hooks.end(),
+                                 [hook = hook](const auto& h) { return h.get() == hook; }),
+                  hooks.end());
+    }
+  }
+  CaptureHooks(const CaptureHooks&) = delete;
+  CaptureHooks& operator=(const CaptureHooks&) = delete;
+
+ private:
+  std::vector<std::pair<Node*, FunctionPreHook*>> installed_;
+};
+
+// NOTE [Edge masking]
+// dw prunes a joining node's edges that stay inside the dx closure by
+// replacing them with an invalid Edge for the duration of one engine call and
+// restoring them after (even on throw). `Node::set_next_edge` cannot be used:
+// it asserts the node has no parent yet (it maintains topological_nr), while
+// writing through `next_edges()` does not. Removing edges only lowers the set
+// of reachable nodes, so topological_nr stays a valid upper bound. The graph
+// must not run elsewhere during dw, as with any backward of the same graph.
+class EdgeMask {
+ public:
+  void mask(Node* node, size_t slot) {
+    saved_.push_back({node, slot, node->next_edges()[slot]});
+    node->next_edges()[slot] = Edge();
+  }
+  ~EdgeMask() {
+    for (auto it = saved_.rbegin(); it != saved_.rend(); ++it)
+      it->node->next_edges()[it->slot] = std::move(it->edge);
+  }
+
+ private:
+  struct Saved {
+    Node* node;
+    size_t slot;
+    Edge edge;
+  };
+  std::vector<Saved> saved_;
+};
+
+void accumulate_grad(const torch::Tensor& weight, const torch::Tensor& grad) {
+  torch::NoGradGuard no_grad;
+  auto& slot = const_cast<torch::Tensor&>(weight).mutable_grad();
+  if (!slot.defined()) {
+    slot = grad.detach().clone();
+  } else {
+    slot.add_(grad);
+  }
+}
+
+torch::Tensor or_zeros(const torch::Tensor& grad, const torch::Tensor& like) {
+  return grad.defined() ? grad : torch::zeros_like(like);
+}
+
+}  // namespace
+
+struct GradFunction::Impl {
+  enum class State { Fresh, InputDone, Done };
+
+  TensorList outputs, inputs, weights;
+  std::vector<Edge> output_edges, input_edges, weight_edges;
+  State state = State::Fresh;
+
+  SplitPlan plan;
+  SplitStats stats;
+  TensorList sens;                                       // per output, kept for dw roots on outputs
+  TensorList dx;                                         // per input, kept for dw roots on inputs
+  std::shared_ptr<std::vector<variable_list>> captured;  // per join node
+
+  TensorList resolve_sens(const TensorList& given) const {
+    if (given.empty()) {
+      TensorList ones;
+      for (const auto& o : outputs)
+        ones.push_back(torch::ones_like(o));
+      return ones;
+    }
+    TORCH_CHECK(given.size() == outputs.size(), "sens has ", given.size(),
+                " tensors but there are ", outputs.size(),
+                " differentiated outputs; pass one gradient per output (or none for ones)");
+    for (size_t i = 0; i < given.size(); ++i) {
+      TORCH_CHECK(given[i].defined(), "sens[", i, "] is undefined; pass a gradient for output ", i);
+      TORCH_CHECK(given[i].sizes() == outputs[i].sizes(), "sens[", i, "] has shape ",
+                  given[i].sizes(), " but output ", i, " has shape ", outputs[i].sizes());
+      TORCH_CHECK(given[i].scalar_type() == outputs[i].scalar_type(), "sens[", i, "] has dtype ",
+                  given[i].scalar_type(), " but output ", i, " has dtype ",
+                  outputs[i].scalar_type());
+      TORCH_CHECK(given[i].device() == outputs[i].device(), "sens[", i, "] is on ",
+                  given[i].device(), " but output ", i, " is on ", outputs[i].device());
+    }
+    return given;
+  }
+
+  std::vector<Edge> valid_input_edges() const {
+    std::vector<Edge> edges;
+    for (const auto& e : input_edges)
+      if (e.is_valid()) edges.push_back(e);
+    return edges;
+  }
+
+  TensorList finish_input_grads(const variable_list& grads) const {
+    TensorList out(inputs.size());
+    size_t k = 0;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      if (!input_edges[i].is_valid()) continue;
+      out[i] = or_zeros(grads[k++], inputs[i]);
+    }
+    return out;
+  }
+
+  void release() {
+    state = State::Done;
+    plan = SplitPlan();
+    sens.clear();
+    dx.clear();
+    captured.reset();
+  }
+};
+
+GradFunction::GradFunction(TensorList outputs, TensorList inputs, TensorList weights)
+    : impl_(std::make_shared<Impl>()) {
+  auto& m = *impl_;
+  TORCH_CHECK(!outputs.empty(), "GradFunction needs at least one output to differentiate");
+  size_t num_inputs = 0;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (!inputs[i].defined()) continue;
+    TORCH_CHECK(inputs[i].requires_grad(), "input ", i,
+                " does not require grad, so it has no dx; call requires_grad_(true) on it "
+                "before the forward or leave it out of the inputs");
+    num_inputs++;
+  }
+  TORCH_CHECK(num_inputs > 0 || !weights.empty(),
+              "no weights and no input positions: nothing to differentiate; pass weights or "
+              "select at least one input");
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    TORCH_CHECK(outputs[i].defined(), "output ", i, " is undefined");
+    TORCH_CHECK(outputs[i].requires_grad(), "output ", i,
+                " does not require grad: it depends on no input or weight that requires grad "
+                "(did the forward run under NoGradGuard?)");
+    m.output_edges.push_back(torch::autograd::impl::gradient_edge(outputs[i]));
+  }
+  for (const auto& x : inputs)
+    m.input_edges.push_back(x.defined() ? torch::autograd::impl::gradient_edge(x) : Edge());
+  for (size_t i = 0; i < weights.size(); ++i) {
+    TORCH_CHECK(weights[i].defined(), "weight ", i, " is undefined");
+    TORCH_CHECK(weights[i].requires_grad(), "weight ", i,
+                " does not require grad; call requires_grad_(true) on it or drop it from weights");
+    m.weight_edges.push_back(torch::autograd::impl::gradient_edge(weights[i]));
+    for (size_t j = 0; j < inputs.size(); ++j) {
+      TORCH_CHECK(!m.input_edges[j].is_valid() || m.input_edges[j] != m.weight_edges.back(),
+                  "weight ", i, " is also input ", j,
+                  "; a tensor is either differentiated as an input (dx) or as a weight (dw)");
+    }
+  }
+  m.outputs = std::move(outputs);
+  m.inputs = std::move(inputs);
+  m.weights = std::move(weights);
+}
+
+size_t GradFunction::num_inputs() const {
+  return impl_->inputs.size();
+}
+size_t GradFunction::num_weights() const {
+  return impl_->weights.size();
+}
+SplitStats GradFunction::stats() const {
+  return impl_->stats;
+}
+
+TensorList GradFunction::compute_input_grad(const TensorList& sens) {
+  auto& m = *impl_;
+  TORCH_CHECK(m.state == Impl::State::Fresh,
+              m.state == Impl::State::InputDone
+                  ? "compute_input_grad was already called: dx runs once per forward; call "
+                    "compute_weight_grad next"
+                  : "this GradFunction's graph was already freed by a backward without "
+                    "keep_graph; run the forward again");
+  m.sens = m.resolve_sens(sens);
+  m.plan = plan_split(m.output_edges, m.input_edges, m.weight_edges);
+  m.stats = {m.plan.num_nodes, m.plan.num_dx_nodes, m.plan.join_nodes.size(), m.plan.groups.size()};
+  m.captured = std::make_shared<std::vector<variable_list>>(m.plan.join_nodes.size());
+
+  variable_list grads;
+  std::vector<Edge> wanted = m.valid_input_edges();
+  if (!wanted.empty()) {
+    CaptureHooks hooks(m.plan.join_nodes, m.captured);
+    grads = Engine::get_default_engine().execute(m.output_edges, m.sens, /*keep_graph=*/true,
+                                                 /*create_graph=*/false,
+                                                 /*accumulate_grad=*/false, wanted);
+  }
+  // What only dx needed is not needed any more: free it now, not after dw.
+  for (const auto& node : m.plan.dx_only_nodes)
+    node->release_variables();
+  m.plan.dx_only_nodes.clear();
+
+  m.dx = m.finish_input_grads(grads);
+  m.state = Impl::State::InputDone;
+  return m.dx;
+}
+
+TensorList GradFunction::compute_weight_grad(bool keep_graph) {
+  auto& m = *impl_;
+  TORCH_CHECK(m.state != Impl::State::Fresh,
+              "compute_weight_grad called before compute_input_grad: dw starts from gradients "
+              "that dx captures; call compute_input_grad(sens) first, or operator() for a fused "
+              "backward");
+  TORCH_CHECK(m.state != Impl::State::Done,
+              "compute_weight_grad was already called without keep_graph, which freed the "
+              "graph; pass keep_graph=true to call it again");
+  TensorList dw(m.weights.size());
+  for (const DwGroup& group : m.plan.groups) {
+    std::vector<Edge> roots;
+    variable_list root_grads;
+    for (size_t r : group.roots) {
+      const DwRoot& root = m.plan.roots[r];
+      torch::Tensor g;
+      switch (root.source) {
+        case DwRoot::Source::Output:
+          g = m.sens[root.index];
+          break;
+        case DwRoot::Source::Input:
+          g = m.dx[root.index];
+          break;
+        case DwRoot::Source::Captured: {
+          const auto& slots = (*m.captured)[root.index];
+          if (root.edge.input_nr < slots.size()) g = slots[root.edge.input_nr];
+          break;
+        }
+      }
+      if (!g.defined()) continue;
+      roots.push_back(root.edge);
+      root_grads.push_back(g);
+    }
+    if (roots.empty()) continue;  // no gradient reached this group: its dw is zeros
+    std::vector<Edge> wanted;
+    for (size_t w : group.weights)
+      wanted.push_back(m.weight_edges[w]);
+    variable_list grads;
+    {
+      EdgeMask mask;
+      for (size_t j : group.join_nodes)
+        for (size_t slot : m.plan.masked_edges[j])
+          mask.mask(m.plan.join_nodes[j].get(), slot);
+      grads = Engine::get_default_engine().execute(roots, root_grads, keep_graph,
+                                                   /*create_graph=*/false,
+                                                   /*accumulate_grad=*/false, wanted);
+    }
+    for (size_t k = 0; k < group.weights.size(); ++k)
+      dw[group.weights[k]] = grads[k];
+    if (!keep_graph)
+      for (size_t j : group.join_nodes)
+        (*m.captured)[j].clear();
+  }
+  for (size_t w = 0; w < dw.size(); ++w) {
+    dw[w] = or_zeros(dw[w], m.weights[w]);
+    accumulate_grad(m.weights[w], dw[w]);
+  }
+  if (!keep_graph) m.release();
+  return dw;
+}
+
+Grads GradFunction::operator()(const TensorList& sens, bool keep_graph) {
+  auto& m = *impl_;
+  TORCH_CHECK(m.state == Impl::State::Fresh,
+              m.state == Impl::State::InputDone
+                  ? "compute_input_grad already ran on this GradFunction; finish with "
+                    "compute_weight_grad instead of a fused backward"
+                  : "this GradFunction's graph was already freed by a backward without "
+                    "keep_graph; run the forward again");
+  TensorList full_sens = m.resolve_sens(sens);
+  std::vector<Edge> wanted = m.valid_input_edges();
+  const size_t num_dx = wanted.size();
+  wanted.insert(wanted.end(), m.weight_edges.begin(), m.weight_edges.end());
+  variable_list grads = Engine::get_default_engine().execute(m.output_edges, full_sens, keep_graph,
+                                                             /*create_graph=*/false,
+                                                             /*accumulate_grad=*/false, wanted);
+  Grads out;
+  out.input_grads = m.finish_input_grads(variable_list(grads.begin(), grads.begin() + num_dx));
+  for (size_t w = 0; w < m.weights.size(); ++w) {
+    out.weight_grads.push_back(or_zeros(grads[num_dx + w], m.weights[w]));
+    accumulate_grad(m.weights[w], out.weight_grads.back());
+  }
+  if (!keep_graph) m.release();
+  return out;
+}
+
+std::pair<TensorList, GradFunction> forward_and_gradfn(
+    const std::function<TensorList(const TensorList&)>& fn, const TensorList& inputs,
+    const ForwardAndGradOptions& options) {
+  std::vector<int64_t> positions = options.grad_position().resolve(inputs.size());
+  TORCH_CHECK(!positions.empty() || !options.weights().empty(),
+              "no weights and no input positions: nothing to differentiate; pass "
+              "ForwardAndGradOptions().weights(...) or select inputs with grad_position");
+  for (size_t i = 0; i < options.weights().size(); ++i) {
+    const auto& w = options.weights()[i];
+    TORCH_CHECK(w.defined(), "weight ", i, " is undefined");
+    TORCH_CHECK(w.requires_grad(), "weight ", i,
+                " does not require grad; call requires_grad_(true) on it or drop it from weights");
+  }
+  TensorList fn_inputs = inputs;
+  TensorList selected;
+  for (int64_t p : positions) {
+    const auto& x = inputs[p];
+    TORCH_CHECK(x.defined(), "input ", p, " is undefined; leave it out of grad_position");
+    TORCH_CHECK(x.is_floating_point() || x.is_complex(), "input ", p, " has dtype ",
+                x.scalar_type(),
+                ", which has no gradient; leave it out of grad_position (e.g. "
+                "GradPosition::indices({...}))");
+    if (!x.requires_grad()) fn_inputs[p] = x.detach().requires_grad_(true);
+    selected.push_back(fn_inputs[p]);
+  }
+  TensorList outputs = fn(fn_inputs);
+  TORCH_CHECK(!outputs.empty(), "the function returned no tensors; it must return at least one");
+  TensorList differentiated = options.has_aux() ? TensorList{outputs[0]} : outputs;
+  GradFunction grad_fn(std::move(differentiated), std::move(selected), options.weights());
+  return {std::move(outputs), std::move(grad_fn)};
+}
+
+}  // namespace hp::autograd

@@ -1,0 +1,1 @@
+// placeholder until the schedule room lands
