@@ -1,2 +1,276 @@
+// `hp schedule`: list, show (terminal timeline + statistics, SVG, trace, JSON,
+// CSV) and compare pipeline schedules, all through the torch-free hp/schedule.
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <stdexcept>
+
+#include "hp/schedule/formulas.h"
+#include "hp/schedule/generators.h"
+#include "hp/schedule/lower.h"
+#include "hp/schedule/render.h"
+#include "hp/schedule/schedule.h"
+#include "hp/schedule/simulate.h"
 #include "tools/hp/commands.h"
-namespace hp::cli { void add_schedule_command(CLI::App& app) { app.add_subcommand("schedule", "x"); } }
+
+namespace hp::cli {
+
+namespace {
+namespace hs = hp::schedule;
+
+// Command-line settings shared by show and compare.
+struct Common {
+  int p = 4, m = 8, v = 2;
+  double f = 1, b = 1, w = 1, comm = 0, mem_b = 1, mem_w = 0.5;
+  std::string mem_limit;  // "" (default), a number, or a multiple like "2x" of p * mem_b
+};
+
+void add_common(CLI::App* c, Common& o) {
+  c->add_option("-p,--ranks", o.p, "pipeline ranks")->capture_default_str();
+  c->add_option("-m,--microbatches", o.m, "microbatches")->capture_default_str();
+  c->add_option("-v,--chunks", o.v, "chunks per rank (interleaved)")->capture_default_str();
+  c->add_option("--F", o.f, "forward cost of one rank's share of the model")->capture_default_str();
+  c->add_option("--B", o.b, "input-gradient cost (the paper's B, our I)")->capture_default_str();
+  c->add_option("--W", o.w, "weight-gradient cost")->capture_default_str();
+  c->add_option("--comm", o.comm, "cost of one cross-rank transfer")->capture_default_str();
+  c->add_option("--mem-b", o.mem_b, "activation memory from F until I")->capture_default_str();
+  c->add_option("--mem-w", o.mem_w, "memory from I until W")->capture_default_str();
+  c->add_option("--mem-limit", o.mem_limit,
+                "per-rank memory limit: a number, or a multiple of p*mem_b like 2x "
+                "(zb-auto searches under it; default 2x)");
+}
+
+hs::CostModel costs_of(const Common& o) {
+  hs::CostModel c;
+  c.f = o.f;
+  c.b = o.b;
+  c.w = o.w;
+  c.comm = o.comm;
+  c.mem_b = o.mem_b;
+  c.mem_w = o.mem_w;
+  c.check();
+  return c;
+}
+
+double mem_limit_of(const Common& o) {
+  if (o.mem_limit.empty()) return 0.0;
+  std::string t = o.mem_limit;
+  bool multiple = !t.empty() && (t.back() == 'x' || t.back() == 'X');
+  if (multiple) t.pop_back();
+  double v = 0;
+  size_t used = 0;
+  try {
+    v = std::stod(t, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used != t.size() || !(v > 0))
+    throw std::invalid_argument("--mem-limit '" + o.mem_limit +
+                                "': expected a positive number (e.g. 12) or a multiple of "
+                                "p*mem_b (e.g. 2x)");
+  return multiple ? v * o.p * o.mem_b : v;
+}
+
+hs::BuildOptions options_of(const Common& o) {
+  hs::BuildOptions b;
+  b.chunks = o.v;
+  b.costs = costs_of(o);
+  b.mem_limit = mem_limit_of(o);
+  return b;
+}
+
+void write_file(const std::string& path, const std::string& text) {
+  std::ofstream out(path);
+  if (!out) throw std::runtime_error("cannot write '" + path + "'");
+  out << text;
+  if (!out) throw std::runtime_error("error writing '" + path + "'");
+}
+
+std::string pct(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2f%%", 100 * v);
+  return buf;
+}
+std::string num(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.4g", v);
+  return buf;
+}
+
+struct ShowArgs {
+  Common c;
+  std::string name, from, svg, trace, csv;
+  bool json = false, lowered = false, no_color = false;
+  int width = 160;
+};
+
+void run_show(const ShowArgs& a) {
+  hs::Schedule s;
+  if (!a.from.empty()) {
+    std::ifstream in(a.from);
+    if (!in) throw std::runtime_error("cannot read '" + a.from + "'");
+    s = hs::read_csv(in);
+  } else {
+    if (a.name.empty()) throw std::invalid_argument("hp schedule show: give a NAME or --from FILE");
+    s = hs::build(a.name, a.c.p, a.c.m, options_of(a.c));
+  }
+  hs::validate(s);
+  hs::Schedule low = s.lowered ? s : hs::lower(s);
+  hs::validate(low);
+  const hs::Schedule& shown = a.lowered ? low : s;
+  hs::CostModel costs = costs_of(a.c);
+  hs::SimResult r = hs::simulate(shown, costs);
+  std::string title =
+      s.name + "  p=" + std::to_string(s.num_ranks) + " m=" + std::to_string(s.num_microbatches);
+  r.timeline.title = title;
+  hs::ClosedForm cf = hs::closed_form(s.name, s.num_ranks, s.num_microbatches, a.c.v, costs);
+  if (!a.csv.empty()) write_file(a.csv, hs::to_csv(shown));
+  if (!a.svg.empty()) write_file(a.svg, hs::render_svg(r.timeline));
+  if (!a.trace.empty()) write_file(a.trace, hs::render_chrome_trace(r.timeline));
+  if (a.json) {
+    auto j = nlohmann::json::parse(hs::summary_json(r, s.name));
+    j["ranks"] = s.num_ranks;
+    j["microbatches"] = s.num_microbatches;
+    j["stages"] = s.num_stages;
+    if (cf.known)
+      j["closed_form"] = {{"formula", cf.formula},
+                          {"bubble", cf.bubble},
+                          {"bubble_rate", cf.bubble_rate},
+                          {"matches_simulator", cf.matches_simulator}};
+    std::cout << j.dump(2) << "\n";
+    return;
+  }
+  hs::AsciiOptions ao;
+  ao.max_width = a.width;
+  ao.color = !a.no_color && isatty(STDOUT_FILENO);
+  std::cout << hs::render_ascii(r.timeline, ao) << "\n" << hs::summary_text(r);
+  if (cf.known)
+    std::cout << "closed form    " << cf.formula << " = " << num(cf.bubble) << " (bubble rate "
+              << pct(cf.bubble_rate) << (cf.matches_simulator ? "" : ", reference only") << ")\n";
+  if (a.lowered) {
+    std::cout << "\nlowered action lists:\n";
+    for (int rk = 0; rk < shown.num_ranks; ++rk)
+      std::cout << "rank " << rk << ": " << hs::format_actions(shown.actions[rk]) << "\n";
+  }
+}
+
+struct CompareArgs {
+  Common c;
+  std::string svg;
+  bool json = false;
+};
+
+void run_compare(const CompareArgs& a) {
+  hs::BuildOptions bo = options_of(a.c);
+  hs::CostModel costs = costs_of(a.c);
+  const double limit = mem_limit_of(a.c);
+  struct Row {
+    std::string name;
+    hs::SimResult r;
+  };
+  std::vector<Row> rows;
+  std::vector<std::pair<std::string, std::string>> skipped;
+  for (const auto& n : hs::names()) {
+    try {
+      hs::Schedule s = hs::build(n, a.c.p, a.c.m, bo);
+      hs::Schedule low = hs::lower(s);
+      hs::validate(low);
+      hs::SimResult r = hs::simulate(s, costs);
+      r.timeline.title = n;
+      rows.push_back({n, std::move(r)});
+    } catch (const std::invalid_argument& e) {
+      skipped.emplace_back(n, e.what());
+    }
+  }
+  std::stable_sort(rows.begin(), rows.end(), [](const Row& x, const Row& y) {
+    if (x.r.bubble_rate != y.r.bubble_rate) return x.r.bubble_rate < y.r.bubble_rate;
+    return x.r.makespan < y.r.makespan;
+  });
+  if (!a.svg.empty()) {
+    std::vector<hs::Timeline> tls;
+    for (const auto& row : rows)
+      tls.push_back(row.r.timeline);
+    write_file(a.svg, hs::render_svg(tls));
+  }
+  if (a.json) {
+    nlohmann::json j = nlohmann::json::array();
+    for (const auto& row : rows)
+      j.push_back(nlohmann::json::parse(hs::summary_json(row.r, row.name)));
+    nlohmann::json out = {{"ranks", a.c.p}, {"microbatches", a.c.m}, {"schedules", j}};
+    nlohmann::json sk = nlohmann::json::array();
+    for (const auto& [n, why] : skipped)
+      sk.push_back({{"name", n}, {"reason", why}});
+    out["skipped"] = sk;
+    std::cout << out.dump(2) << "\n";
+    return;
+  }
+  std::printf("p=%d m=%d v=%d  F=%s B=%s W=%s comm=%s  mem_b=%s mem_w=%s%s\n\n", a.c.p, a.c.m,
+              a.c.v, num(a.c.f).c_str(), num(a.c.b).c_str(), num(a.c.w).c_str(),
+              num(a.c.comm).c_str(), num(a.c.mem_b).c_str(), num(a.c.mem_w).c_str(),
+              limit > 0 ? ("  mem-limit=" + num(limit)).c_str() : "");
+  std::printf("%-18s %8s %10s %9s %6s  %s\n", "schedule", "bubble", "makespan", "peak-mem", "comm",
+              "peak memory per rank");
+  for (const auto& row : rows) {
+    std::string per;
+    for (size_t i = 0; i < row.r.peak_memory.size(); ++i) {
+      if (i == 12 && row.r.peak_memory.size() > 14) {
+        per += " ...";
+        break;
+      }
+      per += (i ? " " : "") + num(row.r.peak_memory[i]);
+    }
+    std::string over = (limit > 0 && row.r.max_peak_memory > limit + 1e-9) ? "  (over limit)" : "";
+    std::printf("%-18s %8s %10s %9s %6d  %s%s\n", row.name.c_str(), pct(row.r.bubble_rate).c_str(),
+                num(row.r.makespan).c_str(), num(row.r.max_peak_memory).c_str(), row.r.comm_volume,
+                per.c_str(), over.c_str());
+  }
+  if (!skipped.empty()) {
+    std::printf("\nnot applicable for p=%d m=%d:\n", a.c.p, a.c.m);
+    for (const auto& [n, why] : skipped)
+      std::printf("  %-16s %s\n", n.c_str(), why.c_str());
+  }
+}
+
+}  // namespace
+
+void add_schedule_command(CLI::App& app) {
+  CLI::App* sched = app.add_subcommand("schedule", "pipeline schedules: list, show, compare");
+  sched->require_subcommand(1);
+
+  CLI::App* list = sched->add_subcommand("list", "list the schedule generators");
+  list->callback([]() {
+    for (const auto& n : hs::names())
+      std::printf("%-18s %s\n", n.c_str(), hs::describe(n).c_str());
+  });
+
+  auto show_args = std::make_shared<ShowArgs>();
+  CLI::App* show = sched->add_subcommand("show", "draw one schedule and print its statistics");
+  show->add_option("name", show_args->name, "schedule name (see `hp schedule list`)");
+  show->add_option("--from", show_args->from, "read the schedule from a CSV file instead");
+  add_common(show, show_args->c);
+  show->add_option("--svg", show_args->svg, "write an SVG picture to FILE");
+  show->add_option("--trace", show_args->trace, "write a Chrome/Perfetto trace to FILE");
+  show->add_option("--csv", show_args->csv, "write the action lists as CSV to FILE");
+  show->add_flag("--json", show_args->json, "print the statistics as JSON");
+  show->add_flag("--lowered", show_args->lowered, "include SEND/RECV (lowered lists)");
+  show->add_flag("--no-color", show_args->no_color, "no ANSI colours even on a terminal");
+  show->add_option("--width", show_args->width, "max timeline width in characters")
+      ->capture_default_str();
+  show->callback([show_args]() { run_show(*show_args); });
+
+  auto cmp_args = std::make_shared<CompareArgs>();
+  CLI::App* cmp = sched->add_subcommand("compare", "all schedules side by side, sorted by bubble");
+  add_common(cmp, cmp_args->c);
+  cmp->add_option("--svg", cmp_args->svg, "write all timelines stacked as one SVG");
+  cmp->add_flag("--json", cmp_args->json, "print the table as JSON");
+  cmp->callback([cmp_args]() { run_compare(*cmp_args); });
+}
+
+HP_CLI_COMMAND(add_schedule_command);
+
+}  // namespace hp::cli

@@ -1,17 +1,27 @@
-// The `hp` command line tool's subcommands: each file cmd_*.cpp adds one
-// subcommand (with its options and its callback) to the root CLI11 app.
+// The `hp` command line tool's subcommands. Each file cmd_*.cpp in this
+// folder adds one subcommand by defining a static HP_CLI_COMMAND registrar, so
+// a new subcommand is a new file and nothing else.
 #pragma once
 
 #include <CLI/CLI.hpp>
 
+#include <functional>
+#include <vector>
+
 namespace hp::cli {
 
-/// `hp schedule ...`: generate, validate, simulate, draw and compare schedules.
-void add_schedule_command(CLI::App& app);
+/// Adds one subcommand (its options and callback) to the root app.
+using CommandAdder = std::function<void(CLI::App&)>;
 
-#ifdef HP_HAVE_TORCH
-/// `hp demo ...`: short demonstrations of the library (the dx/dw split).
-void add_demo_command(CLI::App& app);
-#endif
+/// Every registered subcommand adder, in registration order.
+std::vector<CommandAdder>& command_adders();
+
+/// Registers an adder at static-initialisation time (see HP_CLI_COMMAND).
+struct CommandRegistrar {
+  explicit CommandRegistrar(CommandAdder adder) { command_adders().push_back(std::move(adder)); }
+};
 
 }  // namespace hp::cli
+
+/// Registers `void fn(CLI::App&)` as a subcommand adder of `hp`.
+#define HP_CLI_COMMAND(fn) static ::hp::cli::CommandRegistrar hp_cli_registrar_##fn(fn)

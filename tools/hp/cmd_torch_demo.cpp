@@ -88,4 +88,6 @@ void add_demo_command(CLI::App& app) {
   });
 }
 
+HP_CLI_COMMAND(add_demo_command);
+
 }  // namespace hp::cli

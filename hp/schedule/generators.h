@@ -1,0 +1,35 @@
+// hp/schedule/generators.h: every named pipeline schedule as a generator of
+// compute-only per-rank action lists (lower() adds the communication).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "hp/schedule/schedule.h"
+#include "hp/schedule/simulate.h"
+
+namespace hp::schedule {
+
+/// Options shared by the generators; each uses the fields it needs.
+struct BuildOptions {
+  int chunks = 2;        ///< v: virtual stages per rank (interleaved-1f1b, interleaved-bfs)
+  CostModel costs;       ///< costs and memory (zb-auto searches under these)
+  double mem_limit = 0;  ///< zb-auto: per-rank activation memory limit; 0 = 2 * p * mem_b
+};
+
+/// Every generator name build() accepts, in a stable order.
+const std::vector<std::string>& names();
+
+/// One line saying what the named schedule is (for `hp schedule list`).
+std::string describe(const std::string& name);
+
+/// Builds the named schedule for `ranks` ranks and `microbatches`
+/// microbatches: naive, gpipe (alias afab), 1f1b, interleaved-1f1b
+/// (depth-first), interleaved-bfs (breadth-first / looped), zb-h1, zb-h2, zbv,
+/// dualpipe, dualpipev, zb-auto. Throws std::invalid_argument stating any
+/// unmet constraint (even ranks, enough microbatches, divisibility) and what
+/// to change.
+Schedule build(const std::string& name, int ranks, int microbatches,
+               const BuildOptions& options = {});
+
+}  // namespace hp::schedule

@@ -1,1 +1,0 @@
-// placeholder until the schedule room lands

@@ -1,0 +1,104 @@
+// hp/schedule/simulate.h: the cost model, the timeline (simulated or measured)
+// and the event simulation that turns a Schedule into timings and statistics.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "hp/schedule/action.h"
+#include "hp/schedule/schedule.h"
+
+namespace hp::schedule {
+
+/// Per-op costs and activation memory.
+///
+/// NOTE [Cost units]
+/// `f`, `b`, `w`, `mem_b` and `mem_w` are for one rank's share of the model
+/// (model / p). A schedule that cuts the model into more chunks (interleaved
+/// into v*p, ZB-V into 2p) scales each stage's cost by p / num_chunks, so all
+/// schedules compare on the same model. `b` is the cost of `I` (dx), the Zero
+/// Bubble paper's B (see NOTE [Naming of B]); a fused `B` costs b + w; an `FB`
+/// pair costs f + b + w of its halves (no overlap gain in compute). Memory
+/// (the paper's model): F adds mem_b, I turns mem_b into mem_w, W frees mem_w,
+/// B frees mem_b. The per-stage vectors, when sized num_stages, override the
+/// scaled defaults with absolute values (e.g. measured costs per stage).
+struct CostModel {
+  double f = 1.0;      ///< forward
+  double b = 1.0;      ///< input gradient I (the paper's B)
+  double w = 1.0;      ///< weight gradient W
+  double comm = 0.0;   ///< latency of one cross-rank transfer (SEND -> RECV)
+  double mem_b = 1.0;  ///< activation memory held from F until I (or B)
+  double mem_w = 0.5;  ///< memory held from I until W
+  std::vector<double> stage_f, stage_b, stage_w;  ///< optional absolute per-stage costs
+  std::vector<double> stage_mem_b, stage_mem_w;   ///< optional absolute per-stage memory
+
+  /// Compute time of a compute action on schedule s (0 for SEND/RECV).
+  double cost(const Schedule& s, const Action& a) const;
+  /// Per-stage F, I, W costs after scaling (NOTE [Cost units]).
+  double stage_cost(const Schedule& s, Op op, int stage) const;
+  /// Per-stage activation memory after scaling.
+  double stage_mem_b_of(const Schedule& s, int stage) const;
+  double stage_mem_w_of(const Schedule& s, int stage) const;
+  /// Throws std::invalid_argument unless costs are positive and finite, comm
+  /// and memory non-negative.
+  void check() const;
+};
+
+/// One timed action of one rank: simulated, or measured by a runtime.
+struct Event {
+  int rank = 0;
+  Action action;
+  double start = 0.0;
+  double end = 0.0;
+};
+
+/// A set of timed events over ranks: the common input of every renderer.
+/// The runtime feeds its measured timeline here too.
+struct Timeline {
+  int num_ranks = 0;
+  std::vector<Event> events;  ///< in any order
+  std::string title;          ///< shown by renderers when not empty
+  /// Latest end over all events (0 when empty).
+  double makespan() const;
+};
+
+/// Options of simulate().
+struct SimOptions {
+  bool record_timeline = true;  ///< fill SimResult::timeline
+};
+
+/// What simulate() reports.
+///
+/// NOTE [Bubble rate]
+/// As the Zero Bubble paper defines it: span_r is rank r's time from its first
+/// F start to its last op end; span = max_r span_r; work = max_r busy_r (equal
+/// to m(F+B+W) on balanced schedules); bubble_rate = (span - work) / span.
+/// `idle_fraction` is the seed's wall-clock measure: total idle over
+/// p * makespan.
+struct SimResult {
+  double makespan = 0.0;            ///< latest op end
+  double span = 0.0;                ///< max over ranks of first-F-start to last-end
+  double work = 0.0;                ///< max over ranks of busy time
+  double bubble_rate = 0.0;         ///< (span - work) / span
+  double idle_fraction = 0.0;       ///< sum of idle / (p * makespan)
+  std::vector<double> rank_busy;    ///< [p] compute time
+  std::vector<double> rank_idle;    ///< [p] makespan - busy
+  std::vector<double> rank_span;    ///< [p] first F start to last end
+  std::vector<double> peak_memory;  ///< [p] peak activation memory
+  double max_peak_memory = 0.0;     ///< max over ranks of peak_memory
+  int comm_volume = 0;              ///< cross-rank transfers (activations + gradients)
+  Timeline timeline;                ///< compute events (when recorded)
+};
+
+/// Event simulation: every rank runs its list in order; an action starts when
+/// the rank is free and its inputs have arrived (producer end + comm across
+/// ranks; local hand-offs are free). SEND/RECV take no time (receives are
+/// posted early and waited at the consumer). Throws std::runtime_error naming
+/// each stuck rank and action if the schedule deadlocks.
+SimResult simulate(const Schedule& s, const CostModel& costs, const SimOptions& opts = {});
+
+/// Number of cross-rank transfers the schedule implies (2 per cross-rank hop
+/// of each microbatch route: activation forward, gradient backward).
+int comm_volume(const Schedule& s);
+
+}  // namespace hp::schedule
