@@ -36,12 +36,18 @@ torch::Tensor init(std::vector<int64_t> shape, double scale) {
 Model transformer_block(int64_t batch, int64_t seq, int64_t d, int64_t heads) {
   Model m;
   const double s = 1.0 / std::sqrt(double(d));
-  m.weights = {torch::ones({d}).requires_grad_(true), torch::zeros({d}).requires_grad_(true),
-               init({d, 3 * d}, s),  torch::zeros({3 * d}).requires_grad_(true),
-               init({d, d}, s),      torch::zeros({d}).requires_grad_(true),
-               torch::ones({d}).requires_grad_(true), torch::zeros({d}).requires_grad_(true),
-               init({d, 4 * d}, s),  torch::zeros({4 * d}).requires_grad_(true),
-               init({4 * d, d}, s / 2), torch::zeros({d}).requires_grad_(true)};
+  m.weights = {torch::ones({d}).requires_grad_(true),
+               torch::zeros({d}).requires_grad_(true),
+               init({d, 3 * d}, s),
+               torch::zeros({3 * d}).requires_grad_(true),
+               init({d, d}, s),
+               torch::zeros({d}).requires_grad_(true),
+               torch::ones({d}).requires_grad_(true),
+               torch::zeros({d}).requires_grad_(true),
+               init({d, 4 * d}, s),
+               torch::zeros({4 * d}).requires_grad_(true),
+               init({4 * d, d}, s / 2),
+               torch::zeros({d}).requires_grad_(true)};
   m.input = torch::randn({batch, seq, d});
   auto w = m.weights;
   const int64_t hd = d / heads;
@@ -72,7 +78,8 @@ Model wide_mlp(int64_t batch, int64_t width, int64_t layers) {
   auto w = m.weights;
   m.forward = [=](const torch::Tensor& x) {
     auto h = x;
-    for (size_t l = 0; l < w.size(); l += 2) h = torch::relu(torch::addmm(w[l + 1], h, w[l]));
+    for (size_t l = 0; l < w.size(); l += 2)
+      h = torch::relu(torch::addmm(w[l + 1], h, w[l]));
     return h;
   };
   return m;
@@ -111,11 +118,11 @@ void run(benchmark::State& state, const Model& m) {
     {
       auto [x, y] = forward();
       std::vector<torch::autograd::Edge> weight_edges;
-      for (const auto& w : m.weights) weight_edges.push_back(torch::autograd::impl::gradient_edge(w));
+      for (const auto& w : m.weights)
+        weight_edges.push_back(torch::autograd::impl::gradient_edge(w));
       auto t0 = Clock::now();
       auto plan = hp::autograd::plan_split({torch::autograd::impl::gradient_edge(y)},
-                                           {torch::autograd::impl::gradient_edge(x)},
-                                           weight_edges);
+                                           {torch::autograd::impl::gradient_edge(x)}, weight_edges);
       benchmark::DoNotOptimize(plan.groups.size());
       analysis.push_back(seconds(t0, Clock::now()));
     }
@@ -127,14 +134,16 @@ void run(benchmark::State& state, const Model& m) {
     return v[v.size() / 2];
   };
   std::vector<double> split(dx.size());
-  for (size_t i = 0; i < dx.size(); ++i) split[i] = dx[i] + dw[i];
+  for (size_t i = 0; i < dx.size(); ++i)
+    split[i] = dx[i] + dw[i];
   double f = median(fused);
   state.counters["fused_ms"] = f * 1e3;
   state.counters["dx_ms"] = median(dx) * 1e3;
   state.counters["dw_ms"] = median(dw) * 1e3;
   state.counters["split_over_fused"] = median(split) / f;
   state.counters["analysis_pct"] = 100.0 * median(analysis) / f;
-  for (auto& w : m.weights) w.mutable_grad() = torch::Tensor();
+  for (auto& w : m.weights)
+    w.mutable_grad() = torch::Tensor();
 }
 
 void BM_TransformerBlock(benchmark::State& state) {

@@ -130,6 +130,10 @@ struct GradFunction::Impl {
   enum class State { Fresh, InputDone, Done };
 
   TensorList outputs, inputs, weights;
+  // Shapes and options of the outputs at construction: a pipeline stage may
+  // release an output's storage once it is sent (see PipelineStage).
+  std::vector<std::vector<int64_t>> output_sizes;
+  std::vector<torch::TensorOptions> output_options;
   std::vector<Edge> output_edges, input_edges, weight_edges;
   State state = State::Fresh;
 
@@ -151,13 +155,14 @@ struct GradFunction::Impl {
                 " differentiated outputs; pass one gradient per output (or none for ones)");
     for (size_t i = 0; i < given.size(); ++i) {
       TORCH_CHECK(given[i].defined(), "sens[", i, "] is undefined; pass a gradient for output ", i);
-      TORCH_CHECK(given[i].sizes() == outputs[i].sizes(), "sens[", i, "] has shape ",
-                  given[i].sizes(), " but output ", i, " has shape ", outputs[i].sizes());
-      TORCH_CHECK(given[i].scalar_type() == outputs[i].scalar_type(), "sens[", i, "] has dtype ",
-                  given[i].scalar_type(), " but output ", i, " has dtype ",
-                  outputs[i].scalar_type());
-      TORCH_CHECK(given[i].device() == outputs[i].device(), "sens[", i, "] is on ",
-                  given[i].device(), " but output ", i, " is on ", outputs[i].device());
+      TORCH_CHECK(given[i].sizes() == c10::IntArrayRef(output_sizes[i]), "sens[", i, "] has shape ",
+                  given[i].sizes(), " but output ", i, " has shape ",
+                  c10::IntArrayRef(output_sizes[i]));
+      TORCH_CHECK(given[i].scalar_type() == c10::typeMetaToScalarType(output_options[i].dtype()),
+                  "sens[", i, "] has dtype ", given[i].scalar_type(), " but output ", i,
+                  " has dtype ", c10::typeMetaToScalarType(output_options[i].dtype()));
+      TORCH_CHECK(given[i].device() == output_options[i].device(), "sens[", i, "] is on ",
+                  given[i].device(), " but output ", i, " is on ", output_options[i].device());
     }
     return given;
   }
@@ -209,6 +214,8 @@ GradFunction::GradFunction(TensorList outputs, TensorList inputs, TensorList wei
                 " does not require grad: it depends on no input or weight that requires grad "
                 "(did the forward run under NoGradGuard?)");
     m.output_edges.push_back(torch::autograd::impl::gradient_edge(outputs[i]));
+    m.output_sizes.push_back(outputs[i].sizes().vec());
+    m.output_options.push_back(outputs[i].options());
   }
   for (const auto& x : inputs)
     m.input_edges.push_back(x.defined() ? torch::autograd::impl::gradient_edge(x) : Edge());

@@ -9,6 +9,19 @@
   (TORCH_VERSION_MAJOR > (major) ||     \
    (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
 
+// c10::Allocator::allocate lost its const in LibTorch 2.x, which also added
+// copy_data as a pure virtual.
+#if HP_TORCH_AT_LEAST(2, 3)
+#define HP_ALLOCATOR_CONST
+#define HP_ALLOCATOR_EXTRA_OVERRIDES                                              \
+  void copy_data(void* dest, const void* src, std::size_t count) const override { \
+    default_copy_data(dest, src, count);                                          \
+  }
+#else
+#define HP_ALLOCATOR_CONST const
+#define HP_ALLOCATOR_EXTRA_OVERRIDES
+#endif
+
 namespace hp {
 
 /// The LibTorch version we were built against, e.g. "1.13.1".

@@ -264,4 +264,32 @@ SimResult simulate(const Schedule& s, const CostModel& costs, const SimOptions& 
   return res;
 }
 
+SimResult timeline_stats(const Timeline& t) {
+  SimResult r;
+  const int p = t.num_ranks;
+  r.rank_busy.assign(p, 0.0);
+  r.rank_idle.assign(p, 0.0);
+  r.rank_span.assign(p, 0.0);
+  std::vector<double> first_f(p, std::numeric_limits<double>::infinity()), last_end(p, 0.0);
+  for (const Event& e : t.events) {
+    if (e.rank < 0 || e.rank >= p || !is_compute(e.action.op)) continue;
+    r.rank_busy[e.rank] += e.end - e.start;
+    last_end[e.rank] = std::max(last_end[e.rank], e.end);
+    if (e.action.op == Op::F || e.action.op == Op::FB)
+      first_f[e.rank] = std::min(first_f[e.rank], e.start);
+    r.makespan = std::max(r.makespan, e.end);
+  }
+  double idle_sum = 0.0;
+  for (int k = 0; k < p; ++k) {
+    if (std::isfinite(first_f[k])) r.rank_span[k] = last_end[k] - first_f[k];
+    r.rank_idle[k] = r.makespan - r.rank_busy[k];
+    idle_sum += r.rank_idle[k];
+    r.span = std::max(r.span, r.rank_span[k]);
+    r.work = std::max(r.work, r.rank_busy[k]);
+  }
+  r.bubble_rate = r.span > 0 ? (r.span - r.work) / r.span : 0.0;
+  r.idle_fraction = r.makespan > 0 && p > 0 ? idle_sum / (p * r.makespan) : 0.0;
+  return r;
+}
+
 }  // namespace hp::schedule

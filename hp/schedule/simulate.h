@@ -90,6 +90,12 @@ struct SimResult {
   Timeline timeline;                ///< compute events (when recorded)
 };
 
+/// Bubble statistics of any timeline (e.g. one measured by a runtime), with
+/// the definitions of NOTE [Bubble rate]: span, work, bubble_rate,
+/// idle_fraction and the per-rank busy/idle/span fields of SimResult (memory
+/// and comm fields stay zero). Compute events only; SEND/RECV are ignored.
+SimResult timeline_stats(const Timeline& t);
+
 /// Event simulation: every rank runs its list in order; an action starts when
 /// the rank is free and its inputs have arrived (producer end + comm across
 /// ranks; local hand-offs are free). SEND/RECV take no time (receives are

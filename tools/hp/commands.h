@@ -6,12 +6,16 @@
 #include <CLI/CLI.hpp>
 
 #include <functional>
+#include <string>
 #include <vector>
 
 namespace hp::cli {
 
 /// Adds one subcommand (its options and callback) to the root app.
 using CommandAdder = std::function<void(CLI::App&)>;
+
+/// The command line `hp` was started with (argv[0] first).
+std::vector<std::string>& command_line();
 
 /// Every registered subcommand adder, in registration order.
 std::vector<CommandAdder>& command_adders();

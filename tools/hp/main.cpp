@@ -2,6 +2,7 @@
 // registered subcommands and turns library errors into a clean exit code.
 #include <exception>
 #include <iostream>
+#include <string>
 
 #include "tools/hp/commands.h"
 
@@ -10,18 +11,28 @@ std::vector<CommandAdder>& command_adders() {
   static std::vector<CommandAdder> adders;
   return adders;
 }
+std::vector<std::string>& command_line() {
+  static std::vector<std::string> args;
+  return args;
+}
 }  // namespace hp::cli
 
 int main(int argc, char** argv) {
   CLI::App app{"hyperparallel: pipeline parallelism at close to zero bubble", "hp"};
   app.require_subcommand(1);
-  for (const auto& add : hp::cli::command_adders()) add(app);
+  hp::cli::command_line().assign(argv, argv + argc);
+  for (const auto& add : hp::cli::command_adders())
+    add(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   } catch (const std::exception& e) {
-    std::cerr << "hp: error: " << e.what() << "\n";
+    // LibTorch's errors append a C++ backtrace that says nothing to a user.
+    std::string msg = e.what();
+    auto cut = msg.find("\nException raised from");
+    if (cut != std::string::npos) msg.resize(cut);
+    std::cerr << "hp: error: " << msg << "\n";
     return 1;
   }
   return 0;

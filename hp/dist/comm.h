@@ -1,0 +1,156 @@
+// hp/dist's public face: `Comm`, a narrow communication interface (p2p with
+// tags, all-reduce, all-gather, reduce-scatter, broadcast, barrier, subgroups,
+// one timeout on everything), its `Work` handle, and rendezvous (torchrun env
+// variables over a TCPStore, or a FileStore for tests and threads).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <chrono>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace hp::dist {
+
+/// Reductions offered by `all_reduce` and `reduce_scatter`.
+enum class ReduceOp { Sum, Avg, Max, Min };
+
+/// How a `Comm` is made and how long it waits.
+struct CommOptions {
+  /// Applied to every operation (each wait, each collective, the rendezvous).
+  std::chrono::milliseconds timeout{std::chrono::seconds(60)};
+  /// The local address Gloo binds to; empty picks one (see NOTE [Gloo device
+  /// address]). Overridden by the HP_GLOO_ADDR environment variable.
+  std::string bind_address;
+  /// The network interface Gloo binds to (like GLOO_SOCKET_IFNAME, which is
+  /// also honoured); wins over bind_address when set.
+  std::string interface_name;
+};
+
+/// A failed or timed-out communication. `what()` names this rank, the
+/// operation, the peer (for point-to-point) and, when a peer process is gone,
+/// "lost connection to rank R while ...".
+class CommError : public std::runtime_error {
+ public:
+  CommError(const std::string& message, std::vector<int> lost_ranks, bool timed_out)
+      : std::runtime_error(message), lost_ranks_(std::move(lost_ranks)), timed_out_(timed_out) {}
+  /// Ranks (of the Comm that failed) whose process is gone; empty if unknown or none.
+  const std::vector<int>& lost_ranks() const { return lost_ranks_; }
+  /// True when the operation ran into the timeout rather than a closed connection.
+  bool timed_out() const { return timed_out_; }
+
+ private:
+  std::vector<int> lost_ranks_;
+  bool timed_out_;
+};
+
+/// A pending asynchronous operation (from `isend`/`irecv`). `wait()` blocks
+/// until it completes, for at most the Comm's timeout, and throws `CommError`
+/// on failure. Waiting twice is allowed (the second returns at once or rethrows).
+/// The tensor given to the operation must stay untouched until `wait()` returns.
+class Work {
+ public:
+  /// The backend's side of a Work.
+  struct Impl {
+    virtual ~Impl() = default;
+    virtual void wait() = 0;
+  };
+  Work() = default;
+  explicit Work(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
+  /// Blocks until done; throws CommError (naming the peer and the operation).
+  void wait();
+  /// False for a default-constructed Work.
+  bool valid() const { return impl_ != nullptr; }
+
+ private:
+  std::shared_ptr<Impl> impl_;
+  bool done_ = false;
+};
+
+/// Waits for every Work in order (all of them, even after one throws; the
+/// first error is rethrown at the end).
+void wait_all(std::vector<Work>& works);
+
+/// The rendezvous variables torchrun sets.
+struct EnvConfig {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  std::string master_addr;
+  int master_port = 0;
+};
+
+/// Reads RANK, WORLD_SIZE, LOCAL_RANK (optional, default RANK), MASTER_ADDR and
+/// MASTER_PORT; throws naming the missing or invalid variable, with an example.
+EnvConfig read_env();
+
+/// A group of ranks that communicate. Every operation takes contiguous CPU
+/// tensors (Gloo's requirement; call `.contiguous()` first), dense, the same
+/// dtype and shape on every rank where the operation implies it. Collectives
+/// must be called in the same order on every rank of the group. After a
+/// CommError the Comm is unusable (Gloo's connections are broken): let the
+/// error end the process.
+class Comm {
+ public:
+  virtual ~Comm() = default;
+
+  /// Rank of this process in the group, in [0, world_size()).
+  virtual int rank() const = 0;
+  virtual int world_size() const = 0;
+  /// The timeout of every operation.
+  virtual std::chrono::milliseconds timeout() const = 0;
+  /// "gloo", ...
+  virtual std::string backend_name() const = 0;
+
+  /// Sends `tensor` to rank `dst` with `tag` (0 <= tag < 2^30); matched, in
+  /// posting order, with the irecv of the same tag on `dst`.
+  virtual Work isend(const at::Tensor& tensor, int dst, int tag = 0) = 0;
+  /// Receives into `tensor` (preallocated, right shape and dtype) from `src`.
+  virtual Work irecv(const at::Tensor& tensor, int src, int tag = 0) = 0;
+  /// Blocking forms of isend/irecv.
+  void send(const at::Tensor& tensor, int dst, int tag = 0) { isend(tensor, dst, tag).wait(); }
+  void recv(const at::Tensor& tensor, int src, int tag = 0) { irecv(tensor, src, tag).wait(); }
+
+  /// In place: `tensor` becomes the reduction over all ranks. Avg needs a
+  /// floating dtype (sum, then divide by world_size()).
+  virtual void all_reduce(const at::Tensor& tensor, ReduceOp op = ReduceOp::Sum) = 0;
+  /// `out[r]` becomes rank r's `in`; out.size() == world_size(), each like `in`.
+  virtual void all_gather(std::vector<at::Tensor>& out, const at::Tensor& in) = 0;
+  /// Flat form: `out` (contiguous, numel == world_size() * in.numel()) holds
+  /// rank 0's `in`, then rank 1's, ... (e.g. shape [world * n, ...] for `in` [n, ...]).
+  void all_gather(const at::Tensor& out, const at::Tensor& in);
+  /// `in` (numel == world_size() * out.numel()) is reduced over all ranks and
+  /// rank r keeps the r-th slice in `out`. Gloo has no reduce-scatter: this is a
+  /// ring over isend/irecv (world-1 steps, each moving one slice), so the bytes
+  /// moved per rank are (world-1)/world of `in`, as NCCL's would be.
+  virtual void reduce_scatter(const at::Tensor& out, const at::Tensor& in,
+                              ReduceOp op = ReduceOp::Sum);
+  /// In place: every rank's `tensor` becomes `root`'s.
+  virtual void broadcast(const at::Tensor& tensor, int root) = 0;
+  /// Returns when every rank of the group has entered the barrier.
+  virtual void barrier() = 0;
+
+  /// A Comm over a subset of this group's `ranks` (ranks of this Comm, sorted,
+  /// without duplicates, including rank()). Only the members call it, with the
+  /// same list; calls with the same list are matched in order. In the subgroup,
+  /// ranks are renumbered 0..ranks.size()-1 in the list's order.
+  virtual std::shared_ptr<Comm> split(const std::vector<int>& ranks) = 0;
+
+  /// Rendezvous from torchrun's variables (see read_env): rank 0 hosts a
+  /// TCPStore at MASTER_ADDR:MASTER_PORT, the others connect to it within the
+  /// timeout (else "could not reach MASTER_ADDR:MASTER_PORT within N s").
+  /// HP_DIST_TIMEOUT_MS, when set (`hp launch --timeout` sets it), replaces
+  /// options.timeout.
+  static std::shared_ptr<Comm> from_env(const CommOptions& options = {});
+  /// Rendezvous with explicit values over a TCPStore (what from_env calls).
+  static std::shared_ptr<Comm> from_tcp(const std::string& master_addr, int master_port, int rank,
+                                        int world_size, const CommOptions& options = {});
+  /// Rendezvous through a FileStore at `path` (a fresh file per group; same
+  /// path on every rank; ranks may be threads of one process or processes).
+  static std::shared_ptr<Comm> from_file_store(const std::string& path, int rank, int world_size,
+                                               const CommOptions& options = {});
+};
+
+}  // namespace hp::dist

@@ -1,0 +1,94 @@
+// The local launcher: starts N ranks of a command as real processes with
+// torchrun's variables set, waits for them, reports which rank failed and why,
+// and never hangs. Also the per-rank core pinning a launched rank applies.
+#pragma once
+
+#include <chrono>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace hp::dist {
+
+/// What `launch_local` starts and how long it waits.
+struct LaunchOptions {
+  /// Number of ranks (processes).
+  int nproc = 2;
+  /// The command each rank runs (argv[0] is looked up in PATH).
+  std::vector<std::string> command;
+  /// After the first rank fails, how long the others get to exit on their own
+  /// (their Comm should notice the lost peer) before they are terminated.
+  std::chrono::milliseconds timeout{std::chrono::seconds(60)};
+  /// Whole-run limit; 0 = none. Past it every rank is terminated.
+  std::chrono::milliseconds run_timeout{0};
+  /// Between SIGTERM and SIGKILL when terminating.
+  std::chrono::milliseconds kill_grace{std::chrono::seconds(3)};
+  /// Sets HP_PIN_CORES=1 so each rank's `apply_rank_pinning()` pins it.
+  bool pin_cores = false;
+  /// MASTER_PORT for the ranks; 0 picks a free port.
+  int master_port = 0;
+  /// Extra environment for every rank ("NAME", "value"), applied last.
+  std::vector<std::pair<std::string, std::string>> env;
+  /// If set, rank r's stdout and stderr go to "<output_dir>/rank_<r>.log"
+  /// (the folder must exist); otherwise the ranks inherit ours.
+  std::string output_dir;
+};
+
+/// How one rank ended.
+struct RankStatus {
+  enum class State {
+    Exited,      ///< exited by itself with `exit_code`
+    Signaled,    ///< died by `signal` that the launcher did not send
+    Terminated,  ///< the launcher terminated it (after a failure, a timeout or SIGINT)
+  };
+  int rank = 0;
+  int pid = 0;
+  State state = State::Exited;
+  int exit_code = 0;
+  int signal = 0;
+  /// Seconds from launch to its end.
+  double seconds = 0;
+  /// True for an exit code of 0.
+  bool ok() const { return state == State::Exited && exit_code == 0; }
+  /// "exit 0", "exit 3", "killed by SIGKILL", "terminated by the launcher (SIGTERM)".
+  std::string describe() const;
+};
+
+/// The outcome of `launch_local`.
+struct LaunchResult {
+  std::vector<RankStatus> ranks;
+  /// The first rank to fail (by time), or -1.
+  int first_failed_rank = -1;
+  /// SIGINT/SIGTERM received by the launcher and forwarded (0 if none).
+  int interrupted_by = 0;
+  /// True when the run_timeout expired.
+  bool run_timed_out = false;
+  int master_port = 0;
+  bool ok() const;
+  /// A shell-style exit code: 0, the first failed rank's exit code, or 128+signal.
+  int exit_code() const;
+  /// One line per rank, the first failure marked.
+  std::string summary() const;
+};
+
+/// Starts `nproc` processes of `command` with RANK, WORLD_SIZE, LOCAL_RANK,
+/// LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1 and MASTER_PORT set, waits for all
+/// of them, and returns how each ended. When a rank fails the others get
+/// `timeout` to end by themselves, then SIGTERM, then SIGKILL. SIGINT and
+/// SIGTERM sent to the launcher are forwarded to the ranks. Each rank runs in
+/// its own process group, which is what gets signalled. Throws only if a
+/// process cannot be started.
+LaunchResult launch_local(const LaunchOptions& options);
+
+/// A free TCP port on 127.0.0.1 (bound, read, released).
+int pick_free_port();
+
+/// In a rank started with pinning (HP_PIN_CORES=1): pins this process to the
+/// (LOCAL_RANK % n)-th of the n cores it may run on, and sets one intra-op
+/// thread. Returns the core, or -1 when pinning is not asked for.
+int apply_rank_pinning();
+
+/// "SIGKILL" for SIGKILL, "signal 42" for an unnamed one.
+std::string signal_name(int sig);
+
+}  // namespace hp::dist

@@ -1,0 +1,238 @@
+// The MLP and the small GPT, cut into chunks. Each layer draws its initial
+// values from its own generator seeded by (seed, layer index), so how the
+// model is cut never changes its values.
+#include "hp/models/models.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <cmath>
+
+namespace hp::models {
+namespace {
+
+namespace nn = torch::nn;
+
+at::Generator layer_generator(uint64_t seed, int64_t layer) {
+  return at::make_generator<at::CPUGeneratorImpl>(seed * 1000003ull + 7919ull * (layer + 1));
+}
+
+void init_linear(nn::Linear& l, at::Generator& gen, double std) {
+  torch::NoGradGuard g;
+  l->weight.normal_(0.0, std, gen);
+  if (l->bias.defined()) l->bias.zero_();
+}
+
+// Which of `total` layers chunk `index` of `n` holds: [begin, end).
+std::pair<int64_t, int64_t> layer_range(int64_t total, int64_t index, int64_t n) {
+  int64_t base = total / n, extra = total % n;
+  int64_t begin = index * base + std::min(index, extra);
+  return {begin, begin + base + (index < extra ? 1 : 0)};
+}
+
+// Pre-norm transformer block: causal self-attention and a GELU MLP.
+struct BlockImpl : nn::Module {
+  BlockImpl(const ModelSpec& s, at::Generator gen)
+      : heads(s.heads),
+        ln1(nn::LayerNormOptions({s.d_model})),
+        ln2(nn::LayerNormOptions({s.d_model})),
+        qkv(s.d_model, 3 * s.d_model),
+        proj(s.d_model, s.d_model),
+        fc(s.d_model, 4 * s.d_model),
+        fc2(4 * s.d_model, s.d_model) {
+    register_module("ln1", ln1);
+    register_module("qkv", qkv);
+    register_module("proj", proj);
+    register_module("ln2", ln2);
+    register_module("fc", fc);
+    register_module("fc2", fc2);
+    const double residual_std = 0.02 / std::sqrt(2.0 * s.layers);
+    init_linear(qkv, gen, 0.02);
+    init_linear(proj, gen, residual_std);
+    init_linear(fc, gen, 0.02);
+    init_linear(fc2, gen, residual_std);
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    const int64_t B = x.size(0), T = x.size(1), D = x.size(2), hd = D / heads;
+    auto parts = qkv(ln1(x)).split(D, -1);
+    auto split_heads = [&](const torch::Tensor& t) {
+      return t.view({B, T, heads, hd}).transpose(1, 2);
+    };
+    auto q = split_heads(parts[0]), k = split_heads(parts[1]), v = split_heads(parts[2]);
+    auto mask = torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool)).triu(1);
+    auto att = q.matmul(k.transpose(-2, -1)).mul(1.0 / std::sqrt(double(hd)));
+    att = att.masked_fill(mask, -std::numeric_limits<double>::infinity()).softmax(-1);
+    auto y = att.matmul(v).transpose(1, 2).reshape({B, T, D});
+    auto h = x + proj(y);
+    return h + fc2(torch::gelu(fc(ln2(h))));
+  }
+  int64_t heads;
+  nn::LayerNorm ln1, ln2;
+  nn::Linear qkv, proj, fc, fc2;
+};
+TORCH_MODULE(Block);
+
+// Token and position embeddings (the gpt's chunk 0 starts with them).
+struct EmbedImpl : nn::Module {
+  EmbedImpl(const ModelSpec& s, at::Generator gen, bool with_positions) {
+    torch::NoGradGuard g;
+    wte = register_parameter("wte", torch::empty({s.vocab, s.d_model}).normal_(0, 0.02, gen));
+    if (with_positions)
+      wpe = register_parameter("wpe", torch::empty({s.seq_len, s.d_model}).normal_(0, 0.01, gen));
+  }
+  torch::Tensor wte, wpe;
+};
+TORCH_MODULE(Embed);
+
+struct FinalImpl : nn::Module {
+  FinalImpl(const ModelSpec& s, at::Generator gen) : ln(nn::LayerNormOptions({s.d_model})) {
+    register_module("ln", ln);
+    if (!s.tied_head) {
+      torch::NoGradGuard g;
+      head = register_parameter("head", torch::empty({s.vocab, s.d_model}).normal_(0, 0.02, gen));
+    }
+  }
+  nn::LayerNorm ln;
+  torch::Tensor head;
+};
+TORCH_MODULE(Final);
+
+class GptChunk : public Chunk {
+ public:
+  GptChunk(const ModelSpec& s, int64_t index, int64_t n, uint64_t seed) {
+    auto [begin, end] = layer_range(s.layers, index, n);
+    const bool first = index == 0, last = index == n - 1;
+    // Layer ids: 0 embedding, 1..L blocks, L+1 final.
+    if (first || (last && s.tied_head))
+      embed_ = register_module("embed", Embed(s, layer_generator(seed, 0), first));
+    for (int64_t b = begin; b < end; ++b) {
+      blocks_.push_back(
+          register_module("block" + std::to_string(b), Block(s, layer_generator(seed, b + 1))));
+    }
+    if (last) final_ = register_module("final", Final(s, layer_generator(seed, s.layers + 1)));
+    first_ = first;
+  }
+  torch::Tensor forward(const torch::Tensor& x) override {
+    return forward_with(
+        x, [](const BlockForward& block, nn::Module&, const torch::Tensor& h) { return block(h); });
+  }
+  torch::Tensor forward_with(const torch::Tensor& x, const BlockRunner& run_block) override {
+    torch::Tensor h = x;
+    if (first_) {
+      auto positions = embed_->wpe.narrow(0, 0, x.size(1));
+      h = torch::embedding(embed_->wte, x) + positions;
+    }
+    for (auto& b : blocks_) {
+      std::shared_ptr<BlockImpl> impl = b.ptr();
+      h = run_block([impl](const torch::Tensor& in) { return impl->forward(in); }, *impl, h);
+    }
+    if (final_) {
+      const auto& head = final_->head.defined() ? final_->head : embed_->wte;
+      h = torch::matmul(final_->ln(h), head.t());
+    }
+    return h;
+  }
+  std::vector<std::shared_ptr<nn::Module>> blocks() override {
+    std::vector<std::shared_ptr<nn::Module>> out;
+    for (auto& b : blocks_)
+      out.push_back(b.ptr());
+    return out;
+  }
+
+ private:
+  bool first_ = false;
+  Embed embed_{nullptr};
+  std::vector<Block> blocks_;
+  Final final_{nullptr};
+};
+
+// MLP: in -> d (tanh) -> ... -> d (tanh) -> in. Layers 0..L, layer L is the output layer.
+class MlpChunk : public Chunk {
+ public:
+  MlpChunk(const ModelSpec& s, int64_t index, int64_t n, uint64_t seed) {
+    auto [begin, end] = layer_range(s.layers + 1, index, n);
+    for (int64_t l = begin; l < end; ++l) {
+      int64_t in = l == 0 ? s.in_features : s.d_model;
+      int64_t out = l == s.layers ? s.in_features : s.d_model;
+      auto gen = layer_generator(seed, l);
+      nn::Linear lin(in, out);
+      init_linear(lin, gen, 1.0 / std::sqrt(double(in)));
+      layers_.push_back(register_module("layer" + std::to_string(l), lin));
+      activation_.push_back(l != s.layers);
+    }
+  }
+  torch::Tensor forward(const torch::Tensor& x) override {
+    torch::Tensor h = x;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      h = layers_[i](h);
+      if (activation_[i]) h = torch::tanh(h);
+    }
+    return h;
+  }
+
+ private:
+  std::vector<nn::Linear> layers_;
+  std::vector<bool> activation_;
+};
+
+}  // namespace
+
+void ModelSpec::check() const {
+  TORCH_CHECK(kind == "gpt" || kind == "mlp", "unknown model '", kind, "'; use gpt or mlp");
+  TORCH_CHECK(layers >= 1, "the model needs at least one layer, got ", layers);
+  TORCH_CHECK(d_model >= 1, "d_model must be positive, got ", d_model);
+  TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kFloat64,
+              "dtype must be float32 or float64");
+  if (kind == "gpt") {
+    TORCH_CHECK(heads >= 1 && d_model % heads == 0, "d_model ", d_model,
+                " must be divisible by the number of heads ", heads);
+    TORCH_CHECK(vocab >= 2 && seq_len >= 1, "gpt needs vocab >= 2 and seq_len >= 1");
+  } else {
+    TORCH_CHECK(in_features >= 1, "mlp needs in_features >= 1");
+  }
+}
+
+int64_t ModelSpec::cuttable_layers() const {
+  return kind == "gpt" ? layers : layers + 1;
+}
+
+std::shared_ptr<Chunk> build_chunk(const ModelSpec& spec, int64_t index, int64_t num_chunks,
+                                   uint64_t seed) {
+  spec.check();
+  TORCH_CHECK(num_chunks >= 1 && index >= 0 && index < num_chunks, "chunk ", index, " of ",
+              num_chunks, " does not exist");
+  TORCH_CHECK(num_chunks <= spec.cuttable_layers(), "cannot cut a ", spec.kind, " with ",
+              spec.cuttable_layers(), spec.kind == "gpt" ? " blocks" : " layers", " into ",
+              num_chunks, " chunks: use fewer stages or more layers (--layers ", num_chunks,
+              spec.kind == "gpt" ? ")" : " - 1)");
+  std::shared_ptr<Chunk> chunk;
+  if (spec.kind == "gpt") {
+    chunk = std::make_shared<GptChunk>(spec, index, num_chunks, seed);
+  } else {
+    chunk = std::make_shared<MlpChunk>(spec, index, num_chunks, seed);
+  }
+  chunk->to(spec.dtype);
+  return chunk;
+}
+
+torch::Tensor loss(const ModelSpec& spec, const torch::Tensor& output,
+                   const torch::Tensor& target) {
+  if (spec.kind == "gpt")
+    return torch::nn::functional::cross_entropy(output.reshape({-1, output.size(-1)}),
+                                                target.reshape({-1}));
+  return torch::mse_loss(output, target);
+}
+
+std::vector<int64_t> activation_shape(const ModelSpec& spec, int64_t rows) {
+  if (spec.kind == "gpt") return {rows, spec.seq_len, spec.d_model};
+  return {rows, spec.d_model};
+}
+
+int64_t parameter_count(const ModelSpec& spec) {
+  auto whole = build_chunk(spec, 0, 1, 0);
+  int64_t n = 0;
+  for (const auto& p : whole->parameters())
+    n += p.numel();
+  return n;
+}
+
+}  // namespace hp::models

@@ -1,0 +1,354 @@
+// Executor: the walk over one rank's lowered actions (see NOTE [Executor
+// protocol]), the receive lookahead, local hand-offs, and a helper thread that
+// completes sends and frees sent outputs.
+#include "hp/pipeline/executor.h"
+
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <thread>
+
+#include "hp/schedule/action.h"
+
+namespace hp::pipeline {
+namespace {
+
+using schedule::Action;
+using schedule::Op;
+using Clock = std::chrono::steady_clock;
+
+double seconds_between(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+// Waits for posted sends in order on its own thread and runs each one's
+// completion callback; remembers the first failure for the walk to rethrow.
+class SendReaper {
+ public:
+  SendReaper() : thread_([this] { loop(); }) {}
+  ~SendReaper() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  void add(dist::Work work, torch::Tensor keep_alive, std::function<void()> on_done) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      queue_.push_back({std::move(work), std::move(keep_alive), std::move(on_done)});
+    }
+    cv_.notify_all();
+  }
+  // Blocks until every send added so far completed; rethrows the first error.
+  void drain() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    idle_cv_.wait(lock, [this] { return queue_.empty() && !busy_; });
+    if (error_) {
+      auto e = error_;
+      error_ = nullptr;
+      std::rethrow_exception(e);
+    }
+  }
+  void rethrow_if_failed() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (error_) {
+      auto e = error_;
+      error_ = nullptr;
+      std::rethrow_exception(e);
+    }
+  }
+
+ private:
+  struct Item {
+    dist::Work work;
+    torch::Tensor keep_alive;
+    std::function<void()> on_done;
+  };
+  void loop() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    while (true) {
+      cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stop_ and nothing left
+      Item item = std::move(queue_.front());
+      queue_.pop_front();
+      busy_ = true;
+      lock.unlock();
+      try {
+        item.work.wait();
+        if (item.on_done) item.on_done();
+      } catch (...) {
+        std::lock_guard<std::mutex> g(mutex_);
+        if (!error_) error_ = std::current_exception();
+      }
+      item = Item{};
+      lock.lock();
+      busy_ = false;
+      idle_cv_.notify_all();
+    }
+  }
+  std::mutex mutex_;
+  std::condition_variable cv_, idle_cv_;
+  std::deque<Item> queue_;
+  bool busy_ = false, stop_ = false;
+  std::exception_ptr error_;
+  std::thread thread_;
+};
+
+using Key = std::pair<int, int>;  // (stage, microbatch)
+
+}  // namespace
+
+struct Executor::State {
+  const schedule::Schedule& sched;
+  int rank;
+  PipelineStage& stage;
+  std::shared_ptr<dist::Comm> comm;
+  ExecutorOptions opts;
+  const std::vector<Action>& actions;
+
+  // Per step.
+  struct Posted {
+    dist::Work work;
+    torch::Tensor buffer;
+  };
+  std::map<std::tuple<int, int, int>, Posted> recvs;  // (kind, consumer stage, mb)
+  std::map<Key, torch::Tensor> local_grad;            // dx handed to (consumer stage, mb)
+  std::map<Key, torch::Tensor> pending_dx;            // dx waiting for its SEND_B
+  StepStats stats;
+  Clock::time_point t0;
+  std::unique_ptr<SendReaper> reaper;
+
+  State(const schedule::Schedule& s, int r, PipelineStage& st, std::shared_ptr<dist::Comm> c,
+        ExecutorOptions o)
+      : sched(s),
+        rank(r),
+        stage(st),
+        comm(std::move(c)),
+        opts(std::move(o)),
+        actions(s.actions.at(r)) {}
+
+  int rank_of(int stage_id) const { return sched.stage_rank.at(stage_id); }
+  int tag(int kind, int consumer, int mb) const {
+    return (kind * sched.num_stages + consumer) * sched.num_microbatches + mb;
+  }
+  std::string where(const Action& a) const {
+    std::ostringstream os;
+    os << "rank " << rank << " action " << schedule::to_string(a);
+    return os.str();
+  }
+
+  void post_recv(const Action& a) {
+    const bool fwd = a.op == Op::RECV_F;
+    const int kind = fwd ? 0 : 1;
+    auto key = std::make_tuple(kind, a.stage, a.microbatch);
+    if (recvs.count(key)) return;  // posted by the lookahead
+    int producer =
+        fwd ? sched.prev_stage(a.stage, a.microbatch) : sched.next_stage(a.stage, a.microbatch);
+    TORCH_CHECK(producer >= 0, where(a), ": nothing on the route sends this");
+    auto shape = opts.activation_shape(fwd ? producer : a.stage, a.microbatch);
+    auto buffer = torch::empty(shape, torch::TensorOptions().dtype(opts.dtype));
+    Posted p{comm->irecv(buffer, rank_of(producer), tag(kind, a.stage, a.microbatch)), buffer};
+    recvs.emplace(key, std::move(p));
+  }
+
+  torch::Tensor take_recv(int kind, int stage_id, int mb, const Action& consumer) {
+    auto it = recvs.find(std::make_tuple(kind, stage_id, mb));
+    TORCH_CHECK(it != recvs.end(), where(consumer), ": its input was never received (no ",
+                kind == 0 ? "RECV_F" : "RECV_B", " before it in the action list)");
+    auto t = Clock::now();
+    it->second.work.wait();
+    stats.comm_wait += seconds_between(t, Clock::now());
+    torch::Tensor buffer = std::move(it->second.buffer);
+    recvs.erase(it);
+    return buffer;
+  }
+
+  void post_send(const Action& a) {
+    const bool fwd = a.op == Op::SEND_F;
+    const int mb = a.microbatch;
+    int consumer = fwd ? sched.next_stage(a.stage, mb) : sched.prev_stage(a.stage, mb);
+    TORCH_CHECK(consumer >= 0, where(a), ": nothing on the route receives this");
+    torch::Tensor t;
+    std::function<void()> on_done;
+    if (fwd) {
+      t = stage.output(a.stage, mb);
+      TORCH_INTERNAL_ASSERT(t.is_contiguous(), where(a), ": outputs are contiguous");
+      if (opts.release_sent_outputs) {
+        PipelineStage* st = &stage;
+        int s = a.stage;
+        on_done = [st, s, mb] { st->release_output(s, mb); };
+      }
+    } else {
+      auto it = pending_dx.find({a.stage, mb});
+      TORCH_CHECK(it != pending_dx.end(), where(a),
+                  ": no input gradient to send (I must run first)");
+      t = std::move(it->second);
+      pending_dx.erase(it);
+    }
+    dist::Work w = comm->isend(t, rank_of(consumer), tag(fwd ? 0 : 1, consumer, mb));
+    // The reaper holds a handle of the tensor while the send runs; the data is
+    // freed by on_done (outputs) or when the handle drops (gradients).
+    reaper->add(std::move(w), fwd ? torch::Tensor() : t, std::move(on_done));
+  }
+
+  void forward(int s, int mb, const Action& a) {
+    int prev = sched.prev_stage(s, mb);
+    torch::Tensor input;
+    if (prev < 0) {
+      input = opts.input(mb);
+    } else if (rank_of(prev) == rank) {
+      input = stage.output(prev, mb);
+    } else {
+      input = take_recv(0, s, mb, a);
+    }
+    stage.forward(s, mb, input, /*input_needs_grad=*/prev >= 0,
+                  /*is_last=*/sched.next_stage(s, mb) < 0);
+  }
+
+  torch::Tensor grad_for(int s, int mb, const Action& a) {
+    stage.prepare_backward(s, mb);
+    int next = sched.next_stage(s, mb);
+    if (next < 0) return {};
+    if (rank_of(next) == rank) {
+      auto it = local_grad.find({s, mb});
+      TORCH_CHECK(it != local_grad.end(), where(a), ": the output gradient from stage ", next,
+                  " (same rank) is not there yet; its I must run first");
+      torch::Tensor g = std::move(it->second);
+      local_grad.erase(it);
+      return g;
+    }
+    return take_recv(1, s, mb, a);
+  }
+
+  void store_dx(int s, int mb, torch::Tensor dx) {
+    int prev = sched.prev_stage(s, mb);
+    if (prev < 0) return;
+    TORCH_INTERNAL_ASSERT(dx.defined(), "stage ", s, " microbatch ", mb, ": dx missing");
+    if (rank_of(prev) == rank) {
+      local_grad[{prev, mb}] = std::move(dx);
+    } else {
+      pending_dx[{s, mb}] = dx.contiguous();
+    }
+  }
+
+  void compute(const Action& a) {
+    switch (a.op) {
+      case Op::F:
+        forward(a.stage, a.microbatch, a);
+        break;
+      case Op::I:
+        store_dx(a.stage, a.microbatch,
+                 stage.backward_input(a.stage, a.microbatch, grad_for(a.stage, a.microbatch, a)));
+        break;
+      case Op::W:
+        stage.backward_weight(a.stage, a.microbatch);
+        break;
+      case Op::B:
+        store_dx(a.stage, a.microbatch,
+                 stage.backward(a.stage, a.microbatch, grad_for(a.stage, a.microbatch, a)));
+        break;
+      case Op::FB: {
+        forward(a.stage, a.microbatch, a);
+        Action b = Action::make(Op::B, a.stage2, a.microbatch2);
+        store_dx(b.stage, b.microbatch,
+                 stage.backward(b.stage, b.microbatch, grad_for(b.stage, b.microbatch, b)));
+        break;
+      }
+      default:
+        TORCH_INTERNAL_ASSERT(false, "not a compute action");
+    }
+  }
+
+  void record(const Action& a, Clock::time_point start, Clock::time_point end) {
+    stats.events.push_back({rank, a, seconds_between(t0, start), seconds_between(t0, end)});
+  }
+
+  StepStats run() {
+    TORCH_CHECK(sched.lowered, "the Executor runs lowered schedules; call schedule::lower first");
+    stats = StepStats{};
+    recvs.clear();
+    local_grad.clear();
+    pending_dx.clear();
+    stage.reset();
+    reaper = std::make_unique<SendReaper>();
+    t0 = Clock::now();
+    const size_t n = actions.size();
+    size_t posted_upto = 0;  // actions [0, posted_upto) were scanned for receives
+    for (size_t i = 0; i < n; ++i) {
+      const Action& a = actions[i];
+      auto start = Clock::now();
+      try {
+        if (a.op == Op::RECV_F || a.op == Op::RECV_B) {
+          post_recv(a);
+        } else if (a.op == Op::SEND_F || a.op == Op::SEND_B) {
+          post_send(a);
+        } else {
+          // Lookahead: post every receive up to the next compute action.
+          size_t k = i + 1;
+          while (k < n && !schedule::is_compute(actions[k].op))
+            ++k;
+          for (size_t j = std::max(posted_upto, i + 1); j <= std::min(k, n - 1); ++j)
+            if (actions[j].op == Op::RECV_F || actions[j].op == Op::RECV_B) post_recv(actions[j]);
+          posted_upto = std::max(posted_upto, std::min(k + 1, n));
+          double waited = stats.comm_wait;
+          compute(a);
+          auto end = Clock::now();
+          stats.compute += seconds_between(start, end) - (stats.comm_wait - waited);
+          stats.executed.push_back(a);
+          record(a, start, end);
+          reaper->rethrow_if_failed();
+          continue;
+        }
+      } catch (const std::exception& e) {
+        throw std::runtime_error(where(a) + ": " + e.what());
+      }
+      record(a, start, Clock::now());
+    }
+    auto t = Clock::now();
+    try {
+      reaper->drain();
+    } catch (const std::exception& e) {
+      throw std::runtime_error("rank " + std::to_string(rank) +
+                               " while completing the step's sends: " + e.what());
+    }
+    auto end = Clock::now();
+    stats.comm_wait += seconds_between(t, end);
+    reaper.reset();
+    TORCH_CHECK(recvs.empty() && local_grad.empty() && pending_dx.empty(), "rank ", rank,
+                ": the step ended with ", recvs.size(), " unread receives, ", local_grad.size(),
+                " unused local gradients and ", pending_dx.size(),
+                " unsent input gradients; the action list is inconsistent");
+    TORCH_CHECK(stage.in_flight() == 0, "rank ", rank, ": ", stage.in_flight(),
+                " microbatches did not finish their W");
+    stats.wall = seconds_between(t0, end);
+    stats.overhead = std::max(0.0, stats.wall - stats.compute - stats.comm_wait);
+    stats.loss_sum = stage.loss_sum();
+    return std::move(stats);
+  }
+};
+
+Executor::Executor(const schedule::Schedule& schedule, int rank, PipelineStage& stage,
+                   std::shared_ptr<dist::Comm> comm, ExecutorOptions options)
+    : state_(std::make_unique<State>(schedule, rank, stage, std::move(comm), std::move(options))) {
+  TORCH_CHECK(rank >= 0 && rank < schedule.num_ranks, "rank ", rank, " is not in a ",
+              schedule.num_ranks, "-rank schedule");
+  TORCH_CHECK(state_->comm->world_size() == schedule.num_ranks, "the Comm has ",
+              state_->comm->world_size(), " ranks but the schedule has ", schedule.num_ranks);
+  for (int s = 0; s < schedule.num_stages; ++s)
+    TORCH_CHECK((schedule.stage_rank[s] == rank) == stage.holds(s), "rank ", rank,
+                (schedule.stage_rank[s] == rank ? " must hold" : " must not hold"), " stage ", s);
+}
+
+Executor::~Executor() = default;
+
+StepStats Executor::run_step() {
+  return state_->run();
+}
+
+}  // namespace hp::pipeline

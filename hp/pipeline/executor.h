@@ -1,0 +1,74 @@
+// Executor: walks one rank's lowered action list of any schedule (it never
+// sees a schedule's name), moving activations and gradients over a Comm or
+// by local hand-off, and times every action.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "hp/dist/comm.h"
+#include "hp/pipeline/stage.h"
+#include "hp/schedule/schedule.h"
+#include "hp/schedule/simulate.h"
+
+namespace hp::pipeline {
+
+/// What the executor needs to know about the data flowing between stages.
+struct ExecutorOptions {
+  /// The model input of microbatch `mb` (read by the first stage of its route).
+  std::function<torch::Tensor(int mb)> input;
+  /// Shape of the activation stage `stage` outputs for microbatch `mb` (the
+  /// receive buffer of the next stage; also the shape of its output gradient).
+  std::function<std::vector<int64_t>(int stage, int mb)> activation_shape;
+  /// dtype of activations and gradients.
+  torch::Dtype dtype = torch::kFloat32;
+  /// Free a sent output's storage as soon as its send completes.
+  bool release_sent_outputs = true;
+};
+
+/// What one step did on this rank.
+struct StepStats {
+  double loss_sum = 0.0;   ///< losses of the microbatches that ended on this rank
+  double wall = 0.0;       ///< seconds from the first to the last action
+  double compute = 0.0;    ///< seconds in F, I, W, B, FB
+  double comm_wait = 0.0;  ///< seconds blocked waiting for a receive or the final sends
+  double overhead = 0.0;   ///< wall - compute - comm_wait: the executor's own time
+  std::vector<schedule::Event> events;     ///< every action, seconds from the step start
+  std::vector<schedule::Action> executed;  ///< compute actions in the order they ran
+};
+
+// NOTE [Executor protocol]
+// * A RECV is posted (irecv into a fresh buffer) when the walk reaches it, and
+//   earlier: before each compute action the executor posts every RECV up to
+//   the next compute action, so the data for the next op arrives while this
+//   one computes. The consumer (F for RECV_F, I/B for RECV_B) waits on it.
+// * A SEND is posted when reached; a helper thread waits for sends in order
+//   and frees each sent output (NOTE [Releasing a sent output]); the step
+//   ends only when every send completed.
+// * Message tags are (kind, consuming stage, microbatch), unique in a step;
+//   Gloo matches sends and receives by (peer, tag) in posting order.
+// * Consecutive route stages on one rank hand off locally: the output (or
+//   dx) is passed as a tensor, never sent.
+
+/// Runs one rank's lowered action list, one step per call.
+class Executor {
+ public:
+  /// `schedule` must be lowered; `comm` connects the pipeline's ranks (rank r
+  /// of the schedule is rank r of the Comm).
+  Executor(const schedule::Schedule& schedule, int rank, PipelineStage& stage,
+           std::shared_ptr<dist::Comm> comm, ExecutorOptions options);
+  ~Executor();
+
+  /// Runs every action of this rank once. Throws (naming stage, microbatch
+  /// and action) on any failure, including a lost peer.
+  StepStats run_step();
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace hp::pipeline

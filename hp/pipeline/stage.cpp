@@ -1,0 +1,127 @@
+// PipelineStage: per (stage, microbatch) slots holding the input, the output
+// and the GradFunction from F until W; gradients accumulate in .grad().
+#include "hp/pipeline/stage.h"
+
+namespace hp::pipeline {
+
+PipelineStage::PipelineStage(std::map<int, StageModule> modules, LossFn loss, StageHooks hooks)
+    : modules_(std::move(modules)), loss_(std::move(loss)), hooks_(std::move(hooks)) {
+  TORCH_CHECK(!modules_.empty(), "a PipelineStage needs at least one stage module");
+}
+
+PipelineStage::Slot& PipelineStage::slot(int stage, int mb, const char* what) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = slots_.find({stage, mb});
+  TORCH_CHECK(it != slots_.end(), "stage ", stage, " microbatch ", mb, ": ", what,
+              " before its F; the schedule must run F first");
+  return it->second;
+}
+
+torch::Tensor PipelineStage::forward(int stage, int mb, const torch::Tensor& input,
+                                     bool input_needs_grad, bool is_last) {
+  auto mod = modules_.find(stage);
+  TORCH_CHECK(mod != modules_.end(), "stage ", stage, " microbatch ", mb,
+              ": this rank does not hold stage ", stage);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    TORCH_CHECK(!slots_.count({stage, mb}), "stage ", stage, " microbatch ", mb,
+                ": F ran twice in one step");
+  }
+  Slot s;
+  s.input = input_needs_grad ? input.detach().requires_grad_(true) : input;
+  auto run = [&] {
+    torch::Tensor out = mod->second.forward(s.input);
+    if (is_last) out = loss_(out, mb);
+    return out;
+  };
+  s.output = hooks_.around_forward ? hooks_.around_forward(stage, mb, run) : run();
+  TORCH_CHECK(s.output.requires_grad(), "stage ", stage, " microbatch ", mb,
+              ": the output does not require grad (does the stage have parameters?)");
+  if (is_last) loss_sum_ += s.output.item<double>();
+  s.grad_fn.emplace(autograd::TensorList{s.output},
+                    input_needs_grad ? autograd::TensorList{s.input} : autograd::TensorList{},
+                    mod->second.parameters);
+  std::lock_guard<std::mutex> lock(mutex_);
+  return slots_.emplace(std::make_pair(stage, mb), std::move(s)).first->second.output;
+}
+
+torch::Tensor PipelineStage::backward_input(int stage, int mb, const torch::Tensor& grad_output) {
+  Slot& s = slot(stage, mb, "I");
+  TORCH_CHECK(!s.input_done, "stage ", stage, " microbatch ", mb, ": I ran twice");
+  autograd::TensorList dx;
+  auto run = [&] {
+    dx = s.grad_fn->compute_input_grad(grad_output.defined() ? autograd::TensorList{grad_output}
+                                                             : autograd::TensorList{});
+  };
+  hooks_.around_backward ? hooks_.around_backward(stage, mb, 'I', run) : run();
+  s.input_done = true;
+  return dx.empty() ? torch::Tensor() : dx[0];
+}
+
+void PipelineStage::backward_weight(int stage, int mb) {
+  Slot& s = slot(stage, mb, "W");
+  TORCH_CHECK(s.input_done, "stage ", stage, " microbatch ", mb, ": W before I");
+  auto run = [&] { s.grad_fn->compute_weight_grad(); };
+  hooks_.around_backward ? hooks_.around_backward(stage, mb, 'W', run) : run();
+  finish(stage, mb);
+}
+
+torch::Tensor PipelineStage::backward(int stage, int mb, const torch::Tensor& grad_output) {
+  Slot& s = slot(stage, mb, "B");
+  TORCH_CHECK(!s.input_done, "stage ", stage, " microbatch ", mb, ": B after I");
+  autograd::Grads grads;
+  auto run = [&] {
+    grads = (*s.grad_fn)(grad_output.defined() ? autograd::TensorList{grad_output}
+                                               : autograd::TensorList{});
+  };
+  hooks_.around_backward ? hooks_.around_backward(stage, mb, 'B', run) : run();
+  torch::Tensor dx = grads.input_grads.empty() ? torch::Tensor() : grads.input_grads[0];
+  finish(stage, mb);
+  return dx;
+}
+
+void PipelineStage::finish(int stage, int mb) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    slots_.erase({stage, mb});
+  }
+  if (hooks_.on_done) hooks_.on_done(stage, mb);
+}
+
+const torch::Tensor& PipelineStage::output(int stage, int mb) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = slots_.find({stage, mb});
+  TORCH_CHECK(it != slots_.end(), "stage ", stage, " microbatch ", mb,
+              ": its output was asked for before its F ran");
+  return it->second.output;
+}
+
+void PipelineStage::release_output(int stage, int mb) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = slots_.find({stage, mb});
+  if (it == slots_.end()) return;  // already finished: nothing left to free
+  torch::Tensor& out = it->second.output;
+  // NOTE [Releasing a sent output]
+  // After the send, only the output's grad_fn matters: the backward is rooted
+  // at its gradient edge, and GradFunction recorded its shape at construction.
+  // Swapping in an empty storage frees the activation now instead of at W.
+  // If the last op saved its own result (e.g. tanh), autograd holds another
+  // reference to the storage and nothing is freed; results never change.
+  torch::NoGradGuard no_grad;
+  out.set_data(torch::empty({0}, out.options()));
+}
+
+size_t PipelineStage::in_flight() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return slots_.size();
+}
+
+void PipelineStage::reset() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(slots_.empty(), slots_.size(),
+              " (stage, microbatch) pairs are still between F and W at the end of the step; "
+              "the schedule must run every W");
+  loss_sum_ = 0.0;
+}
+
+}  // namespace hp::pipeline

@@ -1,0 +1,100 @@
+// PipelineStage: the virtual stages one rank holds, and what runs for a
+// (stage, microbatch): F, I (dx through GradFunction), W (dw), B (both). It
+// knows nothing of communication or schedules; the Executor drives it.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "hp/autograd/grad_function.h"
+
+namespace hp::pipeline {
+
+/// What a rank runs for one virtual stage: a forward and its weights.
+struct StageModule {
+  std::function<torch::Tensor(const torch::Tensor&)> forward;
+  std::vector<torch::Tensor> parameters;
+};
+
+/// The loss of microbatch `mb` from the last stage's output, already scaled
+/// for accumulation (e.g. divided by the number of microbatches).
+using LossFn = std::function<torch::Tensor(const torch::Tensor& output, int mb)>;
+
+/// Hooks around a (stage, microbatch)'s work, for features that span F to W
+/// (e.g. recompute sessions). All optional.
+struct StageHooks {
+  /// Wraps the forward of (stage, mb): called with a function that runs it.
+  std::function<torch::Tensor(int stage, int mb, const std::function<torch::Tensor()>&)>
+      around_forward;
+  /// Called before the executor waits for the output gradient of (stage, mb)
+  /// (e.g. to prefetch a recompute while the gradient is in flight).
+  std::function<void(int stage, int mb)> before_backward;
+  /// Wraps a backward part (I, W or B) of (stage, mb).
+  std::function<void(int stage, int mb, char part, const std::function<void()>&)> around_backward;
+  /// Called when (stage, mb) has finished its W (or B).
+  std::function<void(int stage, int mb)> on_done;
+};
+
+/// The stages of one rank and the per-microbatch state between F and W.
+class PipelineStage {
+ public:
+  PipelineStage(std::map<int, StageModule> modules, LossFn loss, StageHooks hooks = {});
+
+  /// F: runs `stage` on `input`. When `input_needs_grad` the input is a
+  /// received (or handed-off) activation whose dx will be sent back. When
+  /// `is_last` the output is turned into the microbatch's loss. Returns the
+  /// output activation (or the loss).
+  torch::Tensor forward(int stage, int mb, const torch::Tensor& input, bool input_needs_grad,
+                        bool is_last);
+  /// Runs the before_backward hook of (stage, mb), if any.
+  void prepare_backward(int stage, int mb) {
+    if (hooks_.before_backward) hooks_.before_backward(stage, mb);
+  }
+  /// I: dx of (stage, mb) given the gradient of its output (undefined on the
+  /// last stage, whose output is the loss). Returns dx (undefined when the
+  /// input needs no gradient).
+  torch::Tensor backward_input(int stage, int mb, const torch::Tensor& grad_output);
+  /// W: dw of (stage, mb), accumulated into the parameters' .grad().
+  void backward_weight(int stage, int mb);
+  /// B: I and W in one fused backward. Returns dx like backward_input.
+  torch::Tensor backward(int stage, int mb, const torch::Tensor& grad_output);
+
+  /// The output of F (for a send or a local hand-off).
+  const torch::Tensor& output(int stage, int mb) const;
+  /// Frees the storage of a sent output: only its autograd history is needed
+  /// for the backward. Thread-safe against the other calls.
+  void release_output(int stage, int mb);
+
+  bool holds(int stage) const { return modules_.count(stage) > 0; }
+  const StageModule& module(int stage) const { return modules_.at(stage); }
+  /// Sum of the losses of the microbatches whose last stage is here, since reset.
+  double loss_sum() const { return loss_sum_; }
+  /// Number of (stage, microbatch) still between F and the end of W.
+  size_t in_flight() const;
+  /// Starts a new step: checks nothing is in flight, zeroes the loss sum.
+  void reset();
+
+ private:
+  struct Slot {
+    torch::Tensor input, output;
+    std::optional<autograd::GradFunction> grad_fn;
+    bool input_done = false;
+  };
+  Slot& slot(int stage, int mb, const char* what);
+  void finish(int stage, int mb);
+
+  std::map<int, StageModule> modules_;
+  LossFn loss_;
+  StageHooks hooks_;
+  std::map<std::pair<int, int>, Slot> slots_;
+  mutable std::mutex mutex_;  // guards slots_ (release_output may run on another thread)
+  double loss_sum_ = 0.0;
+};
+
+}  // namespace hp::pipeline

@@ -1,0 +1,105 @@
+// Report and summary of a training run, from rank 0's TrainResult.
+#include "hp/train/report.h"
+
+#include <nlohmann/json.hpp>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <numeric>
+
+namespace hp::train {
+namespace {
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+}  // namespace
+
+std::string report_json(const TrainConfig& c, const TrainResult& r) {
+  nlohmann::json j;
+  j["config"] = {{"model", c.model.kind},
+                 {"layers", c.model.layers},
+                 {"d_model", c.model.d_model},
+                 {"heads", c.model.heads},
+                 {"seq_len", c.model.seq_len},
+                 {"dtype", c.model.dtype == torch::kFloat64 ? "float64" : "float32"},
+                 {"nproc", c.nproc},
+                 {"schedule", c.schedule},
+                 {"chunks", c.chunks},
+                 {"microbatches", c.microbatches},
+                 {"microbatch_size", c.microbatch_size},
+                 {"steps", c.steps},
+                 {"optimizer", c.optimizer},
+                 {"lr", c.lr},
+                 {"seed", c.seed},
+                 {"recompute", c.recompute}};
+  j["first_step"] = r.first_step;
+  j["loss"] = r.losses;
+  j["step_seconds"] = r.step_seconds;
+  double med = median(r.step_seconds);
+  j["median_step_seconds"] = med;
+  j["items_per_step"] = r.items_per_step;
+  j["items_per_second"] = med > 0 ? r.items_per_step / med : 0.0;
+  j["measured_bubble"] = r.measured_bubble;
+  j["simulated_bubble"] = r.simulated_bubble;
+  nlohmann::json ranks = nlohmann::json::array();
+  for (size_t k = 0; k < r.rank_compute.size(); ++k)
+    ranks.push_back({{"rank", k},
+                     {"compute_seconds", r.rank_compute[k]},
+                     {"comm_wait_seconds", r.rank_comm_wait[k]},
+                     {"overhead_seconds", r.rank_overhead[k]},
+                     {"peak_activation_bytes", r.rank_peak_bytes[k]}});
+  j["ranks"] = ranks;
+  j["parameter_checksum"] = r.checksum;
+  return j.dump(2) + "\n";
+}
+
+void write_report(const TrainConfig& c, const TrainResult& r, const std::string& path) {
+  std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp);
+    if (!out) throw std::runtime_error("cannot write the report to '" + path + "'");
+    out << report_json(c, r);
+  }
+  std::filesystem::rename(tmp, path);
+}
+
+std::string summary_text(const TrainConfig& c, const TrainResult& r) {
+  char buf[512];
+  std::string s;
+  double med = median(r.step_seconds);
+  std::snprintf(buf, sizeof buf,
+                "trained %s (%lld layers, d_model %lld) with %s on %d ranks: %d steps x %d "
+                "microbatches of %lld\n",
+                c.model.kind.c_str(), (long long)c.model.layers, (long long)c.model.d_model,
+                c.schedule.c_str(), c.nproc, c.steps - r.first_step, c.microbatches,
+                (long long)c.microbatch_size);
+  s += buf;
+  if (!r.losses.empty()) {
+    std::snprintf(buf, sizeof buf, "  loss %.4f -> %.4f\n", r.losses.front(), r.losses.back());
+    s += buf;
+  }
+  std::snprintf(buf, sizeof buf,
+                "  median step %.1f ms, %.0f %s/s; bubble measured %.1f %%, simulated %.1f %%\n",
+                med * 1e3, med > 0 ? r.items_per_step / med : 0.0,
+                c.model.kind == "gpt" ? "tokens" : "samples", 100 * r.measured_bubble,
+                100 * r.simulated_bubble);
+  s += buf;
+  for (size_t k = 0; k < r.rank_compute.size(); ++k) {
+    std::snprintf(buf, sizeof buf,
+                  "  rank %zu: compute %.1f ms, waiting %.1f ms, executor overhead %.2f ms, peak "
+                  "activations %.1f MiB\n",
+                  k, r.rank_compute[k] * 1e3, r.rank_comm_wait[k] * 1e3, r.rank_overhead[k] * 1e3,
+                  r.rank_peak_bytes[k] / 1048576.0);
+    s += buf;
+  }
+  std::snprintf(buf, sizeof buf, "  parameter checksum %.12g\n", r.checksum);
+  s += buf;
+  return s;
+}
+
+}  // namespace hp::train

@@ -1,0 +1,76 @@
+// The training driver: a TrainConfig turns into a schedule, model chunks, a
+// PipelineStage and an Executor per rank, an optimizer, metrics, traces and
+// checkpoints; plus the single-process reference the pipeline must equal.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "hp/dist/comm.h"
+#include "hp/models/models.h"
+#include "hp/schedule/schedule.h"
+#include "hp/schedule/simulate.h"
+
+namespace hp::train {
+
+/// Everything `hp train` can be told.
+struct TrainConfig {
+  models::ModelSpec model;
+  int nproc = 2;                  ///< pipeline ranks
+  std::string schedule = "1f1b";  ///< any hp/schedule generator name
+  int chunks = 2;                 ///< virtual stages per rank (interleaved schedules)
+  int microbatches = 4;           ///< per step
+  int64_t microbatch_size = 4;    ///< rows (sequences or samples) per microbatch
+  int steps = 10;
+  std::string optimizer = "adamw";  ///< adamw or sgd
+  double lr = 1e-3;
+  double weight_decay = 0.0;
+  uint64_t seed = 0;
+  std::string data;            ///< text file or folder; empty = Debian's license texts
+  std::string trace;           ///< write the executed timeline (.json trace and .svg)
+  std::string report;          ///< write the JSON report here
+  std::string checkpoint_dir;  ///< where --save-every and --resume keep checkpoints
+  int save_every = 0;          ///< 0 = never
+  bool resume = false;
+  bool recompute = false;  ///< checkpoint every transformer block
+  int timeout_s = 60;      ///< every communication's timeout
+  bool progress = true;    ///< progress bar on rank 0
+
+  /// Checks everything that can be checked before a rank starts (including
+  /// building the schedule); throws std::invalid_argument saying what to change.
+  void validate() const;
+  /// The lowered, validated schedule this config runs.
+  schedule::Schedule build_schedule() const;
+};
+
+/// What one rank (or the reference) did.
+struct TrainResult {
+  std::vector<double> losses;        ///< per step (mean over microbatches)
+  std::vector<double> step_seconds;  ///< per step wall time
+  int first_step = 0;                ///< > 0 after --resume
+  /// Final parameters by model-wide name (only the ones this rank holds).
+  std::map<std::string, torch::Tensor> parameters;
+  double checksum = 0.0;  ///< sum over all parameters (each name once) of sum(p)
+  /// Per-rank measurements gathered on rank 0 (empty elsewhere).
+  std::vector<double> rank_compute, rank_comm_wait, rank_overhead, rank_peak_bytes;
+  double measured_bubble = 0.0;   ///< bubble rate of the measured timeline (last step)
+  double simulated_bubble = 0.0;  ///< simulator's bubble rate from measured F/I/W costs
+  schedule::Timeline timeline;    ///< executed timeline of the last step (rank 0: all ranks)
+  std::vector<schedule::Action> executed;  ///< this rank's compute actions, last step, in run order
+  int64_t items_per_step = 0;              ///< tokens (gpt) or samples (mlp) per step
+};
+
+/// Runs the pipeline on this process's rank of `comm` (comm's world size must
+/// equal config.nproc). Rank 0 prints progress and writes the report, trace
+/// and summary.
+TrainResult run_rank(const TrainConfig& config, std::shared_ptr<dist::Comm> comm);
+
+/// The same training in one process with plain torch::autograd: the whole
+/// model, the same microbatches, gradient accumulation, the same optimizer.
+TrainResult train_reference(const TrainConfig& config);
+
+}  // namespace hp::train

@@ -1,0 +1,427 @@
+// Tests of hp/dist with real processes: dist_worker ranks started by the
+// launcher (ops, exit codes, SIGKILL and the survivors' errors), the `hp launch`
+// CLI, env parsing, rendezvous errors, FileStore ranks as threads, two netns.
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "hp/dist/comm.h"
+#include "hp/dist/launcher.h"
+
+namespace {
+
+using hp::dist::Comm;
+using hp::dist::CommError;
+using hp::dist::LaunchOptions;
+using hp::dist::LaunchResult;
+using hp::dist::RankStatus;
+
+std::string read_file(const std::string& path) {
+  std::ifstream f(path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+/// A fresh temporary folder, removed with its files at the end of the test.
+struct TempDir {
+  std::string path;
+  TempDir() {
+    char tmpl[] = "/tmp/hp_dist_XXXXXX";
+    path = mkdtemp(tmpl);
+  }
+  ~TempDir() { std::system(("rm -rf '" + path + "'").c_str()); }
+};
+
+LaunchOptions worker_launch(int nproc, std::vector<std::string> args, const TempDir& dir,
+                            int timeout_ms = 10000) {
+  LaunchOptions o;
+  o.nproc = nproc;
+  o.command = {HP_DIST_WORKER};
+  o.command.insert(o.command.end(), args.begin(), args.end());
+  o.timeout = std::chrono::milliseconds(timeout_ms);
+  o.run_timeout = std::chrono::seconds(60);  // a safety net for the test itself
+  o.env.push_back({"HP_DIST_TIMEOUT_MS", std::to_string(timeout_ms)});
+  o.output_dir = dir.path;
+  return o;
+}
+
+std::string logs_of(const LaunchResult& r, const TempDir& dir) {
+  std::string all;
+  for (const auto& s : r.ranks)
+    all += "--- rank " + std::to_string(s.rank) + " (" + s.describe() + ")\n" +
+           read_file(dir.path + "/rank_" + std::to_string(s.rank) + ".log");
+  return all;
+}
+
+class LaunchOps : public ::testing::TestWithParam<int> {};
+
+TEST_P(LaunchOps, P2pAndCollectivesMatchFloat64References) {
+  TempDir dir;
+  auto r = hp::dist::launch_local(worker_launch(GetParam(), {"ops"}, dir));
+  ASSERT_TRUE(r.ok()) << r.summary() << logs_of(r, dir);
+  for (const auto& s : r.ranks)
+    EXPECT_NE(read_file(dir.path + "/rank_" + std::to_string(s.rank) + ".log").find("ops ok"),
+              std::string::npos);
+}
+
+INSTANTIATE_TEST_SUITE_P(Dist, LaunchOps, ::testing::Values(2, 3),
+                         [](const ::testing::TestParamInfo<int>& i) {
+                           return "n" + std::to_string(i.param);
+                         });
+
+TEST(Launch, ReportsTheRankThatExitedWithItsCode) {
+  TempDir dir;
+  auto r = hp::dist::launch_local(worker_launch(2, {"exit", "1", "3"}, dir));
+  ASSERT_EQ(r.ranks.size(), 2u);
+  EXPECT_FALSE(r.ok());
+  EXPECT_EQ(r.first_failed_rank, 1) << r.summary();
+  EXPECT_EQ(r.ranks[1].state, RankStatus::State::Exited);
+  EXPECT_EQ(r.ranks[1].exit_code, 3);
+  EXPECT_EQ(r.ranks[1].describe(), "exit 3");
+  EXPECT_TRUE(r.ranks[0].ok()) << r.summary() << logs_of(r, dir);
+  EXPECT_EQ(r.exit_code(), 3);
+  EXPECT_NE(r.summary().find("rank 1 (pid"), std::string::npos);
+}
+
+struct KillCase {
+  int nproc;
+  int victim;
+  const char* how;
+};
+
+class LaunchKill : public ::testing::TestWithParam<KillCase> {};
+
+TEST_P(LaunchKill, SurvivorsFailWithinTheTimeoutNamingTheLostRank) {
+  const auto c = GetParam();
+  TempDir dir;
+  const int timeout_ms = 8000;
+  auto t0 = std::chrono::steady_clock::now();
+  auto r = hp::dist::launch_local(
+      worker_launch(c.nproc, {"kill", std::to_string(c.victim), c.how}, dir, timeout_ms));
+  double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::string logs = logs_of(r, dir);
+  ASSERT_EQ(int(r.ranks.size()), c.nproc);
+  EXPECT_EQ(r.first_failed_rank, c.victim) << r.summary();
+  EXPECT_EQ(r.ranks[c.victim].state, RankStatus::State::Signaled);
+  EXPECT_EQ(r.ranks[c.victim].signal, SIGKILL);
+  EXPECT_EQ(r.ranks[c.victim].describe(), "killed by SIGKILL");
+  EXPECT_NE(r.summary().find("killed by SIGKILL"), std::string::npos);
+  for (const auto& s : r.ranks) {
+    if (s.rank == c.victim) continue;
+    // Failed by itself (not terminated by the launcher), well within the timeout.
+    EXPECT_EQ(s.state, RankStatus::State::Exited) << r.summary() << logs;
+    EXPECT_NE(s.exit_code, 0) << r.summary() << logs;
+    EXPECT_LT(s.seconds, timeout_ms / 1000.0) << r.summary() << logs;
+    std::string log = read_file(dir.path + "/rank_" + std::to_string(s.rank) + ".log");
+    EXPECT_NE(log.find("lost connection to rank " + std::to_string(c.victim)), std::string::npos)
+        << logs;
+  }
+  EXPECT_LT(elapsed, timeout_ms / 1000.0 + 5) << r.summary();
+}
+
+INSTANTIATE_TEST_SUITE_P(Dist, LaunchKill,
+                         ::testing::Values(KillCase{2, 1, "p2p"}, KillCase{3, 1, "coll"},
+                                           KillCase{3, 0, "p2p"}),
+                         [](const ::testing::TestParamInfo<KillCase>& i) {
+                           return "n" + std::to_string(i.param.nproc) + "_kill" +
+                                  std::to_string(i.param.victim) + "_" + i.param.how;
+                         });
+
+TEST(Launch, TerminatesRanksThatOutliveTheTimeoutAfterAFailure) {
+  LaunchOptions o;
+  o.nproc = 2;
+  // Rank 1 fails at once; rank 0 would sleep for a minute.
+  o.command = {"sh", "-c", "if [ \"$RANK\" = 1 ]; then exit 4; fi; exec sleep 60"};
+  o.timeout = std::chrono::milliseconds(500);
+  o.kill_grace = std::chrono::milliseconds(2000);
+  auto t0 = std::chrono::steady_clock::now();
+  auto r = hp::dist::launch_local(o);
+  double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(r.first_failed_rank, 1) << r.summary();
+  EXPECT_EQ(r.ranks[1].describe(), "exit 4");
+  EXPECT_EQ(r.ranks[0].state, RankStatus::State::Terminated) << r.summary();
+  EXPECT_EQ(r.ranks[0].signal, SIGTERM);
+  EXPECT_EQ(r.exit_code(), 4);
+  EXPECT_LT(elapsed, 10.0);
+}
+
+TEST(Launch, SetsTorchrunVariablesAndPinning) {
+  TempDir dir;
+  LaunchOptions o;
+  o.nproc = 3;
+  o.command = {"sh", "-c",
+               "echo $RANK $WORLD_SIZE $LOCAL_RANK $MASTER_ADDR $MASTER_PORT $HP_PIN_CORES $EXTRA"};
+  o.pin_cores = true;
+  o.master_port = 23456;
+  o.env.push_back({"EXTRA", "x"});
+  o.output_dir = dir.path;
+  auto r = hp::dist::launch_local(o);
+  ASSERT_TRUE(r.ok()) << r.summary();
+  for (int k = 0; k < 3; ++k) {
+    auto k_s = std::to_string(k);
+    EXPECT_EQ(read_file(dir.path + "/rank_" + k_s + ".log"),
+              k_s + " 3 " + k_s + " 127.0.0.1 23456 1 x\n");
+  }
+}
+
+TEST(Launch, AMissingCommandThrows) {
+  LaunchOptions o;
+  o.nproc = 2;
+  o.command = {"/nonexistent/hp_dist_no_such_program"};
+  try {
+    hp::dist::launch_local(o);
+    FAIL() << "expected an error";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("cannot run '/nonexistent/hp_dist_no_such_program'"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(Launch, PinningIsOffUnlessAsked) {
+  unsetenv("HP_PIN_CORES");
+  EXPECT_EQ(hp::dist::apply_rank_pinning(), -1);
+}
+
+/// Runs a shell command, returns (exit status, stdout+stderr).
+std::pair<int, std::string> shell(const std::string& cmd) {
+  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
+  std::string out;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), p)) > 0)
+    out.append(buf, n);
+  int st = pclose(p);
+  return {WIFEXITED(st) ? WEXITSTATUS(st) : -1, out};
+}
+
+TEST(LaunchCli, ExitsWithTheFailedRanksCodeAndASummary) {
+  struct stat sb;
+  if (stat(HP_CLI, &sb) != 0) GTEST_SKIP() << "the hp binary is not built (" << HP_CLI << ")";
+  auto [code, out] =
+      shell(std::string(HP_CLI) + " launch -n 2 --timeout 10 -- " + HP_DIST_WORKER + " exit 0 3");
+  EXPECT_EQ(code, 3) << out;
+  EXPECT_NE(out.find("rank 0 failed (exit 3)"), std::string::npos) << out;
+  EXPECT_NE(out.find("rank 1 (pid"), std::string::npos) << out;
+  auto [ok_code, ok_out] =
+      shell(std::string(HP_CLI) + " launch -n 2 -- " + HP_DIST_WORKER + " allreduce");
+  EXPECT_EQ(ok_code, 0) << ok_out;
+}
+
+// ---- environment and rendezvous errors (in process) -------------------------
+
+struct EnvGuard {
+  std::vector<std::pair<std::string, std::string>> saved;
+  explicit EnvGuard(std::vector<std::pair<const char*, const char*>> vars) {
+    for (const char* n :
+         {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "HP_DIST_TIMEOUT_MS"}) {
+      const char* v = std::getenv(n);
+      saved.push_back({n, v ? v : std::string("\x01")});
+      unsetenv(n);
+    }
+    for (auto& [n, v] : vars)
+      setenv(n, v, 1);
+  }
+  ~EnvGuard() {
+    for (auto& [n, v] : saved) {
+      if (v == "\x01")
+        unsetenv(n.c_str());
+      else
+        setenv(n.c_str(), v.c_str(), 1);
+    }
+  }
+};
+
+std::string env_error(std::vector<std::pair<const char*, const char*>> vars) {
+  EnvGuard g(vars);
+  try {
+    hp::dist::read_env();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "";
+}
+
+TEST(DistEnv, NamesTheMissingOrInvalidVariableWithAnExample) {
+  auto e = env_error({{"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "1"}});
+  EXPECT_NE(e.find("RANK is not set"), std::string::npos) << e;
+  EXPECT_NE(e.find("e.g. RANK=0 WORLD_SIZE=2"), std::string::npos) << e;
+  e = env_error({{"RANK", "0"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "1"}});
+  EXPECT_NE(e.find("WORLD_SIZE is not set"), std::string::npos) << e;
+  e = env_error({{"RANK", "x1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "1"}});
+  EXPECT_NE(e.find("RANK='x1' is not an integer"), std::string::npos) << e;
+  e = env_error({{"RANK", "2"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "1"}});
+  EXPECT_NE(e.find("RANK=2 must be smaller than WORLD_SIZE=2"), std::string::npos) << e;
+  e = env_error({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "1"}});
+  EXPECT_NE(e.find("MASTER_ADDR is not set"), std::string::npos) << e;
+  e = env_error(
+      {{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "99999"}});
+  EXPECT_NE(e.find("MASTER_PORT='99999' is not a TCP port"), std::string::npos) << e;
+  EXPECT_EQ(
+      env_error(
+          {{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "29500"}}),
+      "");
+  EnvGuard g({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "29500"}});
+  auto c = hp::dist::read_env();
+  EXPECT_EQ(c.rank, 1);
+  EXPECT_EQ(c.local_rank, 1);  // defaults to RANK
+  EXPECT_EQ(c.world_size, 2);
+  EXPECT_EQ(c.master_addr, "h");
+  EXPECT_EQ(c.master_port, 29500);
+}
+
+TEST(DistRendezvous, UnreachableMasterFailsWithinTheTimeout) {
+  int port = hp::dist::pick_free_port();  // nobody listens there
+  EnvGuard g({{"RANK", "1"},
+              {"WORLD_SIZE", "2"},
+              {"MASTER_ADDR", "127.0.0.1"},
+              {"MASTER_PORT", std::to_string(port).c_str()},
+              {"HP_DIST_TIMEOUT_MS", "2000"}});
+  auto t0 = std::chrono::steady_clock::now();
+  try {
+    Comm::from_env();
+    FAIL() << "expected an error";
+  } catch (const CommError& e) {
+    std::string m = e.what();
+    EXPECT_NE(m.find("could not reach MASTER_ADDR:MASTER_PORT (127.0.0.1:" + std::to_string(port) +
+                     ") within 2 s"),
+              std::string::npos)
+        << m;
+  }
+  double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_LT(s, 2.0 + 3.0);
+}
+
+// ---- FileStore ranks as threads of this process ---------------------------
+
+TEST(DistFileStore, ThreadsAsRanksSendRecvAllReduceAndSubgroups) {
+  TempDir dir;
+  const int n = 3;
+  std::vector<std::string> errors(n);
+  std::vector<std::thread> ts;
+  for (int r = 0; r < n; ++r) {
+    ts.emplace_back([&, r] {
+      try {
+        hp::dist::CommOptions o;
+        o.timeout = std::chrono::seconds(10);
+        auto c = Comm::from_file_store(dir.path + "/store", r, n, o);
+        auto t = at::full({4}, double(r + 1), at::kDouble);
+        c->all_reduce(t);
+        if (!t.eq(6.0).all().item<bool>()) errors[r] += "all_reduce; ";
+        auto got = at::zeros({2}, at::kLong);
+        auto recv = c->irecv(got, (r + n - 1) % n, 5);
+        c->send(at::full({2}, int64_t(r), at::kLong), (r + 1) % n, 5);
+        recv.wait();
+        if (got[0].item<int64_t>() != (r + n - 1) % n) errors[r] += "ring p2p; ";
+        if (r != 1) {
+          auto sub = c->split({0, 2});
+          auto s = at::full({1}, double(r), at::kDouble);
+          sub->all_reduce(s, hp::dist::ReduceOp::Max);
+          if (s.item<double>() != 2.0) errors[r] += "subgroup max; ";
+        }
+        c->barrier();
+        // Misuse is reported, not sent.
+        try {
+          c->isend(at::zeros({2, 2}).t(), (r + 1) % n);
+          errors[r] += "non-contiguous accepted; ";
+        } catch (const c10::Error& e) {
+          if (std::string(e.what_without_backtrace()).find("contiguous") == std::string::npos)
+            errors[r] += "contiguity message; ";
+        }
+      } catch (const std::exception& e) {
+        errors[r] += e.what();
+      }
+    });
+  }
+  for (auto& t : ts)
+    t.join();
+  for (int r = 0; r < n; ++r)
+    EXPECT_EQ(errors[r], "") << "rank " << r;
+}
+
+// ---- two ranks in two network namespaces ------------------------------------
+
+int sh(const std::string& cmd) {
+  int st = std::system((cmd + " >/dev/null 2>&1").c_str());
+  return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+/// Two netns joined by a veth pair (10.231.0.1/24 <-> 10.231.0.2/24), deleted
+/// in the destructor whatever happened.
+struct NetnsPair {
+  std::string ns[2], veth[2];
+  bool created[2] = {false, false};
+  bool veth_created = false;
+  std::string error;
+  NetnsPair() {
+    std::string id = std::to_string(getpid() % 100000);
+    for (int k = 0; k < 2; ++k) {
+      ns[k] = "hpdist" + id + (k ? "b" : "a");
+      veth[k] = "hpv" + id + (k ? "b" : "a");
+    }
+    for (int k = 0; k < 2; ++k) {
+      if (sh("ip netns add " + ns[k]) != 0) {
+        error = "`ip netns add` failed (needs root and iproute2)";
+        return;
+      }
+      created[k] = true;
+    }
+    std::vector<std::string> steps = {"ip link add " + veth[0] + " type veth peer name " + veth[1],
+                                      "ip link set " + veth[0] + " netns " + ns[0],
+                                      "ip link set " + veth[1] + " netns " + ns[1],
+                                      "ip -n " + ns[0] + " addr add 10.231.0.1/24 dev " + veth[0],
+                                      "ip -n " + ns[1] + " addr add 10.231.0.2/24 dev " + veth[1],
+                                      "ip -n " + ns[0] + " link set " + veth[0] + " up",
+                                      "ip -n " + ns[1] + " link set " + veth[1] + " up",
+                                      "ip -n " + ns[0] + " link set lo up",
+                                      "ip -n " + ns[1] + " link set lo up"};
+    for (size_t i = 0; i < steps.size(); ++i) {
+      if (sh(steps[i]) != 0) {
+        error = "network setup failed at: " + steps[i];
+        return;
+      }
+      if (i == 0) veth_created = true;
+    }
+  }
+  ~NetnsPair() {
+    for (int k = 0; k < 2; ++k)
+      if (created[k]) sh("ip netns del " + ns[k]);   // takes its end of the veth with it
+    if (veth_created) sh("ip link del " + veth[0]);  // only if it never moved
+  }
+};
+
+TEST(DistNetns, TwoRanksInTwoNamespacesRendezvousOverTcp) {
+  NetnsPair net;
+  if (!net.error.empty() && !net.created[0]) GTEST_SKIP() << net.error;
+  ASSERT_EQ(net.error, "");
+  TempDir dir;
+  LaunchOptions o;
+  o.nproc = 2;
+  // Rank r runs in namespace r; both rendezvous at rank 0's veth address.
+  o.command = {"sh", "-c",
+               "if [ \"$RANK\" = 0 ]; then NS=" + net.ns[0] + "; else NS=" + net.ns[1] +
+                   "; fi; exec ip netns exec $NS env MASTER_ADDR=10.231.0.1 MASTER_PORT=29500 " +
+                   HP_DIST_WORKER + " allreduce"};
+  o.timeout = std::chrono::seconds(10);
+  o.run_timeout = std::chrono::seconds(40);
+  o.env.push_back({"HP_DIST_TIMEOUT_MS", "10000"});
+  o.output_dir = dir.path;
+  auto r = hp::dist::launch_local(o);
+  ASSERT_TRUE(r.ok()) << r.summary() << logs_of(r, dir);
+  EXPECT_NE(read_file(dir.path + "/rank_1.log").find("allreduce ok"), std::string::npos);
+}
+
+}  // namespace

@@ -1,0 +1,203 @@
+// The pipeline runtime against its oracle: for every schedule and p in
+// {2, 4}, ranks as threads over real Gloo (a FileStore rendezvous) train a
+// float64 model; losses and final parameters must equal single-process
+// gradient accumulation, and each rank must run exactly its action list.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <thread>
+
+#include "hp/dist/comm.h"
+#include "hp/recompute/session.h"
+#include "hp/schedule/generators.h"
+#include "hp/train/trainer.h"
+
+using hp::train::TrainConfig;
+using hp::train::TrainResult;
+
+namespace {
+
+std::string temp_path(const std::string& stem) {
+  static int counter = 0;
+  auto p = std::filesystem::temp_directory_path() /
+           ("hp-test-" + std::to_string(::getpid()) + "-" + stem + "-" + std::to_string(counter++));
+  std::filesystem::remove_all(p);
+  return p.string();
+}
+
+// Runs every rank of `config` on its own thread; rethrows a rank's error.
+std::vector<TrainResult> run_threads(const TrainConfig& config) {
+  const std::string store = temp_path("store");
+  std::vector<TrainResult> results(config.nproc);
+  std::vector<std::exception_ptr> errors(config.nproc);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < config.nproc; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        hp::dist::CommOptions opts;
+        opts.timeout = std::chrono::seconds(60);
+        auto comm = hp::dist::Comm::from_file_store(store, r, config.nproc, opts);
+        results[r] = hp::train::run_rank(config, comm);
+      } catch (...) {
+        errors[r] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads)
+    t.join();
+  std::filesystem::remove_all(store);
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+  return results;
+}
+
+void expect_matches_reference(const TrainConfig& config, const std::vector<TrainResult>& ranks) {
+  TrainResult ref = hp::train::train_reference(config);
+  ASSERT_EQ(ranks[0].losses.size(), ref.losses.size());
+  for (size_t s = 0; s < ref.losses.size(); ++s) {
+    double tol = 1e-9 * std::max(1.0, std::abs(ref.losses[s]));
+    EXPECT_NEAR(ranks[0].losses[s], ref.losses[s], tol) << "step " << s;
+  }
+  // Every parameter of the model is held by some rank, and every copy equals the reference.
+  std::set<std::string> seen;
+  for (const auto& r : ranks)
+    for (const auto& [name, p] : r.parameters) {
+      ASSERT_TRUE(ref.parameters.count(name)) << name;
+      const auto& q = ref.parameters.at(name);
+      double scale = std::max(1.0, q.abs().max().item<double>());
+      EXPECT_LE((p - q).abs().max().item<double>(), 1e-9 * scale) << name;
+      seen.insert(name);
+    }
+  EXPECT_EQ(seen.size(), ref.parameters.size());
+  EXPECT_NEAR(ranks[0].checksum, ref.checksum, 1e-9 * std::max(1.0, std::abs(ref.checksum)));
+}
+
+void expect_runs_its_action_list(const TrainConfig& config, const std::vector<TrainResult>& ranks) {
+  auto sched = config.build_schedule();
+  for (int r = 0; r < config.nproc; ++r) {
+    std::vector<hp::schedule::Action> expected;
+    for (const auto& a : sched.actions[r])
+      if (hp::schedule::is_compute(a.op)) expected.push_back(a);
+    EXPECT_EQ(ranks[r].executed, expected) << "rank " << r;
+  }
+}
+
+TrainConfig tiny(const std::string& schedule, int p, int m, const std::string& model) {
+  TrainConfig c;
+  c.model.kind = model;
+  c.model.dtype = torch::kFloat64;
+  c.model.d_model = 16;
+  c.model.heads = 2;
+  c.model.seq_len = 8;
+  c.model.vocab = 256;
+  c.model.in_features = 8;
+  c.model.tied_head = false;
+  c.nproc = p;
+  c.schedule = schedule;
+  c.chunks = 2;
+  c.microbatches = m;
+  c.microbatch_size = 2;
+  c.steps = 2;
+  c.optimizer = "adamw";
+  c.lr = 1e-2;
+  c.seed = 7;
+  c.progress = false;
+  // Enough cuttable layers for the schedule with the most chunks (v * p or 2p).
+  c.model.layers = 2 * p;
+  return c;
+}
+
+struct Case {
+  std::string schedule;
+  int p;
+  int m;
+};
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << c.schedule << " p=" << c.p << " m=" << c.m;
+}
+
+class PipelineMatchesReference : public ::testing::TestWithParam<Case> {};
+
+TEST_P(PipelineMatchesReference, Gpt) {
+  const Case& k = GetParam();
+  TrainConfig c = tiny(k.schedule, k.p, k.m, "gpt");
+  auto ranks = run_threads(c);
+  expect_matches_reference(c, ranks);
+  expect_runs_its_action_list(c, ranks);
+}
+
+std::vector<Case> all_cases() {
+  std::vector<Case> cases;
+  for (int p : {2, 4})
+    for (const auto& name : hp::schedule::names()) {
+      if (name == "afab") continue;  // an alias of gpipe
+      int m = 2 * p;
+      if (name == "dualpipe" || name == "dualpipev") m = 2 * p + (name == "dualpipe" ? 0 : 2);
+      cases.push_back({name, p, m});
+    }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(AllSchedules, PipelineMatchesReference, ::testing::ValuesIn(all_cases()),
+                         [](const ::testing::TestParamInfo<Case>& info) {
+                           std::string n =
+                               info.param.schedule + "_p" + std::to_string(info.param.p);
+                           for (char& ch : n)
+                             if (!isalnum(static_cast<unsigned char>(ch))) ch = '_';
+                           return n;
+                         });
+
+TEST(Pipeline, MlpWithSgdAndTiedGptHead) {
+  TrainConfig c = tiny("zb-h1", 2, 4, "mlp");
+  c.optimizer = "sgd";
+  c.lr = 0.1;
+  expect_matches_reference(c, run_threads(c));
+  TrainConfig g = tiny("zbv", 2, 4, "gpt");
+  g.model.tied_head = true;  // first and last chunk on rank 0: a local replica
+  expect_matches_reference(g, run_threads(g));
+  TrainConfig h = tiny("1f1b", 2, 4, "gpt");
+  h.model.tied_head = true;  // first and last chunk on different ranks
+  expect_matches_reference(h, run_threads(h));
+}
+
+TEST(Pipeline, RecomputeGivesTheSameTrainingWithOneRecomputePerBlock) {
+  for (std::string name : {"zb-h1", "zbv", "1f1b"}) {
+    TrainConfig c = tiny(name, 2, 4, "gpt");
+    c.recompute = true;
+    hp::recompute::reset_counters();
+    auto ranks = run_threads(c);
+    expect_matches_reference(c, ranks);
+    auto counts = hp::recompute::counters();
+    // Every block of every microbatch, once per step: never twice.
+    const int64_t blocks = c.model.layers * c.microbatches * c.steps;
+    EXPECT_EQ(counts.recomputes, blocks) << name;
+    EXPECT_EQ(hp::recompute::num_sessions(), 0u) << name << ": sessions left behind";
+  }
+}
+
+TEST(Pipeline, BadConfigurationsFailBeforeAnyRankStarts) {
+  auto expect_invalid = [](TrainConfig c, const std::string& fragment) {
+    try {
+      c.validate();
+      ADD_FAILURE() << "expected an error containing '" << fragment << "'";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
+    }
+  };
+  TrainConfig c = tiny("1f1b", 4, 8, "gpt");
+  c.model.layers = 2;
+  expect_invalid(c, "cuttable layers");
+  c = tiny("no-such-schedule", 2, 4, "gpt");
+  expect_invalid(c, "no-such-schedule");
+  c = tiny("dualpipe", 4, 2, "gpt");
+  expect_invalid(c, "microbatches");
+  c = tiny("1f1b", 2, 4, "gpt");
+  c.optimizer = "lamb";
+  expect_invalid(c, "unknown optimizer");
+  c = tiny("1f1b", 2, 4, "gpt");
+  c.data = "/no/such/file";
+  expect_invalid(c, "does not exist");
+}
+
+}  // namespace

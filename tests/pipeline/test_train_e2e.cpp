@@ -1,0 +1,192 @@
+// `hp train` end to end, as a user runs it: real rank processes started by
+// the launcher, c10d Gloo over loopback. Losses, the parameter checksum and
+// the checkpointed parameters must equal single-process training; a killed
+// rank must fail the run fast and by name; --resume must continue exactly.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <torch/torch.h>
+
+#include <nlohmann/json.hpp>
+
+#include <array>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <regex>
+
+#include "hp/train/trainer.h"
+
+namespace fs = std::filesystem;
+using hp::train::TrainConfig;
+
+namespace {
+
+struct HpRun {
+  int exit_code = -1;
+  std::string output;  // stdout and stderr
+  double seconds = 0;
+};
+
+HpRun run_hp(const std::string& args, const std::string& env = "") {
+  std::string cmd = env + " " + HP_BIN + " " + args + " 2>&1";
+  auto t0 = std::chrono::steady_clock::now();
+  HpRun r;
+  FILE* pipe = ::popen(cmd.c_str(), "r");
+  if (!pipe) throw std::runtime_error("cannot run " + cmd);
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = std::fread(buf.data(), 1, buf.size(), pipe)) > 0)
+    r.output.append(buf.data(), n);
+  int status = ::pclose(pipe);
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return r;
+}
+
+fs::path fresh_dir(const std::string& name) {
+  auto d = fs::temp_directory_path() / ("hp-e2e-" + std::to_string(::getpid()) + "-" + name);
+  fs::remove_all(d);
+  fs::create_directories(d);
+  return d;
+}
+
+// The flags of `hp train` for a config (the subset these tests vary).
+std::string flags(const TrainConfig& c) {
+  std::ostringstream os;
+  os << "train --no-progress --model " << c.model.kind << " --layers " << c.model.layers
+     << " --d-model " << c.model.d_model << " --heads " << c.model.heads << " --seq-len "
+     << c.model.seq_len << " --dtype float64 --untied -p " << c.nproc << " -s " << c.schedule
+     << " -m " << c.microbatches << " --microbatch-size " << c.microbatch_size << " --steps "
+     << c.steps << " --lr " << c.lr << " --seed " << c.seed << " --timeout " << c.timeout_s;
+  return os.str();
+}
+
+TrainConfig small(const std::string& schedule, int p) {
+  TrainConfig c;
+  c.model.kind = "gpt";
+  c.model.layers = 2 * p;
+  c.model.d_model = 16;
+  c.model.heads = 2;
+  c.model.seq_len = 8;
+  c.model.dtype = torch::kFloat64;
+  c.model.tied_head = false;
+  c.nproc = p;
+  c.schedule = schedule;
+  c.microbatches = 2 * p;
+  c.microbatch_size = 2;
+  c.steps = 3;
+  c.lr = 1e-2;
+  c.seed = 11;
+  c.timeout_s = 20;
+  return c;
+}
+
+nlohmann::json read_json(const fs::path& p) {
+  std::ifstream in(p);
+  return nlohmann::json::parse(in);
+}
+
+class TrainEndToEnd : public ::testing::TestWithParam<std::pair<std::string, int>> {};
+
+TEST_P(TrainEndToEnd, LossesAndParametersEqualSingleProcessTraining) {
+  auto [schedule, p] = GetParam();
+  TrainConfig c = small(schedule, p);
+  auto dir = fresh_dir(schedule + std::to_string(p));
+  HpRun r = run_hp(flags(c) + " --report " + (dir / "report.json").string() + " --trace " +
+                   (dir / "trace.json").string() + " --save-every 3 --checkpoint-dir " +
+                   (dir / "ckpt").string());
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("parameter checksum"), std::string::npos) << r.output;
+
+  auto ref = hp::train::train_reference(c);
+  auto report = read_json(dir / "report.json");
+  ASSERT_EQ(report["loss"].size(), ref.losses.size());
+  for (size_t s = 0; s < ref.losses.size(); ++s)
+    EXPECT_NEAR(report["loss"][s].get<double>(), ref.losses[s], 1e-9 * std::abs(ref.losses[s]));
+  EXPECT_NEAR(report["parameter_checksum"].get<double>(), ref.checksum,
+              1e-9 * std::max(1.0, std::abs(ref.checksum)));
+  EXPECT_EQ(report["ranks"].size(), static_cast<size_t>(p));
+  EXPECT_TRUE(fs::file_size(dir / "trace.json") > 0 && fs::file_size(dir / "trace.json.svg") > 0);
+
+  // Every rank's checkpointed parameters equal the reference's.
+  size_t compared = 0;
+  for (int rank = 0; rank < p; ++rank) {
+    torch::serialize::InputArchive ar;
+    ar.load_from((dir / "ckpt" / "step-3" / ("rank-" + std::to_string(rank) + ".pt")).string());
+    for (const auto& [name, q] : ref.parameters) {
+      std::string key = "p_";
+      for (char ch : name)
+        key += ch == '.' ? '_' : ch;
+      torch::Tensor t;
+      if (!ar.try_read(key, t)) continue;
+      EXPECT_LE((t - q).abs().max().item<double>(),
+                1e-9 * std::max(1.0, q.abs().max().item<double>()))
+          << name << " on rank " << rank;
+      ++compared;
+    }
+  }
+  EXPECT_GE(compared, ref.parameters.size());
+  fs::remove_all(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(Schedules, TrainEndToEnd,
+                         ::testing::Values(std::make_pair(std::string("zb-h2"), 2),
+                                           std::make_pair(std::string("zbv"), 2),
+                                           std::make_pair(std::string("dualpipev"), 2),
+                                           std::make_pair(std::string("1f1b"), 4),
+                                           std::make_pair(std::string("zb-h1"), 4)),
+                         [](const auto& info) {
+                           std::string n =
+                               info.param.first + "_p" + std::to_string(info.param.second);
+                           for (char& ch : n)
+                             if (!isalnum(static_cast<unsigned char>(ch))) ch = '_';
+                           return n;
+                         });
+
+TEST(TrainEndToEndFailures, AKilledRankFailsTheRunFastAndByName) {
+  TrainConfig c = small("1f1b", 3);
+  c.steps = 5;
+  c.timeout_s = 15;
+  HpRun r = run_hp(flags(c), "HP_FAULT_KILL=1:2");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_TRUE(std::regex_search(r.output, std::regex("rank 1 \\(pid [0-9]+\\): killed by SIGKILL")))
+      << r.output;
+  EXPECT_NE(r.output.find("lost connection to rank 1"), std::string::npos) << r.output;
+  EXPECT_LT(r.seconds, c.timeout_s + 10) << "the surviving ranks must not hang";
+}
+
+TEST(TrainEndToEndFailures, ResumeContinuesTheSameLossTrajectory) {
+  TrainConfig c = small("zb-h1", 2);
+  c.steps = 4;
+  auto dir = fresh_dir("resume");
+  HpRun whole = run_hp(flags(c) + " --report " + (dir / "whole.json").string());
+  ASSERT_EQ(whole.exit_code, 0) << whole.output;
+  TrainConfig half = c;
+  half.steps = 2;
+  HpRun first = run_hp(flags(half) + " --save-every 2 --checkpoint-dir " + (dir / "ckpt").string());
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  HpRun rest = run_hp(flags(c) + " --resume --checkpoint-dir " + (dir / "ckpt").string() +
+                      " --report " + (dir / "rest.json").string());
+  ASSERT_EQ(rest.exit_code, 0) << rest.output;
+  auto a = read_json(dir / "whole.json"), b = read_json(dir / "rest.json");
+  ASSERT_EQ(b["first_step"].get<int>(), 2);
+  ASSERT_EQ(b["loss"].size(), 2u);
+  for (int s = 0; s < 2; ++s)
+    EXPECT_EQ(b["loss"][s].get<double>(), a["loss"][s + 2].get<double>()) << "step " << s + 2;
+  fs::remove_all(dir);
+}
+
+TEST(TrainEndToEndFailures, BadConfigurationFailsBeforeAnyRankStarts) {
+  TrainConfig c = small("1f1b", 4);
+  c.model.layers = 2;
+  HpRun r = run_hp(flags(c));
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.output.find("cuttable layers"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("hp train: gpt,"), std::string::npos) << "no rank may start";
+  HpRun bad_batch = run_hp(flags(small("1f1b", 2)) + " --batch 7");
+  EXPECT_EQ(bad_batch.exit_code, 1);
+  EXPECT_NE(bad_batch.output.find("not divisible"), std::string::npos) << bad_batch.output;
+}
+
+}  // namespace
