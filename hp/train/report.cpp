@@ -46,6 +46,8 @@ std::string report_json(const TrainConfig& c, const TrainResult& r) {
   j["items_per_second"] = med > 0 ? r.items_per_step / med : 0.0;
   j["measured_bubble"] = r.measured_bubble;
   j["simulated_bubble"] = r.simulated_bubble;
+  j["measured_makespan_seconds"] = r.measured_makespan;
+  j["simulated_makespan_seconds"] = r.simulated_makespan;
   nlohmann::json ranks = nlohmann::json::array();
   for (size_t k = 0; k < r.rank_compute.size(); ++k)
     ranks.push_back({{"rank", k},

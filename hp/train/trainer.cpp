@@ -509,9 +509,12 @@ TrainResult run_rank(const TrainConfig& config, std::shared_ptr<dist::Comm> comm
     comm->recv(buf, r, kTagBase + 4);
     unpack_events(buf, r, result.timeline.events);
   }
-  result.measured_bubble = schedule::timeline_stats(result.timeline).bubble_rate;
+  auto measured = schedule::timeline_stats(result.timeline);
+  result.measured_bubble = measured.bubble_rate;
+  result.measured_makespan = measured.makespan;
   auto sim = schedule::simulate(sched, measured_costs(sched, result.timeline.events, comm_cost));
   result.simulated_bubble = sim.bubble_rate;
+  result.simulated_makespan = sim.makespan;
 
   if (!config.trace.empty()) {
     std::ofstream(config.trace) << schedule::render_chrome_trace(result.timeline);

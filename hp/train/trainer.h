@@ -57,9 +57,11 @@ struct TrainResult {
   double checksum = 0.0;  ///< sum over all parameters (each name once) of sum(p)
   /// Per-rank measurements gathered on rank 0 (empty elsewhere).
   std::vector<double> rank_compute, rank_comm_wait, rank_overhead, rank_peak_bytes;
-  double measured_bubble = 0.0;   ///< bubble rate of the measured timeline (last step)
-  double simulated_bubble = 0.0;  ///< simulator's bubble rate from measured F/I/W costs
-  schedule::Timeline timeline;    ///< executed timeline of the last step (rank 0: all ranks)
+  double measured_bubble = 0.0;     ///< bubble rate of the measured timeline (last step)
+  double simulated_bubble = 0.0;    ///< simulator's bubble rate from measured F/I/W costs
+  double simulated_makespan = 0.0;  ///< simulator's step time (s) from the same costs
+  double measured_makespan = 0.0;   ///< last step's measured timeline length (s)
+  schedule::Timeline timeline;      ///< executed timeline of the last step (rank 0: all ranks)
   std::vector<schedule::Action> executed;  ///< this rank's compute actions, last step, in run order
   int64_t items_per_step = 0;              ///< tokens (gpt) or samples (mlp) per step
 };

@@ -15,7 +15,9 @@
 #include <fstream>
 #include <regex>
 
+#include "hp/dist/launcher.h"
 #include "hp/train/trainer.h"
+#include "tests/common/netns.h"
 
 namespace fs = std::filesystem;
 using hp::train::TrainConfig;
@@ -174,6 +176,37 @@ TEST(TrainEndToEndFailures, ResumeContinuesTheSameLossTrajectory) {
   ASSERT_EQ(b["loss"].size(), 2u);
   for (int s = 0; s < 2; ++s)
     EXPECT_EQ(b["loss"][s].get<double>(), a["loss"][s + 2].get<double>()) << "step " << s + 2;
+  fs::remove_all(dir);
+}
+
+TEST(TrainEndToEnd, TwoRanksOnTwoHostsRendezvousOverTcp) {
+  hp::testing::NetnsPair net("hptrain");
+  if (!net.error.empty() && !net.created[0]) GTEST_SKIP() << net.error;
+  ASSERT_EQ(net.error, "");
+  TrainConfig c = small("zb-h1", 2);
+  auto dir = fresh_dir("netns");
+  // Rank r runs `hp train --worker` in namespace r, as on two hosts; both
+  // rendezvous at rank 0's address over TCP.
+  hp::dist::LaunchOptions o;
+  o.nproc = 2;
+  o.command = {"sh", "-c",
+               "if [ \"$RANK\" = 0 ]; then NS=" + net.ns[0] + "; else NS=" + net.ns[1] +
+                   "; fi; exec ip netns exec $NS env MASTER_ADDR=10.231.0.1 MASTER_PORT=29517 " +
+                   HP_BIN + " " + flags(c) + " --worker --report " +
+                   (dir / "report.json").string()};
+  o.timeout = std::chrono::seconds(20);
+  o.run_timeout = std::chrono::seconds(120);
+  o.output_dir = dir.string();
+  auto r = hp::dist::launch_local(o);
+  std::ifstream log0(dir / "rank_0.log"), log1(dir / "rank_1.log");
+  std::stringstream logs;
+  logs << log0.rdbuf() << log1.rdbuf();
+  ASSERT_TRUE(r.ok()) << r.summary() << logs.str();
+  auto ref = hp::train::train_reference(c);
+  auto report = read_json(dir / "report.json");
+  ASSERT_EQ(report["loss"].size(), ref.losses.size());
+  for (size_t s = 0; s < ref.losses.size(); ++s)
+    EXPECT_NEAR(report["loss"][s].get<double>(), ref.losses[s], 1e-9 * std::abs(ref.losses[s]));
   fs::remove_all(dir);
 }
 

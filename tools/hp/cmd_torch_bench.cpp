@@ -1,0 +1,199 @@
+// `hp bench schedules`: trains the same model on the same data with every
+// schedule (and optionally with --recompute), round-robin so machine noise
+// hits all alike, and prints one table: step time, speedup over 1F1B,
+// measured and simulated bubble, the simulator's predicted speedup, memory.
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+
+#include "hp/schedule/generators.h"
+#include "tools/hp/commands.h"
+
+namespace hp::cli {
+namespace {
+
+struct BenchArgs {
+  std::string model = "gpt";
+  int layers = 8, d_model = 128, heads = 4, seq_len = 64;
+  int nproc = 2, microbatches = 8, microbatch_size = 4, steps = 6, rounds = 2;
+  std::string schedules;  // comma separated; empty = all that fit
+  bool recompute_rows = false;
+  bool pin = true;
+  std::string markdown;  // write the table as markdown here too
+};
+
+struct Row {
+  std::string name;
+  bool recompute = false;
+  std::vector<double> step_times;  // median step of each round
+  double measured_bubble = 0, simulated_bubble = 0, simulated_makespan = 0;
+  double peak_mib = 0, overhead_pct = 0;
+  std::string error;
+};
+
+std::string self_exe() {
+  char buf[4096];
+  ssize_t n = ::readlink("/proc/self/exe", buf, sizeof buf - 1);
+  if (n <= 0) throw std::runtime_error("cannot find the hp executable");
+  buf[n] = 0;
+  return buf;
+}
+
+std::string run_capture(const std::string& cmd, int* rc) {
+  FILE* pipe = ::popen((cmd + " 2>&1").c_str(), "r");
+  if (!pipe) throw std::runtime_error("cannot run " + cmd);
+  std::string out;
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = std::fread(buf.data(), 1, buf.size(), pipe)) > 0)
+    out.append(buf.data(), n);
+  int status = ::pclose(pipe);
+  *rc = WIFEXITED(status) ? WEXITSTATUS(status) : 128;
+  return out;
+}
+
+void run_once(const BenchArgs& a, Row& row, const std::string& report) {
+  std::ostringstream cmd;
+  cmd << self_exe() << " train --no-progress --model " << a.model << " --layers " << a.layers
+      << " --d-model " << a.d_model << " --heads " << a.heads << " --seq-len " << a.seq_len
+      << " -p " << a.nproc << " -s " << row.name << " -m " << a.microbatches
+      << " --microbatch-size " << a.microbatch_size << " --steps " << a.steps << " --report "
+      << report << (a.pin ? " --pin" : "") << (row.recompute ? " --recompute" : "");
+  int rc = 0;
+  std::string out = run_capture(cmd.str(), &rc);
+  if (rc != 0) {
+    auto cut = out.find("hp: error: ");
+    row.error = cut == std::string::npos ? "failed (exit " + std::to_string(rc) + ")"
+                                         : out.substr(cut + 11, out.find('\n', cut) - cut - 11);
+    return;
+  }
+  std::ifstream in(report);
+  auto j = nlohmann::json::parse(in);
+  auto steps = j["step_seconds"].get<std::vector<double>>();
+  if (steps.size() > 1) steps.erase(steps.begin());  // the first step warms up
+  std::sort(steps.begin(), steps.end());
+  row.step_times.push_back(steps[steps.size() / 2]);
+  row.measured_bubble = j["measured_bubble"].get<double>();
+  row.simulated_bubble = j["simulated_bubble"].get<double>();
+  row.simulated_makespan = j["simulated_makespan_seconds"].get<double>();
+  double peak = 0, overhead = 0;
+  for (const auto& r : j["ranks"]) {
+    peak = std::max(peak, r["peak_activation_bytes"].get<double>());
+    overhead = std::max(overhead, r["overhead_seconds"].get<double>());
+  }
+  row.peak_mib = peak / 1048576.0;
+  double med = row.step_times.back();
+  row.overhead_pct = med > 0 ? 100.0 * overhead / med : 0;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+void run_bench(const BenchArgs& a) {
+  std::vector<std::string> names;
+  if (a.schedules.empty()) {
+    for (const auto& n : schedule::names())
+      if (n != "afab") names.push_back(n);
+  } else {
+    std::stringstream ss(a.schedules);
+    std::string n;
+    while (std::getline(ss, n, ','))
+      names.push_back(n);
+  }
+  if (std::find(names.begin(), names.end(), "1f1b") == names.end())
+    names.insert(names.begin(), "1f1b");
+  std::vector<Row> rows;
+  for (bool recompute : {false, true}) {
+    if (recompute && !a.recompute_rows) break;
+    for (const auto& n : names) {
+      Row row;
+      row.name = n;
+      row.recompute = recompute;
+      rows.push_back(row);
+    }
+  }
+
+  auto dir = std::filesystem::temp_directory_path() / ("hp-bench-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  for (int round = 0; round < a.rounds; ++round) {
+    for (auto& row : rows) {
+      if (!row.error.empty()) continue;
+      std::fprintf(stderr, "\rround %d/%d: %-16s%s          ", round + 1, a.rounds,
+                   row.name.c_str(), row.recompute ? " +recompute" : "");
+      run_once(a, row, (dir / "report.json").string());
+    }
+  }
+  std::fprintf(stderr, "\n");
+  std::filesystem::remove_all(dir);
+
+  const Row* base = nullptr;
+  for (const auto& r : rows)
+    if (r.name == "1f1b" && !r.recompute && r.error.empty()) base = &r;
+  std::ostringstream md;
+  md << "| schedule | step ms | speedup vs 1f1b | predicted speedup | achieved / predicted | "
+        "measured bubble | simulated bubble | peak act. MiB | executor overhead |\n"
+     << "|---|---|---|---|---|---|---|---|---|\n";
+  std::printf("%-22s %9s %8s %9s %9s %9s %9s %9s %9s\n", "schedule", "step ms", "speedup",
+              "predicted", "achieved", "bubble", "sim bub.", "peak MiB", "overhead");
+  for (const auto& r : rows) {
+    std::string label = r.name + (r.recompute ? " +recompute" : "");
+    if (!r.error.empty()) {
+      std::printf("%-22s  %s\n", label.c_str(), r.error.c_str());
+      md << "| " << label << " | " << r.error << " | | | | | | | |\n";
+      continue;
+    }
+    double t = median(r.step_times);
+    double speedup = base ? median(base->step_times) / t : 0;
+    double predicted =
+        base && r.simulated_makespan > 0 ? base->simulated_makespan / r.simulated_makespan : 0;
+    double achieved = predicted > 0 ? speedup / predicted : 0;
+    std::printf("%-22s %9.1f %8.3f %9.3f %8.0f%% %8.1f%% %8.1f%% %9.2f %8.2f%%\n", label.c_str(),
+                t * 1e3, speedup, predicted, 100 * achieved, 100 * r.measured_bubble,
+                100 * r.simulated_bubble, r.peak_mib, r.overhead_pct);
+    char line[512];
+    std::snprintf(line, sizeof line,
+                  "| %s | %.1f | %.3f | %.3f | %.0f %% | %.1f %% | %.1f %% | %.2f | %.2f %% |\n",
+                  label.c_str(), t * 1e3, speedup, predicted, 100 * achieved,
+                  100 * r.measured_bubble, 100 * r.simulated_bubble, r.peak_mib, r.overhead_pct);
+    md << line;
+  }
+  if (!a.markdown.empty()) std::ofstream(a.markdown) << md.str();
+}
+
+void add_bench_command(CLI::App& app) {
+  auto* bench = app.add_subcommand("bench", "side-by-side benchmarks of whole training runs");
+  bench->require_subcommand(1);
+  auto a = std::make_shared<BenchArgs>();
+  auto* s = bench->add_subcommand("schedules", "train with every schedule, one table");
+  s->add_option("--model", a->model, "gpt or mlp");
+  s->add_option("--layers", a->layers, "layers");
+  s->add_option("--d-model", a->d_model, "width");
+  s->add_option("--heads", a->heads, "attention heads");
+  s->add_option("--seq-len", a->seq_len, "tokens per sequence");
+  s->add_option("--nproc,-p", a->nproc, "ranks");
+  s->add_option("--microbatches,-m", a->microbatches, "microbatches per step");
+  s->add_option("--microbatch-size", a->microbatch_size, "rows per microbatch");
+  s->add_option("--steps", a->steps, "steps per run (the first is not timed)");
+  s->add_option("--rounds", a->rounds, "round-robin passes over the schedules");
+  s->add_option("--schedules", a->schedules, "comma-separated subset (default: all)");
+  s->add_flag("--recompute-rows", a->recompute_rows, "add every schedule again with --recompute");
+  s->add_flag("!--no-pin", a->pin, "do not pin ranks to cores");
+  s->add_option("--markdown", a->markdown, "also write the table as markdown");
+  s->callback([a] { run_bench(*a); });
+}
+
+HP_CLI_COMMAND(add_bench_command);
+
+}  // namespace
+}  // namespace hp::cli
