@@ -13,6 +13,7 @@
 
 #include "hp/autograd/grad_function.h"
 #include "hp/autograd/split_plan.h"
+#include "hp/core/memory.h"
 
 using hp::autograd::TensorList;
 namespace {
@@ -161,4 +162,10 @@ void BM_WideMlp(benchmark::State& state) {
 
 BENCHMARK(BM_TransformerBlock)->UseManualTime()->Unit(benchmark::kMillisecond)->MinTime(3.0);
 BENCHMARK(BM_WideMlp)->UseManualTime()->Unit(benchmark::kMillisecond)->MinTime(3.0);
-BENCHMARK_MAIN();
+int main(int argc, char** argv) {
+  hp::keep_freed_memory_mapped();  // NOTE [glibc malloc and page faults]
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  return 0;
+}

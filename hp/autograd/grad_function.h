@@ -59,7 +59,7 @@ struct SplitStats {
   size_t num_nodes = 0;       ///< backward nodes reachable from the outputs
   size_t num_dx_nodes = 0;    ///< nodes that lead to an input (run by dx)
   size_t num_join_nodes = 0;  ///< dx nodes where a weight's branch joins
-  size_t num_groups = 0;      ///< engine calls dw makes
+  size_t num_groups = 0;      ///< weight groups (engine calls dw makes with separate_dw_calls)
 };
 
 /// The backward of one forward, split into dx and dw.
@@ -87,6 +87,10 @@ class GradFunction {
   /// dx and dw in one fused backward (no split), for comparison and for stages
   /// that do not split. Accumulates dw into `.grad()` too.
   Grads operator()(const TensorList& sens = {}, bool keep_graph = false);
+
+  /// Runs dw as one engine call per weight group instead of one call for all
+  /// (NOTE [One engine call for dw]); results are identical. Default off.
+  GradFunction& separate_dw_calls(bool on);
 
   size_t num_inputs() const;
   size_t num_weights() const;

@@ -6,6 +6,11 @@
 
 namespace hp {
 
+/// Keeps freed CPU memory in the process for reuse instead of returning it to
+/// the kernel after every large free (see NOTE [glibc malloc and page faults]).
+/// Process-wide; the `hp` ranks and the benchmarks call it at startup.
+void keep_freed_memory_mapped();
+
 /// Installs the tracking allocator (once per process; later calls do nothing).
 /// Tensors allocated before keep their original allocator and are not counted.
 void install_memory_tracker();

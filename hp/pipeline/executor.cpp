@@ -308,7 +308,9 @@ struct Executor::State {
       } catch (const std::exception& e) {
         throw std::runtime_error(where(a) + ": " + e.what());
       }
-      record(a, start, Clock::now());
+      auto end = Clock::now();
+      stats.comm_wait += seconds_between(start, end);
+      record(a, start, end);
     }
     auto t = Clock::now();
     try {

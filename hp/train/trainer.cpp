@@ -517,8 +517,12 @@ TrainResult run_rank(const TrainConfig& config, std::shared_ptr<dist::Comm> comm
   result.simulated_makespan = sim.makespan;
 
   if (!config.trace.empty()) {
-    std::ofstream(config.trace) << schedule::render_chrome_trace(result.timeline);
-    std::ofstream(config.trace + ".svg") << schedule::render_svg(result.timeline);
+    // The renderers read one time unit as one millisecond.
+    schedule::Timeline ms = result.timeline;
+    for (auto& e : ms.events)
+      e.start *= 1e3, e.end *= 1e3;
+    std::ofstream(config.trace) << schedule::render_chrome_trace(ms);
+    std::ofstream(config.trace + ".svg") << schedule::render_svg(ms);
   }
   if (!config.report.empty()) write_report(config, result, config.report);
   return result;

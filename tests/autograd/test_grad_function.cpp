@@ -98,6 +98,17 @@ hp::autograd::SplitStats check_split(const Fn& fn, const TensorList& inputs,
     expect_close(dw[i], ref.dw[i], "dw " + std::to_string(i));
     expect_close(weights[i].grad(), ref.dw[i], ".grad of weight " + std::to_string(i));
   }
+  // The same with one engine call per weight group.
+  for (auto& w : weights)
+    w.mutable_grad() = torch::Tensor();
+  auto [outs_g, grouped] = forward_and_gradfn(fn, inputs, opts);
+  grouped.separate_dw_calls(true);
+  grouped.compute_input_grad(sens);
+  dw = grouped.compute_weight_grad();
+  for (size_t i = 0; i < dw.size(); ++i) {
+    expect_close(dw[i], ref.dw[i], "dw " + std::to_string(i));
+    expect_close(weights[i].grad(), ref.dw[i], ".grad of weight " + std::to_string(i));
+  }
   auto stats = split.stats();
 
   for (auto& w : weights)

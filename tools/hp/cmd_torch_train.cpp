@@ -8,6 +8,7 @@
 #include <iostream>
 #include <memory>
 
+#include "hp/core/memory.h"
 #include "hp/dist/comm.h"
 #include "hp/dist/launcher.h"
 #include "hp/schedule/generators.h"
@@ -64,6 +65,7 @@ int run_worker(const TrainArgs& a) {
   // save, so it reports and leaves without unwinding.
   try {
     dist::apply_rank_pinning();
+    keep_freed_memory_mapped();
     dist::CommOptions opts;
     opts.timeout = std::chrono::seconds(a.config.timeout_s);
     auto comm = dist::Comm::from_env(opts);

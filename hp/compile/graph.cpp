@@ -1,0 +1,449 @@
+// The IR's helpers (def-use queries, lint, printing) and `replay`: boxed
+// dispatcher calls under NoGradGuard, collectives as tagged isend/irecv.
+#include "hp/compile/graph.h"
+
+#include <c10/util/Exception.h>
+#include <torch/torch.h>
+
+#include <sstream>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "hp/dist/comm.h"
+
+namespace hp::compile {
+
+Arg Arg::make_constant(c10::IValue v) {
+  Arg a;
+  a.kind = Kind::Constant;
+  a.constant = std::move(v);
+  return a;
+}
+
+Arg Arg::make_value(int64_t id) {
+  Arg a;
+  a.kind = Kind::Value;
+  a.values = {id};
+  return a;
+}
+
+Ret Ret::make_value(int64_t id) {
+  Ret r;
+  r.kind = Kind::Value;
+  r.values = {id};
+  return r;
+}
+
+std::vector<int64_t> Node::inputs() const {
+  std::vector<int64_t> out;
+  for (const auto& a : args)
+    if (a.kind != Arg::Kind::Constant)
+      for (int64_t v : a.values)
+        if (v >= 0) out.push_back(v);
+  return out;
+}
+
+std::vector<int64_t> Node::outputs() const {
+  std::vector<int64_t> out;
+  for (const auto& r : rets)
+    for (int64_t v : r.values)
+      if (v >= 0) out.push_back(v);
+  return out;
+}
+
+int Node::replace_input(int64_t from, int64_t to) {
+  int n = 0;
+  for (auto& a : args)
+    if (a.kind != Arg::Kind::Constant)
+      for (auto& v : a.values)
+        if (v == from) {
+          v = to;
+          ++n;
+        }
+  return n;
+}
+
+bool Node::is_mutable() const {
+  return kind == NodeKind::Call && op && op->schema().is_mutable();
+}
+
+namespace {
+
+const char* role_name(PlaceholderRole r) {
+  switch (r) {
+    case PlaceholderRole::Parameter:
+      return "param";
+    case PlaceholderRole::Buffer:
+      return "buffer";
+    case PlaceholderRole::Input:
+      return "input";
+  }
+  return "?";
+}
+
+const char* collective_name(CollectiveKind k) {
+  switch (k) {
+    case CollectiveKind::AllGather:
+      return "all_gather";
+    case CollectiveKind::ReduceScatter:
+      return "reduce_scatter";
+    case CollectiveKind::AllReduce:
+      return "all_reduce";
+  }
+  return "?";
+}
+
+std::string shape_str(c10::IntArrayRef s) {
+  std::ostringstream os;
+  os << "[";
+  for (size_t i = 0; i < s.size(); ++i)
+    os << (i ? ", " : "") << s[i];
+  os << "]";
+  return os.str();
+}
+
+void print_constant(std::ostream& os, const c10::IValue& v) {
+  if (v.isTensor()) {
+    const auto& t = v.toTensor();
+    if (!t.defined())
+      os << "undefined";
+    else
+      os << "const " << c10::toString(t.scalar_type()) << shape_str(t.sizes());
+  } else if (v.isNone()) {
+    os << "None";
+  } else {
+    os << v;
+  }
+}
+
+std::string ids(const std::vector<int64_t>& vs) {
+  std::ostringstream os;
+  for (size_t i = 0; i < vs.size(); ++i)
+    os << (i ? ", " : "") << (vs[i] < 0 ? std::string("None") : "%" + std::to_string(vs[i]));
+  return os.str();
+}
+
+}  // namespace
+
+std::string Node::str() const {
+  std::ostringstream os;
+  auto rets_str = [&] {
+    std::vector<std::string> parts;
+    for (const auto& r : rets) {
+      if (r.kind == Ret::Kind::Value)
+        parts.push_back(r.values[0] < 0 ? "_" : "%" + std::to_string(r.values[0]));
+      else if (r.kind == Ret::Kind::ValueList)
+        parts.push_back("[" + ids(r.values) + "]");
+      else
+        parts.push_back("_");
+    }
+    std::string s;
+    for (size_t i = 0; i < parts.size(); ++i)
+      s += (i ? ", " : "") + parts[i];
+    return s;
+  };
+  auto args_str = [&] {
+    std::ostringstream a;
+    for (size_t i = 0; i < args.size(); ++i) {
+      a << (i ? ", " : "");
+      const auto& arg = args[i];
+      if (arg.kind == Arg::Kind::Constant)
+        print_constant(a, arg.constant);
+      else if (arg.kind == Arg::Kind::Value)
+        a << "%" << arg.values[0];
+      else
+        a << "[" << ids(arg.values) << "]";
+    }
+    return a.str();
+  };
+  switch (kind) {
+    case NodeKind::Placeholder:
+      os << rets_str() << " = placeholder[" << role_name(role) << "] " << name << " "
+         << c10::toString(dtype) << shape_str(shape);
+      for (const auto& a : aliases)
+        os << " (also " << a << ")";
+      break;
+    case NodeKind::Call:
+      os << rets_str() << " = " << name << (overload.empty() ? "" : "." + overload) << "("
+         << args_str() << ")";
+      break;
+    case NodeKind::Collective:
+      os << rets_str() << " = " << collective_name(collective) << "[degree=" << degree
+         << ", tag=" << tag << "](" << args_str() << ")";
+      break;
+    case NodeKind::Wait:
+      os << rets_str() << " = wait(" << args_str() << ")";
+      break;
+    case NodeKind::Output: {
+      os << "return (";
+      auto in = inputs();
+      for (size_t i = 0; i < in.size(); ++i)
+        os << (i ? ", " : "") << (i < output_names.size() ? output_names[i] : "?") << "=%" << in[i];
+      os << ")";
+      break;
+    }
+  }
+  return os.str();
+}
+
+std::vector<size_t> Graph::placeholders() const {
+  return find(NodeKind::Placeholder);
+}
+
+std::vector<size_t> Graph::find(NodeKind kind) const {
+  std::vector<size_t> out;
+  for (size_t i = 0; i < nodes_.size(); ++i)
+    if (nodes_[i].kind == kind) out.push_back(i);
+  return out;
+}
+
+const Node& Graph::output() const {
+  TORCH_CHECK(!nodes_.empty() && nodes_.back().kind == NodeKind::Output,
+              "graph has no Output node as its last node");
+  return nodes_.back();
+}
+
+Node& Graph::output() {
+  return const_cast<Node&>(static_cast<const Graph*>(this)->output());
+}
+
+size_t Graph::def_index(int64_t value) const {
+  for (size_t i = 0; i < nodes_.size(); ++i)
+    for (int64_t v : nodes_[i].outputs())
+      if (v == value) return i;
+  TORCH_CHECK(false, "graph: no node defines %", value);
+}
+
+void Graph::replace_uses(int64_t from, int64_t to, size_t start) {
+  for (size_t i = start; i < nodes_.size(); ++i)
+    nodes_[i].replace_input(from, to);
+}
+
+int64_t Graph::count_calls(const std::string& name) const {
+  int64_t n = 0;
+  for (const auto& node : nodes_)
+    if (node.kind == NodeKind::Call && node.name == name) ++n;
+  return n;
+}
+
+void Graph::lint() const {
+  std::unordered_set<int64_t> defined;
+  bool past_placeholders = false;
+  for (size_t i = 0; i < nodes_.size(); ++i) {
+    const Node& n = nodes_[i];
+    if (n.kind != NodeKind::Placeholder) past_placeholders = true;
+    TORCH_CHECK(n.kind != NodeKind::Placeholder || !past_placeholders, "graph lint: node ", i,
+                " is a placeholder after non-placeholder nodes");
+    TORCH_CHECK((n.kind == NodeKind::Output) == (i + 1 == nodes_.size()), "graph lint: node ", i,
+                (n.kind == NodeKind::Output ? " is an Output before the end"
+                                            : " is last but not an Output"));
+    for (int64_t v : n.inputs())
+      TORCH_CHECK(defined.count(v), "graph lint: node ", i, " (", n.str(), ") reads %", v,
+                  " before any node defines it");
+    for (int64_t v : n.outputs()) {
+      TORCH_CHECK(v < num_values_, "graph lint: node ", i, " defines %", v, " beyond num_values ",
+                  num_values_);
+      TORCH_CHECK(defined.insert(v).second, "graph lint: %", v, " is defined twice (node ", i, ")");
+    }
+  }
+}
+
+std::string Graph::str() const {
+  std::ostringstream os;
+  os << "graph(" << num_values_ << " values):\n";
+  for (const auto& n : nodes_)
+    os << "  " << n.str() << "\n";
+  return os.str();
+}
+
+// ---------------------------------------------------------------------------
+// Replay
+
+namespace {
+
+// NOTE [Collectives at replay]
+// A Collective node posts tagged isend/irecv pairs with every other rank and
+// returns at once; its Wait completes them and finishes the result (the sum in
+// rank order for reductions, so every rank adds in the same order). The Comm
+// has only blocking collectives, and this is what lets a wait move away from
+// its collective (AutoOverlapPass). Bytes moved per rank: all_gather and
+// reduce_scatter (w-1)/w of the full tensor, as a ring would; all_reduce
+// (w-1) times the tensor (a direct exchange, fine for the small replicated
+// parameters it serves). The degree must be the Comm's world size.
+struct Pending {
+  CollectiveKind kind;
+  std::vector<hp::dist::Work> works;
+  std::vector<at::Tensor> keep;    // sent tensors, alive until the wait
+  std::vector<at::Tensor> pieces;  // per rank: received (or own) piece
+  at::Tensor result;               // all_gather's output buffer
+  int64_t world = 1;
+};
+
+constexpr int64_t kTagBase = 1 << 20;
+
+Pending issue(const Node& n, const at::Tensor& in_raw, hp::dist::Comm* comm) {
+  TORCH_CHECK(comm, "graph replay: the graph has a ", n.name,
+              " collective but no Comm was given; pass the Comm of the FSDP group");
+  const int64_t w = comm->world_size();
+  const int me = comm->rank();
+  TORCH_CHECK(n.degree == w, "graph replay: collective of degree ", n.degree,
+              " on a Comm of world size ", w,
+              "; FSDP subgroups are not supported: use fsdp_degree == world size");
+  const int tag = static_cast<int>(kTagBase + n.tag);
+  at::Tensor in = in_raw.contiguous();
+  Pending p;
+  p.kind = n.collective;
+  p.world = w;
+  p.keep.push_back(in);
+  p.pieces.resize(w);
+  switch (n.collective) {
+    case CollectiveKind::AllGather: {
+      std::vector<int64_t> shape = in.sizes().vec();
+      TORCH_CHECK(!shape.empty(), "all_gather needs a tensor with at least one dimension");
+      const int64_t rows = shape[0];
+      shape[0] *= w;
+      p.result = at::empty(shape, in.options());
+      p.result.narrow(0, me * rows, rows).copy_(in);
+      for (int r = 0; r < w; ++r) {
+        if (r == me) continue;
+        p.works.push_back(comm->isend(in, r, tag));
+        p.works.push_back(comm->irecv(p.result.narrow(0, r * rows, rows), r, tag));
+      }
+      break;
+    }
+    case CollectiveKind::ReduceScatter: {
+      TORCH_CHECK(in.dim() >= 1 && in.size(0) % w == 0, "reduce_scatter: dim 0 (", in.size(0),
+                  ") must divide by the degree ", w);
+      const int64_t rows = in.size(0) / w;
+      for (int r = 0; r < w; ++r) {
+        at::Tensor chunk = in.narrow(0, r * rows, rows);
+        if (r == me) {
+          p.pieces[r] = chunk;
+          continue;
+        }
+        p.pieces[r] = at::empty_like(chunk);
+        p.works.push_back(comm->isend(chunk, r, tag));
+        p.works.push_back(comm->irecv(p.pieces[r], r, tag));
+      }
+      break;
+    }
+    case CollectiveKind::AllReduce: {
+      for (int r = 0; r < w; ++r) {
+        if (r == me) {
+          p.pieces[r] = in;
+          continue;
+        }
+        p.pieces[r] = at::empty_like(in);
+        p.works.push_back(comm->isend(in, r, tag));
+        p.works.push_back(comm->irecv(p.pieces[r], r, tag));
+      }
+      break;
+    }
+  }
+  return p;
+}
+
+at::Tensor finish(Pending& p) {
+  hp::dist::wait_all(p.works);
+  if (p.kind == CollectiveKind::AllGather) return p.result;
+  // Averaged: data-parallel gradients are means over the ranks' batches.
+  at::Tensor sum = p.pieces[0].clone();
+  for (int64_t r = 1; r < p.world; ++r)
+    sum.add_(p.pieces[r]);
+  return sum.div_(static_cast<double>(p.world));
+}
+
+}  // namespace
+
+std::vector<at::Tensor> replay(const Graph& graph, const std::vector<at::Tensor>& placeholders,
+                               hp::dist::Comm* comm) {
+  torch::NoGradGuard no_grad;
+  std::vector<at::Tensor> env(graph.num_values());
+  std::unordered_map<int64_t, Pending> pending;
+  size_t next_placeholder = 0;
+  std::vector<at::Tensor> result;
+  torch::jit::Stack stack;
+  for (const Node& n : graph.nodes()) {
+    switch (n.kind) {
+      case NodeKind::Placeholder: {
+        TORCH_CHECK(next_placeholder < placeholders.size(), "graph replay: got ",
+                    placeholders.size(), " placeholder tensors; the graph has more (", n.name,
+                    " is missing)");
+        const at::Tensor& t = placeholders[next_placeholder++];
+        TORCH_CHECK(t.defined(), "graph replay: placeholder ", n.name, " is undefined");
+        TORCH_CHECK(t.sizes().vec() == n.shape && t.scalar_type() == n.dtype,
+                    "graph replay: placeholder '", n.name, "' was captured as ",
+                    c10::toString(n.dtype), shape_str(n.shape), " but got ",
+                    c10::toString(t.scalar_type()), shape_str(t.sizes()),
+                    "; a captured graph freezes shapes: capture a new graph for the new shape");
+        env[n.rets[0].values[0]] = t;
+        break;
+      }
+      case NodeKind::Call: {
+        stack.clear();
+        for (const Arg& a : n.args) {
+          switch (a.kind) {
+            case Arg::Kind::Constant:
+              stack.emplace_back(a.constant);
+              break;
+            case Arg::Kind::Value:
+              stack.emplace_back(env[a.values[0]]);
+              break;
+            case Arg::Kind::ValueList: {
+              c10::List<at::Tensor> l;
+              l.reserve(a.values.size());
+              for (int64_t v : a.values)
+                l.push_back(env[v]);
+              stack.emplace_back(std::move(l));
+              break;
+            }
+            case Arg::Kind::OptionalValueList: {
+              c10::List<c10::optional<at::Tensor>> l;
+              l.reserve(a.values.size());
+              for (int64_t v : a.values)
+                l.push_back(v < 0 ? c10::optional<at::Tensor>()
+                                  : c10::optional<at::Tensor>(env[v]));
+              stack.emplace_back(std::move(l));
+              break;
+            }
+          }
+        }
+        n.op->callBoxed(&stack);
+        TORCH_INTERNAL_ASSERT(stack.size() == n.rets.size(), n.str(), " returned ", stack.size(),
+                              " values, captured ", n.rets.size());
+        for (size_t i = 0; i < n.rets.size(); ++i) {
+          const Ret& r = n.rets[i];
+          if (r.kind == Ret::Kind::Value) {
+            if (r.values[0] >= 0) env[r.values[0]] = stack[i].toTensor();
+          } else if (r.kind == Ret::Kind::ValueList) {
+            auto l = stack[i].toTensorList();
+            TORCH_INTERNAL_ASSERT(l.size() == r.values.size(), n.str());
+            for (size_t j = 0; j < l.size(); ++j)
+              env[r.values[j]] = l.get(j);
+          }
+        }
+        break;
+      }
+      case NodeKind::Collective:
+        pending.emplace(n.rets[0].values[0], issue(n, env[n.args[0].values[0]], comm));
+        break;
+      case NodeKind::Wait: {
+        auto it = pending.find(n.args[0].values[0]);
+        TORCH_INTERNAL_ASSERT(it != pending.end(), "wait on a collective not issued: ", n.str());
+        env[n.rets[0].values[0]] = finish(it->second);
+        pending.erase(it);
+        break;
+      }
+      case NodeKind::Output:
+        for (int64_t v : n.inputs())
+          result.push_back(env[v]);
+        break;
+    }
+  }
+  TORCH_CHECK(next_placeholder == placeholders.size(), "graph replay: got ", placeholders.size(),
+              " placeholder tensors for ", next_placeholder, " placeholders");
+  TORCH_INTERNAL_ASSERT(pending.empty(), "graph replay: a collective was never waited on");
+  return result;
+}
+
+}  // namespace hp::compile
