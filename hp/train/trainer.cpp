@@ -168,6 +168,59 @@ schedule::CostModel measured_costs(const schedule::Schedule& s,
   return c;
 }
 
+// Replicas (DualPipe copies, a tied head): every copy's gradient becomes the
+// sum over all copies, added in rank order so the copies get the same bits
+// and stay identical. Everything shared with one peer travels in one message.
+void sum_replica_gradients(int rank, dist::Comm& comm,
+                           const std::map<std::string, std::set<int>>& holders,
+                           std::map<std::string, std::vector<torch::Tensor>>& local_by_name) {
+  std::map<std::string, torch::Tensor> mine;            // this rank's sum per replicated name
+  std::map<int, std::vector<std::string>> shared_with;  // peer -> names, in name order
+  for (const auto& [name, ranks] : holders) {
+    auto local = local_by_name.find(name);
+    if (local == local_by_name.end()) continue;
+    auto& copies = local->second;
+    if (copies.size() == 1 && ranks.size() == 1) continue;
+    torch::Tensor sum = copies[0].grad().clone();
+    for (size_t k = 1; k < copies.size(); ++k)
+      sum += copies[k].grad();
+    mine[name] = sum;
+    for (int r : ranks)
+      if (r != rank) shared_with[r].push_back(name);
+  }
+  if (mine.empty()) return;
+  std::map<int, torch::Tensor> received;
+  std::vector<dist::Work> works;
+  for (const auto& [peer, names] : shared_with) {
+    std::vector<torch::Tensor> flat;
+    for (const auto& n : names)
+      flat.push_back(mine.at(n).reshape({-1}));
+    torch::Tensor out = torch::cat(flat);
+    received[peer] = torch::empty_like(out);
+    works.push_back(comm.isend(out, peer, kTagBase + 16 + rank));
+    works.push_back(comm.irecv(received[peer], peer, kTagBase + 16 + peer));
+  }
+  dist::wait_all(works);
+  std::map<std::string, std::map<int, torch::Tensor>> parts;
+  for (auto& [name, sum] : mine)
+    parts[name][rank] = sum;
+  for (const auto& [peer, names] : shared_with) {
+    int64_t offset = 0;
+    for (const auto& n : names) {
+      const auto& like = mine.at(n);
+      parts[n][peer] = received[peer].narrow(0, offset, like.numel()).view(like.sizes());
+      offset += like.numel();
+    }
+  }
+  for (auto& [name, by_rank] : parts) {
+    torch::Tensor total;
+    for (auto& [r, t] : by_rank)
+      total = total.defined() ? total + t : t.clone();
+    for (auto& t : local_by_name.at(name))
+      t.mutable_grad() = total.clone();
+  }
+}
+
 // NOTE [Recompute in the pipeline]
 // With --recompute every gpt block is checkpointed. A (stage, microbatch)
 // gets a recompute session that retains the recomputed block from its I to
@@ -350,6 +403,9 @@ TrainResult run_rank(const TrainConfig& config, std::shared_ptr<dist::Comm> comm
       local_by_name[item.key()].push_back(item.value());
     }
   auto all_holders = holders(config, sched);
+  int64_t grad_bytes = 0;
+  for (const auto& p : params)
+    grad_bytes += p.numel() * static_cast<int64_t>(p.element_size());
   auto optimizer = make_optimizer(config, params);
 
   TrainResult result;
@@ -402,37 +458,12 @@ TrainResult run_rank(const TrainConfig& config, std::shared_ptr<dist::Comm> comm
     reset_peak_memory();
     auto t0 = Clock::now();
     last = executor.run_step();
-    peak_bytes = std::max(peak_bytes, peak_memory_allocated() - base);
+    // Activation memory: the step's peak above its start, less the weight
+    // gradients the step allocates (they are not activations).
+    peak_bytes =
+        std::max(peak_bytes, std::max<int64_t>(0, peak_memory_allocated() - base - grad_bytes));
 
-    // Replicas (DualPipe copies, a tied head): sum their gradients, in rank
-    // order, so every copy gets the same bits and stays identical.
-    for (const auto& [name, ranks] : all_holders) {
-      auto local = local_by_name.find(name);
-      if (local == local_by_name.end()) continue;
-      auto& copies = local->second;
-      if (copies.size() == 1 && ranks.size() == 1) continue;
-      torch::Tensor mine = copies[0].grad().clone();
-      for (size_t k = 1; k < copies.size(); ++k)
-        mine += copies[k].grad();
-      torch::Tensor total;
-      if (ranks.size() == 1) {
-        total = mine;
-      } else {
-        std::map<int, torch::Tensor> parts{{rank, mine}};
-        std::vector<dist::Work> works;
-        for (int r : ranks) {
-          if (r == rank) continue;
-          parts[r] = torch::empty_like(mine);
-          works.push_back(comm->isend(mine, r, kTagBase + 16 + rank));
-          works.push_back(comm->irecv(parts[r], r, kTagBase + 16 + r));
-        }
-        dist::wait_all(works);
-        for (auto& [r, t] : parts)
-          total = total.defined() ? total + t : t.clone();
-      }
-      for (auto& t : copies)
-        t.mutable_grad() = total.clone();
-    }
+    sum_replica_gradients(rank, *comm, all_holders, local_by_name);
     optimizer->step();
 
     auto loss = torch::tensor({last.loss_sum}, torch::kFloat64);
