@@ -4,7 +4,9 @@
 // threads (collectives where the plan says, shard sizes, waits really moved,
 // training equal to single-process eager).
 #include <gtest/gtest.h>
+
 #include <torch/torch.h>
+#include "tests/common/threads_as_ranks.h"
 
 #include <filesystem>
 #include <thread>
@@ -193,34 +195,20 @@ std::vector<RankResult> run_fsdp(const PassConfig& config, const std::optional<P
     torch::manual_seed(15);
     models.emplace_back(6, 16, out_features);
   }
-  const std::string store = temp_path("fsdp");
   std::vector<RankResult> results(world);
-  std::vector<std::exception_ptr> errors(world);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r)
-    threads.emplace_back([&, r] {
-      try {
-        auto comm = hp::dist::Comm::from_file_store(store, r, world);
-        GraphTrainer trainer(models[r].ptr(), hp_test::mse_fn<hp_test::MlpImpl>(), config, plan,
-                             opt, comm);
-        for (const auto& [x, y] : data) {
-          const int64_t half = x.size(0) / world;
-          results[r].losses.push_back(
-              trainer.train_step(x.narrow(0, r * half, half), y.narrow(0, r * half, half)));
-          trainer.optimizer_step();
-        }
-        results[r].params = models[r]->parameters();
-        results[r].graph = trainer.graph();
-        results[r].sharded = trainer.sharded_parameters();
-      } catch (...) {
-        errors[r] = std::current_exception();
-      }
-    });
-  for (auto& t : threads)
-    t.join();
-  std::filesystem::remove_all(store);
-  for (auto& e : errors)
-    if (e) std::rethrow_exception(e);
+  hp::testing::run_ranks_as_threads(world, [&](int r, std::shared_ptr<hp::dist::Comm> comm) {
+    GraphTrainer trainer(models[r].ptr(), hp_test::mse_fn<hp_test::MlpImpl>(), config, plan, opt,
+                         comm);
+    for (const auto& [x, y] : data) {
+      const int64_t half = x.size(0) / world;
+      results[r].losses.push_back(
+          trainer.train_step(x.narrow(0, r * half, half), y.narrow(0, r * half, half)));
+      trainer.optimizer_step();
+    }
+    results[r].params = models[r]->parameters();
+    results[r].graph = trainer.graph();
+    results[r].sharded = trainer.sharded_parameters();
+  });
   return results;
 }
 

@@ -12,43 +12,19 @@
 #include "hp/recompute/session.h"
 #include "hp/schedule/generators.h"
 #include "hp/train/trainer.h"
+#include "tests/common/threads_as_ranks.h"
 
 using hp::train::TrainConfig;
 using hp::train::TrainResult;
 
 namespace {
 
-std::string temp_path(const std::string& stem) {
-  static int counter = 0;
-  auto p = std::filesystem::temp_directory_path() /
-           ("hp-test-" + std::to_string(::getpid()) + "-" + stem + "-" + std::to_string(counter++));
-  std::filesystem::remove_all(p);
-  return p.string();
-}
-
 // Runs every rank of `config` on its own thread; rethrows a rank's error.
 std::vector<TrainResult> run_threads(const TrainConfig& config) {
-  const std::string store = temp_path("store");
   std::vector<TrainResult> results(config.nproc);
-  std::vector<std::exception_ptr> errors(config.nproc);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < config.nproc; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        hp::dist::CommOptions opts;
-        opts.timeout = std::chrono::seconds(60);
-        auto comm = hp::dist::Comm::from_file_store(store, r, config.nproc, opts);
-        results[r] = hp::train::run_rank(config, comm);
-      } catch (...) {
-        errors[r] = std::current_exception();
-      }
-    });
-  }
-  for (auto& t : threads)
-    t.join();
-  std::filesystem::remove_all(store);
-  for (auto& e : errors)
-    if (e) std::rethrow_exception(e);
+  hp::testing::run_ranks_as_threads(config.nproc, [&](int r, std::shared_ptr<hp::dist::Comm> comm) {
+    results[r] = hp::train::run_rank(config, comm);
+  });
   return results;
 }
 

@@ -4,7 +4,9 @@
 // behind, FLOPs, memory) is measured, not assumed.
 #include <ATen/record_function.h>
 #include <gtest/gtest.h>
+
 #include <torch/torch.h>
+#include "tests/common/flop_counter.h"
 
 #include <functional>
 #include <string>
@@ -137,37 +139,7 @@ struct Microbatch {
   }
 };
 
-// Counts the multiply-add FLOPs of matrix products run on this thread
-// (as tests/autograd does).
-class FlopCounter {
- public:
-  FlopCounter() {
-    flops() = 0;
-    handle_ = at::addThreadLocalCallback(
-        at::RecordFunctionCallback(&FlopCounter::on_start).needsInputs(true));
-  }
-  ~FlopCounter() { at::removeCallback(handle_); }
-  static int64_t& flops() {
-    static thread_local int64_t count = 0;
-    return count;
-  }
-
- private:
-  static std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
-    std::string name = fn.name();
-    auto in = fn.inputs();
-    auto dims = [&](size_t i) { return in[i].toTensor().sizes(); };
-    if (name == "aten::mm") {
-      flops() += 2 * dims(0)[0] * dims(0)[1] * dims(1)[1];
-    } else if (name == "aten::addmm") {
-      flops() += 2 * dims(1)[0] * dims(1)[1] * dims(2)[1];
-    } else if (name == "aten::bmm") {
-      flops() += 2 * dims(0)[0] * dims(0)[1] * dims(0)[2] * dims(1)[2];
-    }
-    return nullptr;
-  }
-  at::CallbackHandle handle_;
-};
+using hp::testing::FlopCounter;
 
 void expect_error(const std::function<void()>& f, const std::string& fragment) {
   try {

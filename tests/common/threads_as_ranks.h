@@ -1,0 +1,48 @@
+// Test helper: runs `world` ranks as threads of this process, each with its
+// own Comm over real Gloo (a FileStore rendezvous in a fresh temporary file),
+// and rethrows the first rank's error after all joined.
+#pragma once
+
+#include <unistd.h>
+
+#include <chrono>
+#include <exception>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "hp/dist/comm.h"
+
+namespace hp::testing {
+
+inline void run_ranks_as_threads(
+    int world, const std::function<void(int, std::shared_ptr<dist::Comm>)>& body) {
+  static int counter = 0;
+  const auto store =
+      std::filesystem::temp_directory_path() /
+      ("hp-test-store-" + std::to_string(::getpid()) + "-" + std::to_string(counter++));
+  std::filesystem::remove_all(store);
+  std::vector<std::exception_ptr> errors(world);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        dist::CommOptions opts;
+        opts.timeout = std::chrono::seconds(60);
+        body(r, dist::Comm::from_file_store(store.string(), r, world, opts));
+      } catch (...) {
+        errors[r] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads)
+    t.join();
+  std::filesystem::remove_all(store);
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+}
+
+}  // namespace hp::testing
