@@ -34,7 +34,9 @@ struct StepStats {
   double loss_sum = 0.0;   ///< losses of the microbatches that ended on this rank
   double wall = 0.0;       ///< seconds from the first to the last action
   double compute = 0.0;    ///< seconds in F, I, W, B, FB
-  double comm_wait = 0.0;  ///< seconds blocked waiting for a receive or the final sends
+  double comm_wait = 0.0;  ///< seconds in communication: posting sends and receives (on
+                           ///< loopback the kernel copies a send in the posting call)
+                           ///< and waiting for them
   double overhead = 0.0;   ///< wall - compute - comm_wait: the executor's own time
   std::vector<schedule::Event> events;     ///< every action, seconds from the step start
   std::vector<schedule::Action> executed;  ///< compute actions in the order they ran

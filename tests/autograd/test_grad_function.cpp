@@ -6,6 +6,7 @@
 
 #include <torch/torch.h>
 #include "tests/common/flop_counter.h"
+#include "tests/common/oracle.h"
 
 #include <functional>
 #include <optional>
@@ -22,20 +23,9 @@ using Fn = std::function<TensorList(const TensorList&)>;
 
 namespace {
 
-const auto kF64 = torch::TensorOptions().dtype(torch::kFloat64);
-
-torch::Tensor param(std::vector<int64_t> shape) {
-  return (torch::randn(shape, kF64) * 0.5).requires_grad_(true);
-}
-
-void expect_close(const torch::Tensor& a, const torch::Tensor& b, const std::string& what) {
-  ASSERT_TRUE(a.defined()) << what << " is undefined";
-  ASSERT_TRUE(b.defined()) << what << " reference is undefined";
-  ASSERT_EQ(a.sizes(), b.sizes()) << what;
-  double scale = std::max(1.0, b.abs().max().item<double>());
-  double err = (a - b).abs().max().item<double>();
-  EXPECT_LE(err, 1e-12 * scale) << what << ": max abs error " << err;
-}
+using hp::testing::expect_close;
+using hp::testing::kF64;
+using hp::testing::param;
 
 // The reference: the same function on fresh copies of the inputs, one
 // torch::autograd::grad for the selected inputs and all weights.

@@ -40,14 +40,6 @@ struct Row {
   std::string error;
 };
 
-std::string self_exe() {
-  char buf[4096];
-  ssize_t n = ::readlink("/proc/self/exe", buf, sizeof buf - 1);
-  if (n <= 0) throw std::runtime_error("cannot find the hp executable");
-  buf[n] = 0;
-  return buf;
-}
-
 std::string run_capture(const std::string& cmd, int* rc) {
   FILE* pipe = ::popen((cmd + " 2>&1").c_str(), "r");
   if (!pipe) throw std::runtime_error("cannot run " + cmd);
@@ -63,7 +55,7 @@ std::string run_capture(const std::string& cmd, int* rc) {
 
 void run_once(const BenchArgs& a, Row& row, const std::string& report) {
   std::ostringstream cmd;
-  cmd << self_exe() << " train --no-progress --model " << a.model << " --layers " << a.layers
+  cmd << self_executable() << " train --no-progress --model " << a.model << " --layers " << a.layers
       << " --d-model " << a.d_model << " --heads " << a.heads << " --seq-len " << a.seq_len
       << " -p " << a.nproc << " -s " << row.name << " -m " << a.microbatches
       << " --microbatch-size " << a.microbatch_size << " --steps " << a.steps << " --report "

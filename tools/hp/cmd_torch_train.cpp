@@ -29,14 +29,6 @@ struct TrainArgs {
   std::vector<std::string> argv;  // our own command line, for the ranks
 };
 
-std::string self_exe() {
-  char buf[4096];
-  ssize_t n = ::readlink("/proc/self/exe", buf, sizeof buf - 1);
-  if (n <= 0) throw std::runtime_error("cannot find the hp executable (/proc/self/exe)");
-  buf[n] = 0;
-  return buf;
-}
-
 void finish_config(TrainArgs& a) {
   auto& c = a.config;
   if (a.dtype == "float64") {
@@ -93,7 +85,7 @@ int run_launcher(const TrainArgs& a) {
                (long long)c.microbatch_size, c.steps);
   dist::LaunchOptions lo;
   lo.nproc = c.nproc;
-  lo.command = {self_exe()};
+  lo.command = {self_executable()};
   lo.command.insert(lo.command.end(), a.argv.begin() + 1, a.argv.end());
   lo.command.push_back("--worker");
   lo.timeout = std::chrono::seconds(c.timeout_s);

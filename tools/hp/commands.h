@@ -17,6 +17,9 @@ using CommandAdder = std::function<void(CLI::App&)>;
 /// The command line `hp` was started with (argv[0] first).
 std::vector<std::string>& command_line();
 
+/// The path of the running `hp` executable (to start ranks of it).
+std::string self_executable();
+
 /// Every registered subcommand adder, in registration order.
 std::vector<CommandAdder>& command_adders();
 

@@ -1,7 +1,10 @@
 // Entry point of the `hp` command line tool: builds the CLI11 app from the
 // registered subcommands and turns library errors into a clean exit code.
+#include <unistd.h>
+
 #include <exception>
 #include <iostream>
+#include <stdexcept>
 #include <string>
 
 #include "tools/hp/commands.h"
@@ -11,6 +14,14 @@ std::vector<CommandAdder>& command_adders() {
   static std::vector<CommandAdder> adders;
   return adders;
 }
+std::string self_executable() {
+  char buf[4096];
+  ssize_t n = ::readlink("/proc/self/exe", buf, sizeof buf - 1);
+  if (n <= 0) throw std::runtime_error("cannot find the hp executable (/proc/self/exe)");
+  buf[n] = 0;
+  return buf;
+}
+
 std::vector<std::string>& command_line() {
   static std::vector<std::string> args;
   return args;

@@ -1,0 +1,31 @@
+// Test helpers for checking against the float64 oracle: fresh parameters and
+// a closeness check relative to the reference's magnitude.
+#pragma once
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+namespace hp::testing {
+
+inline const torch::TensorOptions kF64 = torch::TensorOptions().dtype(torch::kFloat64);
+
+/// A float64 leaf that requires grad, drawn from the global generator.
+inline torch::Tensor param(std::vector<int64_t> shape) {
+  return (torch::randn(shape, kF64) * 0.5).requires_grad_(true);
+}
+
+/// Fails unless `a` equals the reference `b` within 1e-12 of max(1, |b|max).
+inline void expect_close(const torch::Tensor& a, const torch::Tensor& b, const std::string& what) {
+  ASSERT_TRUE(a.defined()) << what << " is undefined";
+  ASSERT_TRUE(b.defined()) << what << " reference is undefined";
+  ASSERT_EQ(a.sizes(), b.sizes()) << what;
+  double scale = std::max(1.0, b.abs().max().item<double>());
+  double err = (a - b).abs().max().item<double>();
+  EXPECT_LE(err, 1e-12 * scale) << what << ": max abs error " << err;
+}
+
+}  // namespace hp::testing
