@@ -1,10 +1,13 @@
-// Tests of hp/core: version compatibility and logging.
+// Tests of hp/core: version compatibility, logging and memory accounting.
+#include <c10/core/CPUAllocator.h>
 #include <gtest/gtest.h>
+#include <torch/torch.h>
 
 #include <string>
 
 #include "hp/core/compat.h"
 #include "hp/core/logging.h"
+#include "hp/core/memory.h"
 
 TEST(Compat, VersionMatchesMacros) {
   std::string v = hp::torch_version();
@@ -26,4 +29,23 @@ TEST(Logging, LevelFiltersAndRankPrefix) {
   hp::set_log_rank(-1);
   hp::set_log_level(hp::LogLevel::Info);
   EXPECT_EQ(err, "[rank 3] warn: shown 2\n");
+}
+
+TEST(Memory, TrackerCountsAllocationsFreesAndPeak) {
+  hp::install_memory_tracker();
+  ASSERT_TRUE(hp::memory_tracker_installed());
+  const int64_t before = hp::memory_allocated();
+  hp::reset_peak_memory();
+  {
+    auto t = torch::empty({1 << 20}, torch::kFloat32);  // 4 MiB
+    EXPECT_GE(hp::memory_allocated() - before, int64_t(4) << 20);
+  }
+  EXPECT_EQ(hp::memory_allocated(), before);
+  EXPECT_GE(hp::peak_memory_allocated() - before, int64_t(4) << 20);
+  // LibTorch's raw_allocate path needs the data pointer as the context.
+  c10::Allocator* alloc = c10::GetCPUAllocator();
+  void* p = alloc->raw_allocate(1000);
+  EXPECT_EQ(hp::memory_allocated() - before, 1000);
+  alloc->raw_deallocate(p);
+  EXPECT_EQ(hp::memory_allocated(), before);
 }
