@@ -409,14 +409,7 @@ TEST_F(SplitTest, MemoryDxFreesWhatOnlyDxNeededDwFreesTheRest) {
 }
 
 // Every misuse fails with a message that says what to do.
-void expect_error(const std::function<void()>& f, const std::string& fragment) {
-  try {
-    f();
-    ADD_FAILURE() << "expected an error containing '" << fragment << "'";
-  } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
-  }
-}
+using hp::testing::expect_error;
 
 TEST_F(SplitTest, MisuseIsAClearError) {
   auto x = torch::randn({3, 3}, kF64);

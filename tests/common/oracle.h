@@ -1,11 +1,12 @@
 // Test helpers for checking against the float64 oracle: fresh parameters and
-// a closeness check relative to the reference's magnitude.
+// a closeness check relative to the reference's magnitude, and an error check.
 #pragma once
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -26,6 +27,16 @@ inline void expect_close(const torch::Tensor& a, const torch::Tensor& b, const s
   double scale = std::max(1.0, b.abs().max().item<double>());
   double err = (a - b).abs().max().item<double>();
   EXPECT_LE(err, 1e-12 * scale) << what << ": max abs error " << err;
+}
+
+/// Fails unless `f` throws a c10::Error whose message contains `fragment`.
+inline void expect_error(const std::function<void()>& f, const std::string& fragment) {
+  try {
+    f();
+    ADD_FAILURE() << "expected an error containing '" << fragment << "'";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace hp::testing

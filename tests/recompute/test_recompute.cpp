@@ -131,14 +131,7 @@ struct Microbatch {
 
 using hp::testing::FlopCounter;
 
-void expect_error(const std::function<void()>& f, const std::string& fragment) {
-  try {
-    f();
-    ADD_FAILURE() << "expected an error containing '" << fragment << "'";
-  } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
-  }
-}
+using hp::testing::expect_error;
 
 class RecomputeTest : public ::testing::Test {
  protected:
