@@ -26,7 +26,7 @@ namespace hp::compile {
 // Which calls are "top level": a call made while another recorded call is
 // running (depth > 0) is an implementation detail of it and is not recorded.
 // A CompositeImplicitAutograd operator (linear, matmul, layer_norm, ...) is
-// transparent instead: it is not recorded and its children are, because
+// transparent instead (NOTE [Which kernel autograd runs]): it is not recorded and its children are, because
 // autograd differentiates the children and saves *their* tensors for
 // backward; recording the composite would leave those saved tensors (e.g.
 // native_layer_norm's mean/rstd) unknown to the graph.
@@ -152,10 +152,33 @@ struct Recorder {
 
 thread_local Recorder* t_recorder = nullptr;
 
+// NOTE [Which kernel autograd runs]
+// An operator is transparent when a CPU tensor's autograd slot runs its
+// CompositeImplicitAutograd kernel. Asking hasKernelForDispatchKey is not
+// enough: in LibTorch 1.13 aten::matmul and aten::linear report a kernel for
+// the Autograd alias (registered for nested tensors), yet dense tensors run
+// their composite kernel, and autograd saves the children's tensors (matmul's
+// reshaped copy of its second operand, for bmm's backward). Recording matmul
+// as one call left that copy unknown, so it was baked in as a constant and
+// every later step's backward used the first batch's values. The dispatcher's
+// computed table says which kernel the AutogradCPU slot really holds; it is
+// read once per operator.
 bool is_transparent(const c10::OperatorHandle& op) {
-  return op.hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd) &&
-         !op.hasKernelForDispatchKey(c10::DispatchKey::Autograd) &&
-         !op.hasKernelForDispatchKey(c10::DispatchKey::AutogradCPU);
+  thread_local std::unordered_map<std::string, bool> cache;
+  const std::string name = op.schema().name() + "." + op.schema().overload_name();
+  if (auto it = cache.find(name); it != cache.end()) return it->second;
+  bool transparent = false;
+  const std::string table = "\n" + op.dumpComputedTable();
+  const size_t at = table.find("\nAutogradCPU: ");
+  if (at != std::string::npos) {
+    const std::string line = table.substr(at + 1, table.find('\n', at + 1) - at - 1);
+    transparent = line.find("[math kernel]") != std::string::npos;
+  } else {
+    transparent = op.hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd) &&
+                  !op.hasKernelForDispatchKey(c10::DispatchKey::AutogradCPU);
+  }
+  cache.emplace(name, transparent);
+  return transparent;
 }
 
 struct DepthGuard {

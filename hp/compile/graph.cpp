@@ -5,6 +5,8 @@
 #include <c10/util/Exception.h>
 #include <torch/torch.h>
 
+#include <algorithm>
+#include <chrono>
 #include <sstream>
 #include <unordered_map>
 #include <unordered_set>
@@ -355,9 +357,53 @@ at::Tensor finish(Pending& p) {
 
 }  // namespace
 
+namespace {
+
+double span_sum(const std::vector<ReplayTrace::Span>& spans) {
+  double s = 0;
+  for (const auto& x : spans)
+    s += x.end - x.start;
+  return s;
+}
+
+}  // namespace
+
+double ReplayTrace::call_seconds() const { return span_sum(calls); }
+double ReplayTrace::wait_seconds() const { return span_sum(waits); }
+double ReplayTrace::in_flight_seconds() const {
+  // The union of the intervals: collectives in flight together count once.
+  std::vector<std::pair<double, double>> iv;
+  for (const auto& x : in_flight)
+    iv.emplace_back(x.start, x.end);
+  std::sort(iv.begin(), iv.end());
+  double total = 0, start = 0, end = -1;
+  for (const auto& [a, b] : iv) {
+    if (a > end) {
+      if (end > start) total += end - start;
+      start = a;
+      end = b;
+    } else {
+      end = std::max(end, b);
+    }
+  }
+  if (end > start) total += end - start;
+  return total;
+}
+
+double ReplayTrace::hidden_comm_fraction() const {
+  const double flight = in_flight_seconds();
+  return flight > 0 ? std::max(0.0, 1.0 - wait_seconds() / flight) : 1.0;
+}
+
 std::vector<at::Tensor> replay(const Graph& graph, const std::vector<at::Tensor>& placeholders,
-                               hp::dist::Comm* comm) {
+                               hp::dist::Comm* comm, ReplayTrace* trace) {
   torch::NoGradGuard no_grad;
+  using Clock = std::chrono::steady_clock;
+  const auto t0 = Clock::now();
+  auto now = [&t0] { return std::chrono::duration<double>(Clock::now() - t0).count(); };
+  if (trace) *trace = ReplayTrace{};
+  std::unordered_map<int64_t, size_t> flight_of;  // collective value -> in_flight index
+  double started = 0;
   std::vector<at::Tensor> env(graph.num_values());
   std::unordered_map<int64_t, Pending> pending;
   size_t next_placeholder = 0;
@@ -408,7 +454,9 @@ std::vector<at::Tensor> replay(const Graph& graph, const std::vector<at::Tensor>
             }
           }
         }
+        if (trace) started = now();
         n.op->callBoxed(&stack);
+        if (trace) trace->calls.push_back({size_t(&n - graph.nodes().data()), started, now()});
         TORCH_INTERNAL_ASSERT(stack.size() == n.rets.size(), n.str(), " returned ", stack.size(),
                               " values, captured ", n.rets.size());
         for (size_t i = 0; i < n.rets.size(); ++i) {
@@ -426,12 +474,23 @@ std::vector<at::Tensor> replay(const Graph& graph, const std::vector<at::Tensor>
       }
       case NodeKind::Collective:
         pending.emplace(n.rets[0].values[0], issue(n, env[n.args[0].values[0]], comm));
+        if (trace) {  // in flight once posted
+          started = now();
+          flight_of[n.rets[0].values[0]] = trace->in_flight.size();
+          trace->in_flight.push_back({size_t(&n - graph.nodes().data()), started, started});
+        }
         break;
       case NodeKind::Wait: {
         auto it = pending.find(n.args[0].values[0]);
         TORCH_INTERNAL_ASSERT(it != pending.end(), "wait on a collective not issued: ", n.str());
+        if (trace) started = now();
         env[n.rets[0].values[0]] = finish(it->second);
         pending.erase(it);
+        if (trace) {
+          const double ended = now();
+          trace->waits.push_back({size_t(&n - graph.nodes().data()), started, ended});
+          trace->in_flight[flight_of.at(n.args[0].values[0])].end = ended;
+        }
         break;
       }
       case NodeKind::Output:
@@ -443,6 +502,7 @@ std::vector<at::Tensor> replay(const Graph& graph, const std::vector<at::Tensor>
   TORCH_CHECK(next_placeholder == placeholders.size(), "graph replay: got ", placeholders.size(),
               " placeholder tensors for ", next_placeholder, " placeholders");
   TORCH_INTERNAL_ASSERT(pending.empty(), "graph replay: a collective was never waited on");
+  if (trace) trace->total = now();
   return result;
 }
 

@@ -131,10 +131,35 @@ class Graph {
   int64_t num_values_ = 0;
 };
 
+/// Where one replay spent its time, node by node (seconds from the start of
+/// the replay). A collective is "in flight" from the moment it is posted to
+/// the end of its wait; the time the replay spent blocked is the wait's own span.
+struct ReplayTrace {
+  struct Span {
+    size_t node = 0;  ///< index into Graph::nodes()
+    double start = 0, end = 0;
+  };
+  std::vector<Span> calls;      ///< every Call node
+  std::vector<Span> in_flight;  ///< every Collective: issue .. its wait's end
+  std::vector<Span> waits;      ///< every Wait node
+  double total = 0;             ///< the whole replay
+
+  /// Seconds spent in operator calls / blocked in waits / with at least one
+  /// collective in flight (the union of the in-flight spans).
+  double call_seconds() const;
+  double wait_seconds() const;
+  double in_flight_seconds() const;
+  /// Share of the collectives' in-flight time the replay did not block on
+  /// (1: fully overlapped with compute; 0: every transfer waited for; 1 when
+  /// there were none).
+  double hidden_comm_fraction() const;
+};
+
 /// Runs `graph` on `placeholders` (one tensor per placeholder, in order;
 /// shapes and dtypes must be the captured ones) under NoGradGuard and returns
 /// the Output's tensors. `comm` is needed only when the graph has collectives.
+/// With `trace`, records the time of every call, collective and wait.
 std::vector<at::Tensor> replay(const Graph& graph, const std::vector<at::Tensor>& placeholders,
-                               hp::dist::Comm* comm = nullptr);
+                               hp::dist::Comm* comm = nullptr, ReplayTrace* trace = nullptr);
 
 }  // namespace hp::compile

@@ -22,8 +22,9 @@ GraphTrainer::GraphTrainer(std::shared_ptr<torch::nn::Module> model, TrainFn tra
       comm_(std::move(comm)) {
   TORCH_CHECK(model_, "GraphTrainer: model is null");
   TORCH_CHECK(train_fn_, "GraphTrainer: train_fn is empty");
-  TORCH_CHECK(optimizer_.lr > 0 && optimizer_.grad_clip >= 0,
-              "GraphTrainer: optimizer lr must be > 0 and grad_clip >= 0 (0 turns clipping off)");
+  TORCH_CHECK(optimizer_.lr > 0 && optimizer_.grad_clip >= 0 && optimizer_.weight_decay >= 0,
+              "GraphTrainer: optimizer lr must be > 0, grad_clip >= 0 (0 turns clipping off) "
+              "and weight_decay >= 0");
   config_.validate();
 }
 
@@ -54,7 +55,8 @@ const Graph& GraphTrainer::graph() const {
 // that grew or lost parameters since compile is an error, never a silent zip.
 double GraphTrainer::train_step(const at::Tensor& input, const at::Tensor& label) {
   if (!compiled_) compile(input, label);
-  auto outs = replay(graph_, placeholder_values(graph_, *model_, input, label), comm_.get());
+  auto outs = replay(graph_, placeholder_values(graph_, *model_, input, label), comm_.get(),
+                     record_trace_ ? &trace_ : nullptr);
   const auto& names = graph_.output().output_names;
   auto named = model_->named_parameters(true);
   TORCH_CHECK(outs.size() == names.size() && named.size() + 1 == outs.size(),
@@ -105,12 +107,19 @@ void GraphTrainer::optimizer_step() {
         p.mutable_grad().mul_(coef);
   }
   for (auto& [p, is_shard] : params) {
+    if (optimizer_.sgd) {
+      at::Tensor g = p.grad();
+      if (optimizer_.weight_decay > 0) g = g.add(p, optimizer_.weight_decay);
+      p.add_(g, -optimizer_.lr);
+      continue;
+    }
     AdamState& s = adam_[p.unsafeGetTensorImpl()];
     if (!s.exp_avg.defined()) {
       s.exp_avg = torch::zeros_like(p);
       s.exp_avg_sq = torch::zeros_like(p);
     }
     const at::Tensor& g = p.grad();
+    if (optimizer_.weight_decay > 0) p.mul_(1 - optimizer_.lr * optimizer_.weight_decay);
     ++s.step;
     s.exp_avg.mul_(optimizer_.beta1).add_(g, 1 - optimizer_.beta1);
     s.exp_avg_sq.mul_(optimizer_.beta2).addcmul_(g, g, 1 - optimizer_.beta2);

@@ -19,7 +19,9 @@
 
 namespace hp::compile {
 
-/// The built-in Adam (torch::optim::Adam's update) and gradient clipping.
+/// The built-in optimizers: Adam (torch::optim::Adam's update; with
+/// weight_decay, torch::optim::AdamW's decoupled decay) or plain SGD
+/// (torch::optim::SGD without momentum), and gradient clipping.
 struct OptimizerConfig {
   double lr = 1e-3;
   /// Clip the global gradient norm (over all ranks' shards) to this; 0: off.
@@ -27,6 +29,11 @@ struct OptimizerConfig {
   double beta1 = 0.9;
   double beta2 = 0.999;
   double eps = 1e-8;
+  /// Adam: decoupled (AdamW: p *= 1 - lr * weight_decay before the update);
+  /// SGD: added to the gradient (g + weight_decay * p), as torch::optim::SGD.
+  double weight_decay = 0.0;
+  /// false: Adam/AdamW; true: SGD.
+  bool sgd = false;
 };
 
 /// Trains `model` by replaying the captured graph of `train_fn`.
@@ -51,11 +58,15 @@ class GraphTrainer {
   /// Replays the graph on one batch and adds the gradients into the live
   /// parameters' .grad (by FQN; a shared parameter once). Returns this rank's loss.
   double train_step(const at::Tensor& input, const at::Tensor& label);
-  /// Clips (if configured), steps Adam on every parameter with a gradient,
-  /// then clears the gradients.
+  /// Clips (if configured), steps Adam (or SGD) on every parameter with a
+  /// gradient, then clears the gradients.
   void optimizer_step();
   /// Clears every parameter's .grad.
   void zero_grad();
+  /// Records a ReplayTrace of every following train_step (off by default).
+  void record_trace(bool on) { record_trace_ = on; }
+  /// The trace of the last train_step (empty unless record_trace(true)).
+  const ReplayTrace& last_trace() const { return trace_; }
   /// For each batch (at most `max_steps`, < 0: all): train_step then
   /// optimizer_step; calls log_fn(step, loss) every `log_interval` steps.
   /// Returns the losses.
@@ -75,6 +86,8 @@ class GraphTrainer {
   OptimizerConfig optimizer_;
   std::shared_ptr<hp::dist::Comm> comm_;
   bool compiled_ = false;
+  bool record_trace_ = false;
+  ReplayTrace trace_;
   Graph graph_;
   std::vector<std::string> pass_names_;
   std::vector<std::string> sharded_;

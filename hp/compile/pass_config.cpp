@@ -56,7 +56,7 @@ bool PassPlan::covers_parameter(const std::string& param_fqn) const {
   for (size_t pos = param_fqn.find('.'); pos != std::string::npos;
        pos = param_fqn.find('.', pos + 1))
     if (lookup(param_fqn.substr(0, pos))) return true;
-  return false;
+  return lookup(param_fqn).has_value();  // the parameter named itself
 }
 
 PassPlan PassPlan::merge(const PassPlan& other) const {

@@ -50,7 +50,7 @@ class PassPlan {
   /// the first pattern (in insertion order) that matches.
   std::optional<FSDPModuleConfig> lookup(const std::string& module_fqn) const;
   /// True when a module that owns parameter `param_fqn` (any proper prefix
-  /// "a", "a.b", ... of "a.b.weight") is planned.
+  /// "a", "a.b", ... of "a.b.weight") or the parameter itself is planned.
   bool covers_parameter(const std::string& param_fqn) const;
 
   /// A new plan with this plan's entries and `other`'s; `other` wins on equal

@@ -36,7 +36,16 @@ std::string report_json(const TrainConfig& c, const TrainResult& r) {
                  {"optimizer", c.optimizer},
                  {"lr", c.lr},
                  {"seed", c.seed},
-                 {"recompute", c.recompute}};
+                 {"recompute", c.recompute},
+                 {"mode", c.graph ? "graph" : "pipeline"}};
+  if (c.graph) {
+    j["config"]["overlap"] = c.overlap;
+    j["config"]["shard"] = c.shard;
+    j["config"].erase("schedule");
+    j["config"].erase("chunks");
+    j["compile_seconds"] = r.compile_seconds;
+    j["sharded_parameters"] = r.sharded;
+  }
   j["first_step"] = r.first_step;
   j["loss"] = r.losses;
   j["step_seconds"] = r.step_seconds;
@@ -44,17 +53,28 @@ std::string report_json(const TrainConfig& c, const TrainResult& r) {
   j["median_step_seconds"] = med;
   j["items_per_step"] = r.items_per_step;
   j["items_per_second"] = med > 0 ? r.items_per_step / med : 0.0;
-  j["measured_bubble"] = r.measured_bubble;
-  j["simulated_bubble"] = r.simulated_bubble;
-  j["measured_makespan_seconds"] = r.measured_makespan;
-  j["simulated_makespan_seconds"] = r.simulated_makespan;
+  if (!c.graph) {
+    j["measured_bubble"] = r.measured_bubble;
+    j["simulated_bubble"] = r.simulated_bubble;
+    j["measured_makespan_seconds"] = r.measured_makespan;
+    j["simulated_makespan_seconds"] = r.simulated_makespan;
+  }
   nlohmann::json ranks = nlohmann::json::array();
-  for (size_t k = 0; k < r.rank_compute.size(); ++k)
-    ranks.push_back({{"rank", k},
-                     {"compute_seconds", r.rank_compute[k]},
-                     {"comm_wait_seconds", r.rank_comm_wait[k]},
-                     {"overhead_seconds", r.rank_overhead[k]},
-                     {"peak_activation_bytes", r.rank_peak_bytes[k]}});
+  for (size_t k = 0; k < r.rank_compute.size(); ++k) {
+    nlohmann::json one = {{"rank", k},
+                          {"compute_seconds", r.rank_compute[k]},
+                          {"comm_wait_seconds", r.rank_comm_wait[k]},
+                          {"overhead_seconds", r.rank_overhead[k]}};
+    if (c.graph) {
+      // Graph mode: peak bytes a step allocates on top of parameters and state.
+      one["peak_step_bytes"] = r.rank_peak_bytes[k];
+      one["parameter_bytes"] = r.rank_param_bytes.at(k);
+      one["hidden_comm_fraction"] = r.rank_hidden_comm.at(k);
+    } else {
+      one["peak_activation_bytes"] = r.rank_peak_bytes[k];
+    }
+    ranks.push_back(one);
+  }
   j["ranks"] = ranks;
   j["parameter_checksum"] = r.checksum;
   return j.dump(2) + "\n";
@@ -70,7 +90,46 @@ void write_report(const TrainConfig& c, const TrainResult& r, const std::string&
   std::filesystem::rename(tmp, path);
 }
 
+namespace {
+
+std::string graph_summary(const TrainConfig& c, const TrainResult& r) {
+  char buf[512];
+  std::string s;
+  double med = median(r.step_seconds);
+  std::snprintf(buf, sizeof buf,
+                "trained %s (%lld layers, d_model %lld) in graph mode on %d ranks (%s%s): %d "
+                "steps x %d microbatches of %lld\n",
+                c.model.kind.c_str(), (long long)c.model.layers, (long long)c.model.d_model,
+                c.nproc, c.nproc == 1 ? "one process" : c.shard ? "FSDP" : "data parallel",
+                c.nproc > 1 && c.overlap ? ", overlapped" : "", c.steps, c.microbatches,
+                (long long)c.microbatch_size);
+  s += buf;
+  if (!r.losses.empty()) {
+    std::snprintf(buf, sizeof buf, "  loss %.4f -> %.4f\n", r.losses.front(), r.losses.back());
+    s += buf;
+  }
+  std::snprintf(buf, sizeof buf, "  compile %.2f s; median step %.1f ms, %.0f %s/s\n",
+                r.compile_seconds, med * 1e3, med > 0 ? r.items_per_step / med : 0.0,
+                c.model.kind == "gpt" ? "tokens" : "samples");
+  s += buf;
+  for (size_t k = 0; k < r.rank_compute.size(); ++k) {
+    std::snprintf(buf, sizeof buf,
+                  "  rank %zu: operators %.1f ms, waiting %.1f ms (%.0f %% of communication "
+                  "hidden), parameters %.2f MiB, step peak %.1f MiB\n",
+                  k, r.rank_compute[k] * 1e3, r.rank_comm_wait[k] * 1e3,
+                  100 * r.rank_hidden_comm.at(k), r.rank_param_bytes.at(k) / 1048576.0,
+                  r.rank_peak_bytes[k] / 1048576.0);
+    s += buf;
+  }
+  std::snprintf(buf, sizeof buf, "  parameter checksum %.12g\n", r.checksum);
+  s += buf;
+  return s;
+}
+
+}  // namespace
+
 std::string summary_text(const TrainConfig& c, const TrainResult& r) {
+  if (c.graph) return graph_summary(c, r);
   char buf[512];
   std::string s;
   double med = median(r.step_seconds);

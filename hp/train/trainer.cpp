@@ -25,6 +25,7 @@
 #include "hp/schedule/generators.h"
 #include "hp/schedule/lower.h"
 #include "hp/schedule/render.h"
+#include "hp/train/progress.h"
 #include "hp/train/report.h"
 
 namespace hp::train {
@@ -270,38 +271,6 @@ std::pair<int, int> fault_injection() {
   return {r, s};
 }
 
-class Progress {
- public:
-  Progress(bool enabled, int first, int total) : enabled_(enabled), first_(first), total_(total) {
-    tty_ = enabled && ::isatty(2);
-    start_ = Clock::now();
-  }
-  void update(int step, double loss, double items_per_s) {
-    if (!enabled_) return;
-    int done = step - first_ + 1, todo = total_ - first_;
-    double elapsed = std::chrono::duration<double>(Clock::now() - start_).count();
-    double eta = done > 0 ? elapsed / done * (todo - done) : 0;
-    const int width = 24;
-    int filled = todo > 0 ? width * done / todo : width;
-    std::string bar(filled, '#');
-    bar.resize(width, '.');
-    char line[256];
-    std::snprintf(line, sizeof line, "[%s] step %d/%d  loss %.4f  %.0f items/s  ETA %.0fs",
-                  bar.c_str(), step + 1, total_, loss, items_per_s, eta);
-    if (tty_) {
-      std::fprintf(stderr, "\r%s", line);
-      if (done == todo) std::fprintf(stderr, "\n");
-    } else if (done == todo || done % std::max(1, todo / 10) == 0) {
-      std::fprintf(stderr, "%s\n", line);
-    }
-    std::fflush(stderr);
-  }
-
- private:
-  bool enabled_, tty_ = false;
-  int first_, total_;
-  Clock::time_point start_;
-};
 
 }  // namespace
 
@@ -330,6 +299,17 @@ void TrainConfig::validate() const {
     need(fs::exists(models::kDefaultCorpusDir), std::string("the default corpus ") +
                                                     models::kDefaultCorpusDir +
                                                     " is missing; pass a text file with --data");
+  if (graph) {
+    need(microbatches % nproc == 0,
+         "--graph gives every rank the same number of microbatches: --microbatches " +
+             std::to_string(microbatches) + " does not divide by --nproc " +
+             std::to_string(nproc) + "; use a multiple of it");
+    need(!recompute, "--graph does not checkpoint blocks; drop --recompute");
+    need(save_every == 0 && !resume,
+         "--graph does not save checkpoints yet; drop --save-every/--resume or run without "
+         "--graph");
+    return;
+  }
   schedule::Schedule s = build_schedule();
   need(s.num_chunks <= model.cuttable_layers(),
        "schedule '" + schedule + "' cuts the model into " + std::to_string(s.num_chunks) +

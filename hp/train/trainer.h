@@ -39,6 +39,11 @@ struct TrainConfig {
   bool recompute = false;  ///< checkpoint every transformer block
   int timeout_s = 60;      ///< every communication's timeout
   bool progress = true;    ///< progress bar on rank 0
+  /// Graph mode (hp/compile): data parallel over the ranks with FSDP, the
+  /// train step captured once and replayed; schedule and chunks do not apply.
+  bool graph = false;
+  bool overlap = true;  ///< graph mode: AutoOverlapPass (waits moved to first use)
+  bool shard = true;    ///< graph mode: FSDP-shard parameters (off: plain data parallel)
 
   /// Checks everything that can be checked before a rank starts (including
   /// building the schedule); throws std::invalid_argument saying what to change.
@@ -64,6 +69,11 @@ struct TrainResult {
   schedule::Timeline timeline;      ///< executed timeline of the last step (rank 0: all ranks)
   std::vector<schedule::Action> executed;  ///< this rank's compute actions, last step, in run order
   int64_t items_per_step = 0;              ///< tokens (gpt) or samples (mlp) per step
+  // Graph mode only (rank 0 holds the per-rank lists):
+  std::vector<double> rank_param_bytes;   ///< parameter bytes each rank holds (FSDP: shards)
+  std::vector<double> rank_hidden_comm;   ///< share of collective time overlapped with compute
+  std::vector<std::string> sharded;       ///< FQNs FSDP sharded
+  double compile_seconds = 0.0;           ///< capture + passes
 };
 
 /// Runs the pipeline on this process's rank of `comm` (comm's world size must

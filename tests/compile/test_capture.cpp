@@ -114,6 +114,40 @@ TEST(Capture, TransformerBlockReplayEqualsEagerOverTraining) {
       4);
 }
 
+// Multi-head attention as the reference GPT writes it: 4-d matmuls whose
+// second operand is a transposed view, so matmul's composite kernel copies it
+// and bmm's backward saves the copy (NOTE [Which kernel autograd runs]).
+// Recording matmul as one call baked that copy in as a constant, and replays
+// on later batches silently used the first batch's values.
+TEST(Capture, MultiHeadAttentionSavesNoStaleTensors) {
+  torch::manual_seed(3);
+  const int64_t B = 2, T = 4, H = 2, D = 8, hd = D / H;
+  hp_test::Mlp proj(D, D, D);  // fc1: qkv-like input projection, fc2: output
+  auto qkv = torch::randn({3 * D, D}, kF64).mul(0.3).requires_grad_(true);
+  proj->register_parameter("qkv", qkv);
+  TrainFn fn = [&](torch::nn::Module& m, const torch::Tensor& x, const torch::Tensor& y) {
+    auto& mod = static_cast<hp_test::MlpImpl&>(m);
+    auto parts = torch::matmul(x, qkv.t()).split(D, -1);
+    auto heads = [&](const torch::Tensor& t) { return t.view({B, T, H, hd}).transpose(1, 2); };
+    auto q = heads(parts[0]), k = heads(parts[1]), v = heads(parts[2]);
+    auto att = q.matmul(k.transpose(-2, -1)).mul(1.0 / std::sqrt(double(hd))).softmax(-1);
+    auto out = mod.forward(att.matmul(v).transpose(1, 2).reshape({B, T, D}));
+    return torch::mse_loss(out, y);
+  };
+  auto batch = [&](int s) {
+    torch::manual_seed(300 + s);
+    return std::make_pair(torch::randn({B, T, D}, kF64), torch::randn({B, T, D}, kF64));
+  };
+  auto [x0, y0] = batch(0);
+  Graph g = capture_train_step(*proj, fn, x0, y0);
+  for (const auto& n : g.nodes())
+    for (const auto& a : n.args)
+      if (a.kind == Arg::Kind::Constant && a.constant.isTensor() && a.constant.toTensor().defined())
+        EXPECT_LE(a.constant.toTensor().numel(), 1) << "a captured tensor became a constant: "
+                                                    << n.str();
+  check_training(*proj, fn, batch, 4);
+}
+
 TEST(Capture, BackwardInsideTrainFnAndGradUntouched) {
   torch::manual_seed(3);
   hp_test::Mlp mlp(4, 8, 2);

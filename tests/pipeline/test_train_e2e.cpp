@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <regex>
+#include <set>
 
 #include "hp/dist/launcher.h"
 #include "hp/train/trainer.h"
@@ -207,6 +208,45 @@ TEST(TrainEndToEnd, TwoRanksOnTwoHostsRendezvousOverTcp) {
   ASSERT_EQ(report["loss"].size(), ref.losses.size());
   for (size_t s = 0; s < ref.losses.size(); ++s)
     EXPECT_NEAR(report["loss"][s].get<double>(), ref.losses[s], 1e-9 * std::abs(ref.losses[s]));
+  fs::remove_all(dir);
+}
+
+// `hp train --graph`: two real rank processes, FSDP over Gloo; losses and the
+// checksum equal single-process eager training; the trace shows both lanes
+// and the report how much communication the overlap pass hid.
+TEST(TrainEndToEnd, GraphModeWithFsdpEqualsSingleProcessTraining) {
+  TrainConfig c = small("1f1b", 2);
+  c.graph = true;
+  auto dir = fresh_dir("graph");
+  HpRun r = run_hp(flags(c) + " --graph --report " + (dir / "report.json").string() + " --trace " +
+                   (dir / "trace.json").string());
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("graph mode on 2 ranks (FSDP, overlapped)"), std::string::npos)
+      << r.output;
+  auto ref = hp::train::train_reference(c);
+  auto report = read_json(dir / "report.json");
+  EXPECT_EQ(report["config"]["mode"], "graph");
+  ASSERT_EQ(report["loss"].size(), ref.losses.size());
+  for (size_t s = 0; s < ref.losses.size(); ++s)
+    EXPECT_NEAR(report["loss"][s].get<double>(), ref.losses[s], 1e-9 * std::abs(ref.losses[s]));
+  EXPECT_NEAR(report["parameter_checksum"].get<double>(), ref.checksum,
+              1e-9 * std::max(1.0, std::abs(ref.checksum)));
+  ASSERT_EQ(report["ranks"].size(), 2u);
+  for (const auto& rank : report["ranks"]) {
+    EXPECT_GT(rank["parameter_bytes"].get<double>(), 0);
+    EXPECT_GE(rank["hidden_comm_fraction"].get<double>(), 0);
+    EXPECT_LE(rank["hidden_comm_fraction"].get<double>(), 1);
+  }
+  auto trace = read_json(dir / "trace.json");
+  std::set<std::string> cats;
+  std::set<int> pids;
+  for (const auto& e : trace["traceEvents"])
+    if (e["ph"] == "X") {
+      cats.insert(e["cat"].get<std::string>());
+      pids.insert(e["pid"].get<int>());
+    }
+  EXPECT_EQ(cats, (std::set<std::string>{"call", "collective", "wait"}));
+  EXPECT_EQ(pids, (std::set<int>{0, 1}));
   fs::remove_all(dir);
 }
 

@@ -12,6 +12,7 @@
 #include "hp/dist/comm.h"
 #include "hp/dist/launcher.h"
 #include "hp/schedule/generators.h"
+#include "hp/train/graph_train.h"
 #include "hp/train/report.h"
 #include "hp/train/trainer.h"
 #include "tools/hp/commands.h"
@@ -61,7 +62,8 @@ int run_worker(const TrainArgs& a) {
     dist::CommOptions opts;
     opts.timeout = std::chrono::seconds(a.config.timeout_s);
     auto comm = dist::Comm::from_env(opts);
-    auto result = train::run_rank(a.config, comm);
+    auto result =
+        a.config.graph ? train::run_graph_rank(a.config, comm) : train::run_rank(a.config, comm);
     if (comm->rank() == 0) std::cout << train::summary_text(a.config, result) << std::flush;
     std::fflush(stdout);
     std::fflush(stderr);
@@ -80,8 +82,9 @@ int run_worker(const TrainArgs& a) {
 
 int run_launcher(const TrainArgs& a) {
   const auto& c = a.config;
-  std::fprintf(stderr, "hp train: %s, %d ranks, schedule %s, %d microbatches of %lld, %d steps\n",
-               c.model.kind.c_str(), c.nproc, c.schedule.c_str(), c.microbatches,
+  std::fprintf(stderr, "hp train: %s, %d ranks, %s, %d microbatches of %lld, %d steps\n",
+               c.model.kind.c_str(), c.nproc,
+               c.graph ? "graph mode" : ("schedule " + c.schedule).c_str(), c.microbatches,
                (long long)c.microbatch_size, c.steps);
   dist::LaunchOptions lo;
   lo.nproc = c.nproc;
@@ -136,6 +139,15 @@ void add_train_command(CLI::App& app) {
   t->add_flag("--resume", c.resume, "continue from the latest complete checkpoint");
   t->add_flag("--recompute", c.recompute, "checkpoint every transformer block");
   t->add_option("--timeout", c.timeout_s, "seconds any communication may take");
+  t->add_flag("--graph", c.graph,
+              "graph mode: capture the train step once, replay it on every rank, FSDP over the "
+              "ranks (data parallel; --schedule and --chunks do not apply)");
+  t->add_flag(
+      "--no-overlap", [&c](int64_t) { c.overlap = false; },
+      "graph mode: keep each collective's wait next to it (no overlap pass)");
+  t->add_flag(
+      "--no-shard", [&c](int64_t) { c.shard = false; },
+      "graph mode: replicate every parameter (plain data parallel, gradients all-reduced)");
   t->add_flag("--pin", a->pin, "pin each rank to one core with one intra-op thread");
   t->add_flag(
       "--no-progress", [&c](int64_t) { c.progress = false; }, "no progress bar");
