@@ -397,7 +397,13 @@ double ReplayTrace::hidden_comm_fraction() const {
 
 std::vector<at::Tensor> replay(const Graph& graph, const std::vector<at::Tensor>& placeholders,
                                hp::dist::Comm* comm, ReplayTrace* trace) {
+  // NOTE [Replay below autograd]
+  // The graph already holds the backward, so nothing of autograd is needed:
+  // dispatch starts below the Autograd and ADInplaceOrView keys, which skips
+  // two kernel hops per operator (and the autograd kernels' bookkeeping that
+  // NoGradGuard alone still pays).
   torch::NoGradGuard no_grad;
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
   using Clock = std::chrono::steady_clock;
   const auto t0 = Clock::now();
   auto now = [&t0] { return std::chrono::duration<double>(Clock::now() - t0).count(); };
