@@ -7,13 +7,11 @@
 //     parallel, each with and without the overlap pass: step time, parameter
 //     bytes per rank, time blocked on communication, share of it hidden.
 // Usage: bench_graph [--rounds R] [--steps S] [--markdown FILE] [--skip-ranks]
-#include <sys/wait.h>
 #include <torch/torch.h>
 
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
-#include <array>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -25,6 +23,7 @@
 
 #include "hp/compile/graph_trainer.h"
 #include "hp/core/memory.h"
+#include "hp/core/subprocess.h"
 #include "hp/models/data.h"
 #include "hp/models/models.h"
 
@@ -91,19 +90,6 @@ ReplayRow replay_vs_eager(const hp::models::ModelSpec& spec, int64_t rows, int r
   return {spec.kind, 1e3 * median(e), 1e3 * median(g), trainer.graph().nodes().size()};
 }
 
-std::string run_capture(const std::string& cmd, int* rc) {
-  FILE* pipe = ::popen((cmd + " 2>&1").c_str(), "r");
-  if (!pipe) throw std::runtime_error("cannot run " + cmd);
-  std::string out;
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = std::fread(buf.data(), 1, buf.size(), pipe)) > 0)
-    out.append(buf.data(), n);
-  int status = ::pclose(pipe);
-  *rc = WIFEXITED(status) ? WEXITSTATUS(status) : 128;
-  return out;
-}
-
 struct RankRow {
   std::string label, flags;
   std::vector<double> step_ms, wait_ms, hidden;
@@ -116,7 +102,7 @@ void run_ranks(RankRow& row, const std::string& report, int steps) {
       << " --heads 4 --seq-len 64 -m 8 --microbatch-size 2 --steps " << steps << " --report "
       << report << " " << row.flags;
   int rc = 0;
-  std::string out = run_capture(cmd.str(), &rc);
+  std::string out = hp::run_and_capture(cmd.str(), &rc);
   if (rc != 0) {
     std::fprintf(stderr, "bench_graph: %s failed:\n%s\n", cmd.str().c_str(), out.c_str());
     std::exit(1);

@@ -86,6 +86,28 @@ std::pair<torch::Tensor, GradFunction> stage_forward(M& mod, const torch::Tensor
   return {outs[0], gf};
 }
 
+// Every parameter's .grad of `mod` equals the reference module's.
+template <class M>
+void expect_same_weight_grads(M& mod, M& ref, const std::string& what) {
+  auto mine = mod->named_parameters(), theirs = ref->named_parameters();
+  for (const auto& item : theirs)
+    expect_close(mine[item.key()].grad(), item.value().grad(), what + item.key());
+}
+
+// One microbatch through the stage: I then W on `mod`, loss.backward() on
+// `ref` (same weights); checks dx and returns nothing (the .grads accumulate).
+template <class M>
+void split_backward_matches(M& mod, M& ref, const std::string& what) {
+  auto x = torch::randn({kBatch, kHidden}, kF64);
+  auto target = torch::randn({kBatch, kHidden}, kF64);
+  auto [loss, gf] = stage_forward(mod, x, target);
+  auto dx = gf.compute_input_grad();
+  gf.compute_weight_grad();
+  auto ref_x = x.clone().requires_grad_(true);
+  mse_sum(ref->forward(ref_x), target).backward();
+  expect_close(dx[0], ref_x.grad(), what + "dx");
+}
+
 class PytorchParity : public ::testing::Test {
  protected:
   void SetUp() override { torch::manual_seed(7); }
@@ -114,19 +136,8 @@ TEST_F(PytorchParity, InputGradOnlyLeavesWeightGradientsUntouched) {
 TEST_F(PytorchParity, InputThenWeightEqualsFullBackward) {
   auto mod = make<Mlp>();
   auto ref = copy_of(mod);
-  auto x = torch::randn({kBatch, kHidden}, kF64);
-  auto target = torch::randn({kBatch, kHidden}, kF64);
-
-  auto [loss, gf] = stage_forward(mod, x, target);
-  auto dx = gf.compute_input_grad();
-  gf.compute_weight_grad();
-
-  auto ref_x = x.clone().requires_grad_(true);
-  mse_sum(ref->forward(ref_x), target).backward();
-  expect_close(dx[0], ref_x.grad(), "dx");
-  auto mine = mod->named_parameters(), theirs = ref->named_parameters();
-  for (const auto& item : theirs)
-    expect_close(mine[item.key()].grad(), item.value().grad(), item.key());
+  split_backward_matches(mod, ref, "");
+  expect_same_weight_grads(mod, ref, "");
 }
 
 // Several iterations of I then W accumulate into .grad exactly as repeated
@@ -134,19 +145,9 @@ TEST_F(PytorchParity, InputThenWeightEqualsFullBackward) {
 TEST_F(PytorchParity, RepeatedInputAndWeightGradsAccumulate) {
   auto mod = make<Mlp>();
   auto ref = copy_of(mod);
-  for (int it = 0; it < 4; ++it) {
-    auto x = torch::randn({kBatch, kHidden}, kF64);
-    auto target = torch::randn({kBatch, kHidden}, kF64);
-    auto [loss, gf] = stage_forward(mod, x, target);
-    auto dx = gf.compute_input_grad();
-    gf.compute_weight_grad();
-    auto ref_x = x.clone().requires_grad_(true);
-    mse_sum(ref->forward(ref_x), target).backward();
-    expect_close(dx[0], ref_x.grad(), "dx of iteration " + std::to_string(it));
-  }
-  auto mine = mod->named_parameters(), theirs = ref->named_parameters();
-  for (const auto& item : theirs)
-    expect_close(mine[item.key()].grad(), item.value().grad(), "accumulated " + item.key());
+  for (int it = 0; it < 4; ++it)
+    split_backward_matches(mod, ref, "iteration " + std::to_string(it) + ": ");
+  expect_same_weight_grads(mod, ref, "accumulated ");
 }
 
 // Intermediates with several outputs (chunk) keep a gradient per slot: the
@@ -154,17 +155,8 @@ TEST_F(PytorchParity, RepeatedInputAndWeightGradsAccumulate) {
 TEST_F(PytorchParity, MultiOutputIntermediatesKeepPerSlotGradients) {
   auto mod = make<MultiIntermediate>();
   auto ref = copy_of(mod);
-  auto x = torch::randn({kBatch, kHidden}, kF64);
-  auto target = torch::randn({kBatch, kHidden}, kF64);
-  auto [loss, gf] = stage_forward(mod, x, target);
-  auto dx = gf.compute_input_grad();
-  gf.compute_weight_grad();
-  auto ref_x = x.clone().requires_grad_(true);
-  mse_sum(ref->forward(ref_x), target).backward();
-  expect_close(dx[0], ref_x.grad(), "dx");
-  auto mine = mod->named_parameters(), theirs = ref->named_parameters();
-  for (const auto& item : theirs)
-    expect_close(mine[item.key()].grad(), item.value().grad(), item.key());
+  split_backward_matches(mod, ref, "");
+  expect_same_weight_grads(mod, ref, "");
 }
 
 // One weight used at several depths (a layer applied twice, nested): its
@@ -207,9 +199,7 @@ TEST_F(PytorchParity, NonTensorInputsAreIgnored) {
   auto ref_x = x.detach().clone().requires_grad_(true);
   mse_sum(ref->forward(ref_x), target).backward();
   expect_close(dx[1], ref_x.grad(), "dx of the tensor input");
-  auto mine = mod->named_parameters(), theirs = ref->named_parameters();
-  for (const auto& item : theirs)
-    expect_close(mine[item.key()].grad(), item.value().grad(), item.key());
+  expect_same_weight_grads(mod, ref, "");
 }
 
 }  // namespace

@@ -2,19 +2,18 @@
 // schedule (and optionally with --recompute), round-robin so machine noise
 // hits all alike, and prints one table: step time, speedup over 1F1B,
 // measured and simulated bubble, the simulator's predicted speedup, memory.
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
-#include <array>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <sstream>
 
+#include "hp/core/subprocess.h"
 #include "hp/schedule/generators.h"
 #include "tools/hp/commands.h"
 
@@ -40,19 +39,6 @@ struct Row {
   std::string error;
 };
 
-std::string run_capture(const std::string& cmd, int* rc) {
-  FILE* pipe = ::popen((cmd + " 2>&1").c_str(), "r");
-  if (!pipe) throw std::runtime_error("cannot run " + cmd);
-  std::string out;
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = std::fread(buf.data(), 1, buf.size(), pipe)) > 0)
-    out.append(buf.data(), n);
-  int status = ::pclose(pipe);
-  *rc = WIFEXITED(status) ? WEXITSTATUS(status) : 128;
-  return out;
-}
-
 void run_once(const BenchArgs& a, Row& row, const std::string& report) {
   std::ostringstream cmd;
   cmd << self_executable() << " train --no-progress --model " << a.model << " --layers " << a.layers
@@ -61,7 +47,7 @@ void run_once(const BenchArgs& a, Row& row, const std::string& report) {
       << " --microbatch-size " << a.microbatch_size << " --steps " << a.steps << " --report "
       << report << (a.pin ? " --pin" : "") << (row.recompute ? " --recompute" : "");
   int rc = 0;
-  std::string out = run_capture(cmd.str(), &rc);
+  std::string out = hp::run_and_capture(cmd.str(), &rc);
   if (rc != 0) {
     auto cut = out.find("hp: error: ");
     row.error = cut == std::string::npos ? "failed (exit " + std::to_string(rc) + ")"
