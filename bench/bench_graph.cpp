@@ -8,6 +8,7 @@
 //     bytes per rank, time blocked on communication, share of it hidden.
 // Usage: bench_graph [--rounds R] [--steps S] [--markdown FILE] [--skip-ranks]
 #include <torch/torch.h>
+#include <unistd.h>
 
 #include <nlohmann/json.hpp>
 
@@ -91,6 +92,7 @@ ReplayRow replay_vs_eager(const hp::models::ModelSpec& spec, int64_t rows, int r
 }
 
 struct RankRow {
+  RankRow(std::string l, std::string f) : label(std::move(l)), flags(std::move(f)) {}
   std::string label, flags;
   std::vector<double> step_ms, wait_ms, hidden;
   double param_mib = 0;

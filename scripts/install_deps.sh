@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Installs hyperparallel's build and run dependencies from Debian 12's
 # packages with apt-get, only when some are missing. Needs root (or sudo).
+# `install_deps.sh --print-packages` prints the list, one a line, and installs
+# nothing (scripts/debian13.sh installs the same names in its Debian 13 root).
 set -euo pipefail
 
 PACKAGES=(
@@ -10,6 +12,11 @@ PACKAGES=(
   libyaml-cpp-dev nlohmann-json3-dev libcli11-dev
   iproute2 util-linux
 )
+
+if [ "${1:-}" = "--print-packages" ]; then
+  printf '%s\n' "${PACKAGES[@]}"
+  exit 0
+fi
 
 missing=()
 for p in "${PACKAGES[@]}"; do

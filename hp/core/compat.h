@@ -27,4 +27,23 @@ namespace hp {
 /// The LibTorch version we were built against, e.g. "1.13.1".
 const char* torch_version();
 
+namespace compat {
+
+// NOTE [TCPStore and libuv]
+// LibTorch 2.4 made libuv the default TCPStore server backend
+// (TCPStoreOptions::useLibUV = true), but Debian 13's LibTorch 2.6 is built
+// without libuv: rank 0 then cannot host the store at all ("use_libuv was
+// requested but PyTorch was build without libuv support"). We always ask for
+// the classic backend, the only one LibTorch 1.13 has. A template, so that
+// this header needs no c10d include.
+template <typename TCPStoreOptions>
+inline void use_classic_tcpstore(TCPStoreOptions& options) {
+#if HP_TORCH_AT_LEAST(2, 4)
+  options.useLibUV = false;
+#else
+  (void)options;
+#endif
+}
+
+}  // namespace compat
 }  // namespace hp

@@ -102,6 +102,18 @@ void Comm::all_gather(const at::Tensor& out, const at::Tensor& in) {
 // r+1 and adds the slice (r-s-2) received from r-1; after world-1 steps slice r
 // holds the full reduction. Summation order is fixed, so results are
 // deterministic run to run.
+//
+// NOTE [Gloo's reduce_scatter in LibTorch 2.x]
+// LibTorch 1.13's ProcessGroupGloo has no flat reduce-scatter. LibTorch 2.6's
+// has one (_reduce_scatter_base), and we still do not use it: it clones the
+// whole input, all-reduces all of it and copies out this rank's slice - twice
+// the bytes of this ring on every rank - and it drops the reduce op on the
+// way (its AllreduceOptions are built and never passed), so Max and Min come
+// back as sums. Checked on Debian 13's LibTorch 2.6: a Max reduce-scatter of
+// {1,5,3,2} and {4,2,1,6} gives rank 0 {5,7}, not {4,5}; and an output of
+// another dtype than the input is a fatal CHECK there (the process aborts,
+// nothing to catch), where we throw. Its flat all-gather
+// (_allgather_base) is the same chunk-and-allgather as Comm::all_gather above.
 void Comm::reduce_scatter(const at::Tensor& out, const at::Tensor& in, ReduceOp op) {
   detail::check_tensor(out, "reduce_scatter (output)");
   detail::check_tensor(in, "reduce_scatter (input)");

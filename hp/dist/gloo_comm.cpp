@@ -21,6 +21,7 @@
 #include <mutex>
 #include <sstream>
 
+#include "hp/core/compat.h"
 #include "hp/dist/comm.h"
 #include "hp/dist/comm_internal.h"
 
@@ -433,6 +434,7 @@ std::shared_ptr<Comm> Comm::from_tcp(const std::string& master_addr, int master_
   so.numWorkers = world_size;
   so.waitWorkers = false;  // the process group's rendezvous does the waiting
   so.timeout = options.timeout;
+  compat::use_classic_tcpstore(so);  // NOTE [TCPStore and libuv]
   c10::intrusive_ptr<c10d::Store> store;
   auto unreachable = [&](const std::string& detail) {
     return CommError("rank " + std::to_string(rank) + " could not reach MASTER_ADDR:MASTER_PORT (" +

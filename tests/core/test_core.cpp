@@ -1,9 +1,12 @@
 // Tests of hp/core: version compatibility, logging and memory accounting.
 #include <c10/core/CPUAllocator.h>
 #include <gtest/gtest.h>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/torch.h>
 
+#include <chrono>
 #include <string>
+#include <vector>
 
 #include "hp/core/compat.h"
 #include "hp/core/logging.h"
@@ -17,6 +20,20 @@ TEST(Compat, VersionMatchesMacros) {
       << v;
   EXPECT_TRUE(HP_TORCH_AT_LEAST(1, 13));
   EXPECT_FALSE(HP_TORCH_AT_LEAST(99, 0));
+}
+
+// NOTE [TCPStore and libuv]: with the shim, this LibTorch hosts a store.
+TEST(Compat, ClassicTcpStoreHostsAndServes) {
+  c10d::TCPStoreOptions o;
+  o.port = 0;  // any free port
+  o.isServer = true;
+  o.numWorkers = 1;
+  o.waitWorkers = false;
+  o.timeout = std::chrono::seconds(10);
+  hp::compat::use_classic_tcpstore(o);
+  auto store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", o);
+  store->set("k", std::vector<uint8_t>{1, 2});
+  EXPECT_EQ(store->get("k"), (std::vector<uint8_t>{1, 2}));
 }
 
 TEST(Logging, LevelFiltersAndRankPrefix) {

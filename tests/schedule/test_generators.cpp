@@ -3,6 +3,7 @@
 // the error message of every constraint.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <map>
 #include <stdexcept>
 #include <string>
