@@ -139,8 +139,9 @@ int main(int argc, char** argv) {
     } else if (a == "--skip-ranks") {
       skip_ranks = true;
     } else {
-      std::fprintf(stderr, "usage: bench_graph [--rounds R] [--steps S] [--markdown FILE] "
-                           "[--skip-ranks]\n");
+      std::fprintf(stderr,
+                   "usage: bench_graph [--rounds R] [--steps S] [--markdown FILE] "
+                   "[--skip-ranks]\n");
       return 2;
     }
   }
@@ -176,8 +177,8 @@ int main(int argc, char** argv) {
                                  {"FSDP, no overlap", "--no-overlap"},
                                  {"data parallel + overlap", "--no-shard"},
                                  {"data parallel, no overlap", "--no-shard --no-overlap"}};
-    auto dir = std::filesystem::temp_directory_path() /
-               ("hp-bench-graph-" + std::to_string(::getpid()));
+    auto dir =
+        std::filesystem::temp_directory_path() / ("hp-bench-graph-" + std::to_string(::getpid()));
     std::filesystem::create_directories(dir);
     for (int r = 0; r < rounds; ++r)
       for (auto& row : rows) {
@@ -187,8 +188,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "\n");
     std::filesystem::remove_all(dir);
     const double base = median(rows[2].step_ms);
-    std::printf("\n%-26s %9s %9s %11s %9s %9s\n", "2 ranks, gpt", "step ms", "vs DP",
-                "params MiB", "wait ms", "hidden");
+    std::printf("\n%-26s %9s %9s %11s %9s %9s\n", "2 ranks, gpt", "step ms", "vs DP", "params MiB",
+                "wait ms", "hidden");
     md << "\n| 2 ranks, gpt | step ms | vs data parallel | parameters MiB per rank | "
           "blocked on comm ms | comm hidden |\n|---|---|---|---|---|---|\n";
     for (const auto& row : rows) {

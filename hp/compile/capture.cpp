@@ -26,10 +26,10 @@ namespace hp::compile {
 // Which calls are "top level": a call made while another recorded call is
 // running (depth > 0) is an implementation detail of it and is not recorded.
 // A CompositeImplicitAutograd operator (linear, matmul, layer_norm, ...) is
-// transparent instead (NOTE [Which kernel autograd runs]): it is not recorded and its children are, because
-// autograd differentiates the children and saves *their* tensors for
-// backward; recording the composite would leave those saved tensors (e.g.
-// native_layer_norm's mean/rstd) unknown to the graph.
+// transparent instead (NOTE [Which kernel autograd runs]): it is not recorded and its children are,
+// because autograd differentiates the children and saves *their* tensors for backward; recording
+// the composite would leave those saved tensors (e.g. native_layer_norm's mean/rstd) unknown to the
+// graph.
 //
 // Tensor identity: a value is found by TensorImpl first. Autograd saves an
 // op's outputs as `tensor_data()` shallow copies (a new TensorImpl over the

@@ -368,8 +368,12 @@ double span_sum(const std::vector<ReplayTrace::Span>& spans) {
 
 }  // namespace
 
-double ReplayTrace::call_seconds() const { return span_sum(calls); }
-double ReplayTrace::wait_seconds() const { return span_sum(waits); }
+double ReplayTrace::call_seconds() const {
+  return span_sum(calls);
+}
+double ReplayTrace::wait_seconds() const {
+  return span_sum(waits);
+}
 double ReplayTrace::in_flight_seconds() const {
   // The union of the intervals: collectives in flight together count once.
   std::vector<std::pair<double, double>> iv;

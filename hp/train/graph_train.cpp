@@ -33,11 +33,20 @@ std::string chrome_trace(const compile::Graph& graph,
                          const std::vector<std::vector<double>>& packed_by_rank) {
   nlohmann::json events = nlohmann::json::array();
   for (size_t r = 0; r < packed_by_rank.size(); ++r) {
-    events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", r}, {"tid", 0},
+    events.push_back({{"name", "thread_name"},
+                      {"ph", "M"},
+                      {"pid", r},
+                      {"tid", 0},
                       {"args", {{"name", "compute"}}}});
-    events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", r}, {"tid", 1},
+    events.push_back({{"name", "thread_name"},
+                      {"ph", "M"},
+                      {"pid", r},
+                      {"tid", 1},
                       {"args", {{"name", "comm"}}}});
-    events.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", r}, {"tid", 0},
+    events.push_back({{"name", "process_name"},
+                      {"ph", "M"},
+                      {"pid", r},
+                      {"tid", 0},
                       {"args", {{"name", "rank " + std::to_string(r)}}}});
     const auto& v = packed_by_rank[r];
     for (size_t k = 0; k + 3 < v.size(); k += 4) {
@@ -49,7 +58,9 @@ std::string chrome_trace(const compile::Graph& graph,
         name = "wait " + coll.name;
       }
       events.push_back({{"name", name},
-                        {"cat", kind == 0 ? "call" : kind == 1 ? "collective" : "wait"},
+                        {"cat", kind == 0   ? "call"
+                                : kind == 1 ? "collective"
+                                            : "wait"},
                         {"ph", "X"},
                         {"pid", r},
                         {"tid", kind == 1 ? 1 : 0},

@@ -21,7 +21,8 @@ class Progress {
   void update(int step, double loss, double items_per_s) {
     if (!enabled_) return;
     int done = step - first_ + 1, todo = total_ - first_;
-    double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+    double elapsed =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
     double eta = done > 0 ? elapsed / done * (todo - done) : 0;
     const int width = 24;
     int filled = todo > 0 ? width * done / todo : width;

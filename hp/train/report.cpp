@@ -100,7 +100,10 @@ std::string graph_summary(const TrainConfig& c, const TrainResult& r) {
                 "trained %s (%lld layers, d_model %lld) in graph mode on %d ranks (%s%s): %d "
                 "steps x %d microbatches of %lld\n",
                 c.model.kind.c_str(), (long long)c.model.layers, (long long)c.model.d_model,
-                c.nproc, c.nproc == 1 ? "one process" : c.shard ? "FSDP" : "data parallel",
+                c.nproc,
+                c.nproc == 1 ? "one process"
+                : c.shard    ? "FSDP"
+                             : "data parallel",
                 c.nproc > 1 && c.overlap ? ", overlapped" : "", c.steps, c.microbatches,
                 (long long)c.microbatch_size);
   s += buf;

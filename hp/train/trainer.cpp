@@ -278,7 +278,6 @@ std::pair<int, int> fault_injection() {
   return {r, s};
 }
 
-
 }  // namespace
 
 void TrainConfig::validate() const {
@@ -309,8 +308,8 @@ void TrainConfig::validate() const {
   if (graph) {
     need(microbatches % nproc == 0,
          "--graph gives every rank the same number of microbatches: --microbatches " +
-             std::to_string(microbatches) + " does not divide by --nproc " +
-             std::to_string(nproc) + "; use a multiple of it");
+             std::to_string(microbatches) + " does not divide by --nproc " + std::to_string(nproc) +
+             "; use a multiple of it");
     need(!recompute, "--graph does not checkpoint blocks; drop --recompute");
     need(save_every == 0 && !resume,
          "--graph does not save checkpoints yet; drop --save-every/--resume or run without "

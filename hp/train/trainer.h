@@ -70,10 +70,10 @@ struct TrainResult {
   std::vector<schedule::Action> executed;  ///< this rank's compute actions, last step, in run order
   int64_t items_per_step = 0;              ///< tokens (gpt) or samples (mlp) per step
   // Graph mode only (rank 0 holds the per-rank lists):
-  std::vector<double> rank_param_bytes;   ///< parameter bytes each rank holds (FSDP: shards)
-  std::vector<double> rank_hidden_comm;   ///< share of collective time overlapped with compute
-  std::vector<std::string> sharded;       ///< FQNs FSDP sharded
-  double compile_seconds = 0.0;           ///< capture + passes
+  std::vector<double> rank_param_bytes;  ///< parameter bytes each rank holds (FSDP: shards)
+  std::vector<double> rank_hidden_comm;  ///< share of collective time overlapped with compute
+  std::vector<std::string> sharded;      ///< FQNs FSDP sharded
+  double compile_seconds = 0.0;          ///< capture + passes
 };
 
 /// Runs the pipeline on this process's rank of `comm` (comm's world size must

@@ -81,8 +81,8 @@ template <class M>
 std::pair<torch::Tensor, GradFunction> stage_forward(M& mod, const torch::Tensor& x,
                                                      const torch::Tensor& target) {
   auto [outs, gf] = forward_and_gradfn(
-      [&](const TensorList& in) { return TensorList{mse_sum(mod->forward(in[0]), target)}; },
-      {x}, ForwardAndGradOptions().weights(mod->parameters()));
+      [&](const TensorList& in) { return TensorList{mse_sum(mod->forward(in[0]), target)}; }, {x},
+      ForwardAndGradOptions().weights(mod->parameters()));
   return {outs[0], gf};
 }
 
@@ -168,9 +168,9 @@ TEST_F(PytorchParity, SharedWeightsAcrossNestedUsesAreNotDoubleCounted) {
   auto fn = [](torch::nn::LinearImpl& l, const torch::Tensor& in) {
     return l.forward(torch::tanh(l.forward(in))).pow(2).sum();
   };
-  auto [outs, gf] = forward_and_gradfn(
-      [&](const TensorList& in) { return TensorList{fn(*lin, in[0])}; }, {x},
-      ForwardAndGradOptions().weights(lin->parameters()));
+  auto [outs, gf] =
+      forward_and_gradfn([&](const TensorList& in) { return TensorList{fn(*lin, in[0])}; }, {x},
+                         ForwardAndGradOptions().weights(lin->parameters()));
   auto dx = gf.compute_input_grad();
   auto dw = gf.compute_weight_grad();
 

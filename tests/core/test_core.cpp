@@ -1,8 +1,8 @@
 // Tests of hp/core: version compatibility, logging and memory accounting.
 #include <c10/core/CPUAllocator.h>
 #include <gtest/gtest.h>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/torch.h>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <chrono>
 #include <string>
