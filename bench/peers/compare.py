@@ -90,6 +90,36 @@ def wait_quiet(limit_s, threshold=0.15):
     return busy
 
 
+SPIN = ("import os\n"
+        "os.sched_setaffinity(0, {%d})\n"
+        "os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))\n"
+        "while True:\n"
+        "    pass\n")
+
+
+class AwakeCores:
+    """One SCHED_IDLE busy loop pinned to each rank's core while a run lasts.
+
+    On this VM a core that went idle sometimes wakes for a message only at the
+    next timer tick (4 ms): a Gloo round trip on loopback has a median of
+    0.3 ms but a 90th percentile of 4 ms between idle cores, 0.33 ms when
+    each core has such a loop. The loops run only when nothing else can, so
+    they take no time from the ranks; they keep the cores from idling."""
+
+    def __init__(self, cores):
+        self.cores, self.procs = cores, []
+
+    def __enter__(self):
+        self.procs = [subprocess.Popen([sys.executable, "-c", SPIN % c]) for c in self.cores]
+        return self
+
+    def __exit__(self, *exc):
+        for p in self.procs:
+            p.kill()
+            p.wait()
+        self.procs = []
+
+
 def model_args(s):
     return ["--model", "gpt", "--layers", str(s["layers"]), "--d-model", str(s["d_model"]),
             "--heads", str(s["heads"]), "--seq-len", str(s["seq_len"]), "--untied"]
@@ -158,10 +188,14 @@ def render(a, settings, pairs, results, load_before, load_after):
     """The tables (markdown) and the JSON summary of `results`:
     {setting: {"theirs": {name: [run]}, "ours": {(name, chunks): [run]}}}."""
     lines = []
-    summary = {"load_before": load_before, "load_after": load_after, "settings": {}}
+    summary = {"load_before": load_before, "load_after": load_after, "settings": {},
+               "args": {"awake_cores": a.awake_cores, "rounds": a.rounds, "steps": a.steps,
+                        "nproc": a.nproc, "lr": a.lr, "weight_decay": a.weight_decay,
+                        "seed": a.seed}}
     for setting in settings:
         s = SETTINGS[setting]
-        lines.append(f"\n**{setting}**: gpt, {s['layers']} layers, d_model {s['d_model']}, "
+        lines.append(f"\n**{setting}**{' (cores kept awake)' if a.awake_cores else ''}: "
+                     f"gpt, {s['layers']} layers, d_model {s['d_model']}, "
                      f"{s['heads']} heads, seq {s['seq_len']}, {s['microbatches']} microbatches of "
                      f"{s['microbatch_size']}, {a.nproc} ranks, {a.steps} steps x {a.rounds} "
                      "rounds\n")
@@ -250,7 +284,7 @@ def results_from_json(path):
         results[setting] = runs
     pairs = [p for p in PAIRS if p[:3] in seen]
     return (settings, pairs, results, summary["load_before"], summary["load_after"], rounds,
-            steps)
+            steps, summary.get("args", {}).get("awake_cores", False))
 
 
 def main():
@@ -274,6 +308,9 @@ def main():
     ap.add_argument("--quiet-wait", type=float, default=0,
                     help="before each run, wait up to this many seconds for the machine's "
                          "cores to be under 15 %% busy (other load disturbs pinned ranks)")
+    ap.add_argument("--awake-cores", action="store_true",
+                    help="keep the ranks' cores from idling during each run (a SCHED_IDLE busy "
+                         "loop per core; see AwakeCores)")
     ap.add_argument("--timeout", type=int, default=600)
     ap.add_argument("--json", default="", help="write every measurement here")
     ap.add_argument("--markdown", default="", help="write the tables here too")
@@ -281,7 +318,8 @@ def main():
     ap.add_argument("--render", default="", help="only print the tables of an earlier --json")
     a = ap.parse_args()
     if a.render:
-        settings, pairs, results, lb, la, a.rounds, a.steps = results_from_json(a.render)
+        settings, pairs, results, lb, la, a.rounds, a.steps, a.awake_cores = \
+            results_from_json(a.render)
         text, _ = render(a, settings, pairs, results, lb, la)
         print(text)
         return 0
@@ -327,8 +365,9 @@ def main():
                     out = os.path.join(tmp, f"{setting}-{who}-{name}-{chunks}-{rnd}.json")
                     busy = wait_quiet(a.quiet_wait) if a.quiet_wait > 0 else cpu_busy(0.2)
                     t = time.monotonic()
-                    r = (run_theirs(a, setting, export, theirs, out) if who == "theirs"
-                         else run_ours(a, setting, ours, chunks, out))
+                    with AwakeCores(range(a.nproc) if a.awake_cores else []):
+                        r = (run_theirs(a, setting, export, theirs, out) if who == "theirs"
+                             else run_ours(a, setting, ours, chunks, out))
                     r["busy_before"] = busy
                     done.append(r)
                     msg = r.get("error") or f"{fmt_ms(step_median(r))} ms/step"
