@@ -38,7 +38,9 @@ struct StepStats {
                            ///< loopback the kernel copies a send in the posting call)
                            ///< and waiting for them
   double overhead = 0.0;   ///< wall - compute - comm_wait: the executor's own time
-  std::vector<schedule::Event> events;     ///< every action, seconds from the step start
+  /// Seconds from the step start: each compute action (its compute only), each
+  /// send's posting, each receive's wait (NOTE [Compute events exclude waits]).
+  std::vector<schedule::Event> events;
   std::vector<schedule::Action> executed;  ///< compute actions in the order they ran
 };
 

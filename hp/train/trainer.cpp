@@ -8,6 +8,7 @@
 #include <csignal>
 #include <cstdlib>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -413,13 +414,15 @@ TrainResult run_rank(const TrainConfig& config, std::shared_ptr<dist::Comm> comm
   }
   result.first_step = first;
 
-  // One round trip of an activation to estimate the communication cost.
+  // Round trips of an activation between ranks 0 and 1 estimate the
+  // communication cost: half the median round trip (the first connects).
   double comm_cost = 0.0;
   if (config.nproc > 1 && rank <= 1) {
     auto probe = torch::zeros(models::activation_shape(config.model, config.microbatch_size),
                               config.model.dtype);
-    auto t0 = Clock::now();
-    for (int k = 0; k < 3; ++k) {
+    std::vector<double> trips;
+    for (int k = 0; k < 9; ++k) {
+      auto t0 = Clock::now();
       if (rank == 0) {
         comm->send(probe, 1, kTagBase + 1);
         comm->recv(probe, 1, kTagBase + 2);
@@ -427,8 +430,10 @@ TrainResult run_rank(const TrainConfig& config, std::shared_ptr<dist::Comm> comm
         comm->recv(probe, 0, kTagBase + 1);
         comm->send(probe, 0, kTagBase + 2);
       }
+      if (k > 0) trips.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
     }
-    comm_cost = std::chrono::duration<double>(Clock::now() - t0).count() / 6;
+    std::sort(trips.begin(), trips.end());
+    comm_cost = trips[trips.size() / 2] / 2;
   }
 
   Progress progress(config.progress && rank == 0, first, config.steps);

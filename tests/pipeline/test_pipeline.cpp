@@ -124,6 +124,48 @@ INSTANTIATE_TEST_SUITE_P(AllSchedules, PipelineMatchesReference, ::testing::Valu
                            return n;
                          });
 
+// The measured timeline feeds the simulator and the measured bubble: a
+// compute event must hold only compute, a receive's event its wait (NOTE
+// [Compute events exclude waits]). Rank 1's first F always waits for rank 0's.
+TEST(Pipeline, TimelineSeparatesComputeFromWaiting) {
+  TrainConfig c = tiny("1f1b", 2, 4, "gpt");
+  auto ranks = run_threads(c);
+  const auto& tl = ranks[0].timeline;
+  ASSERT_EQ(tl.num_ranks, 2);
+  for (int r = 0; r < 2; ++r) {
+    double compute = 0, waits = 0, first_f_start = -1;
+    std::vector<std::pair<double, double>> spans;
+    for (const auto& e : tl.events) {
+      if (e.rank != r) continue;
+      ASSERT_LE(e.start, e.end);
+      if (hp::schedule::is_compute(e.action.op)) {
+        compute += e.end - e.start;
+        spans.push_back({e.start, e.end});
+        if (e.action.op == hp::schedule::Op::F && e.action.microbatch == 0) first_f_start = e.start;
+      } else if (e.action.op == hp::schedule::Op::RECV_F ||
+                 e.action.op == hp::schedule::Op::RECV_B) {
+        waits += e.end - e.start;
+      }
+    }
+    EXPECT_NEAR(compute, ranks[0].rank_compute[r], 1e-6) << "rank " << r;
+    EXPECT_LE(waits, ranks[0].rank_comm_wait[r] + 1e-6) << "rank " << r;
+    std::sort(spans.begin(), spans.end());
+    for (size_t k = 1; k < spans.size(); ++k)
+      EXPECT_LE(spans[k - 1].second, spans[k].first + 1e-9) << "rank " << r << " overlaps";
+    if (r == 1) {
+      EXPECT_GT(waits, 0.0);
+      // F0 of stage 1 starts only once its input is there, after rank 0's F0
+      // began (the ranks' clocks start at a barrier, within a millisecond).
+      double producer = -1;
+      for (const auto& e : tl.events)
+        if (e.rank == 0 && e.action.op == hp::schedule::Op::F && e.action.microbatch == 0)
+          producer = e.end;
+      EXPECT_GT(first_f_start, 0.0);
+      EXPECT_GT(first_f_start + 1e-3, producer);
+    }
+  }
+}
+
 TEST(Pipeline, MlpWithSgdAndTiedGptHead) {
   TrainConfig c = tiny("zb-h1", 2, 4, "mlp");
   c.optimizer = "sgd";
