@@ -40,11 +40,7 @@ PAIRS = [
     ("1F1B", "1f1b", 1, ""),
     ("Interleaved1F1B", "interleaved-1f1b", 2, ""),
     ("LoopedBFS", "interleaved-bfs", 2, ""),
-    ("InterleavedZeroBubble", "zb-h1", 1,
-     "hp has no interleaved zero-bubble schedule. Closest two: zb-h1 is the same ZB-H1 "
-     "(ZB1P) split of the backward into I and W, on one stage per rank; interleaved-1f1b "
-     "has the same placement (two stages per rank, four stages) without the split"),
-    ("InterleavedZeroBubble", "interleaved-1f1b", 2, "see above"),
+    ("InterleavedZeroBubble", "interleaved-zb", 2, ""),
     ("ZBVZeroBubble", "zbv", 2, ""),
 ]
 

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <deque>
 #include <stdexcept>
+#include <utility>
 
 #include "hp/schedule/zb_auto.h"
 
@@ -96,6 +97,56 @@ Schedule interleaved(int p, int m, int v) {
     }
     for (int k = total - warm; k < total; ++k)
       out.push_back(bwd(r, k));
+  }
+  return s;
+}
+
+// Interleaved zero bubble (PyTorch's ScheduleInterleavedZeroBubble): the
+// depth-first interleaved order with every B split into I and W. Forwards
+// and I keep Megatron's order with half its warmup ((v-1)p + p-1-r forwards
+// on rank r: sends are asynchronous, so the F/B pairing slack is not needed);
+// rank r defers each W by r I's, and the cooldown's bubbles take the rest.
+Schedule interleaved_zb(int p, int m, int v) {
+  const std::string name = "interleaved-zb";
+  if (v < 1) unmet(name, "needs chunks v >= 1 (got v=" + std::to_string(v) + ")");
+  if (m % p != 0)
+    unmet(name, "needs microbatches divisible by ranks (m % p == 0); got m=" + std::to_string(m) +
+                    ", p=" + std::to_string(p) + "; use m=" + std::to_string((m / p + 1) * p));
+  Schedule s = make_loop_layout(p, p * v, m);
+  s.name = name;
+  const int total = m * v;
+  auto stage_mb = [&](int r, int k, bool backward) {
+    int group = (k / p) % v, mb = (k / (p * v)) * p + k % p;
+    int chunk = backward ? v - 1 - group : group;
+    return std::make_pair(chunk * p + r, mb);
+  };
+  for (int r = 0; r < p; ++r) {
+    auto& out = s.actions[r];
+    const int warm = std::min((p - r - 1) + (v - 1) * p, total);
+    int next_w = 0;  // the W of the next_w-th I is the next one due
+    auto input_grad = [&](int k) {
+      auto [st, mb] = stage_mb(r, k, true);
+      out.push_back(A(Op::I, st, mb));
+      if (k - next_w >= r) {
+        auto [wst, wmb] = stage_mb(r, next_w++, true);
+        out.push_back(A(Op::W, wst, wmb));
+      }
+    };
+    for (int k = 0; k < warm; ++k) {
+      auto [st, mb] = stage_mb(r, k, false);
+      out.push_back(A(Op::F, st, mb));
+    }
+    for (int i = 0; i < total - warm; ++i) {
+      auto [st, mb] = stage_mb(r, warm + i, false);
+      out.push_back(A(Op::F, st, mb));
+      input_grad(i);
+    }
+    for (int k = total - warm; k < total; ++k)
+      input_grad(k);
+    while (next_w < total) {
+      auto [wst, wmb] = stage_mb(r, next_w++, true);
+      out.push_back(A(Op::W, wst, wmb));
+    }
   }
   return s;
 }
@@ -340,8 +391,8 @@ Schedule dualpipe(int p, int m) {
 
 const std::vector<std::string>& names() {
   static const std::vector<std::string> k = {
-      "naive", "gpipe", "1f1b",     "interleaved-1f1b", "interleaved-bfs", "zb-h1",
-      "zb-h2", "zbv",   "dualpipe", "dualpipev",        "zb-auto"};
+      "naive", "gpipe", "1f1b", "interleaved-1f1b", "interleaved-bfs", "interleaved-zb",
+      "zb-h1", "zb-h2", "zbv",  "dualpipe",         "dualpipev",       "zb-auto"};
   return k;
 }
 
@@ -351,6 +402,8 @@ std::string describe(const std::string& name) {
   if (name == "1f1b") return "warmup forwards, then one forward one backward (Megatron)";
   if (name == "interleaved-1f1b") return "v chunks per rank, depth-first 1F1B (Megatron)";
   if (name == "interleaved-bfs") return "v chunks per rank, breadth-first (looped BFS)";
+  if (name == "interleaved-zb")
+    return "v chunks per rank, depth-first with W split off and deferred (PyTorch)";
   if (name == "zb-h1") return "1F1B with W split off into the bubbles, 1F1B memory";
   if (name == "zb-h2") return "zero bubble when F = B = W, about 2x 1F1B memory";
   if (name == "zbv") return "V placement, zero bubble at 1F1B memory when F = B = W";
@@ -373,6 +426,8 @@ Schedule build(const std::string& name, int ranks, int microbatches, const Build
     s = interleaved(ranks, microbatches, o.chunks);
   } else if (name == "interleaved-bfs") {
     s = interleaved_bfs(ranks, microbatches, o.chunks);
+  } else if (name == "interleaved-zb") {
+    s = interleaved_zb(ranks, microbatches, o.chunks);
   } else if (name == "zb-h1") {
     s = zb_h1(ranks, microbatches);
   } else if (name == "zb-h2") {

@@ -12,7 +12,7 @@ namespace hp::schedule {
 
 /// Options shared by the generators; each uses the fields it needs.
 struct BuildOptions {
-  int chunks = 2;        ///< v: virtual stages per rank (interleaved-1f1b, interleaved-bfs)
+  int chunks = 2;        ///< v: virtual stages per rank (interleaved-*)
   CostModel costs;       ///< costs and memory (zb-auto searches under these)
   double mem_limit = 0;  ///< zb-auto: per-rank activation memory limit; 0 = 2 * p * mem_b
 };
@@ -25,7 +25,8 @@ std::string describe(const std::string& name);
 
 /// Builds the named schedule for `ranks` ranks and `microbatches`
 /// microbatches: naive, gpipe (alias afab), 1f1b, interleaved-1f1b
-/// (depth-first), interleaved-bfs (breadth-first / looped), zb-h1, zb-h2, zbv,
+/// (depth-first), interleaved-bfs (breadth-first / looped), interleaved-zb
+/// (depth-first with the backward split), zb-h1, zb-h2, zbv,
 /// dualpipe, dualpipev, zb-auto. Throws std::invalid_argument stating any
 /// unmet constraint (even ranks, enough microbatches, divisibility) and what
 /// to change.

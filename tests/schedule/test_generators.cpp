@@ -102,6 +102,37 @@ TEST(Golden, DualPipeV) {
             "3F7+4B3 4F7+3B3 4B4 3B4 4B5 3B5 4I6 3I6 4I7 3I7 4W6 3W6 4W7 3W7");
 }
 
+// Hand-derived: interleaved-1f1b's F and backward order with warmup
+// (v-1)p + p-1-r, each B split into I then W, rank r's W trailing its I by r
+// I's (rank 1: 3W0 after 3I1), the rest of the W's at the end.
+TEST(Golden, InterleavedZeroBubble) {
+  hs::BuildOptions o;
+  o.chunks = 2;
+  EXPECT_EQ(rows(hs::build("interleaved-zb", 2, 4, o)),
+            (std::vector<std::string>{
+                "0F0 0F1 2F0 2F1 2I0 2W0 0F2 2I1 2W1 0F3 0I0 0W0 2F2 0I1 0W1 2F3 2I2 2W2 2I3 "
+                "2W3 0I2 0W2 0I3 0W3",
+                "1F0 1F1 3F0 3I0 3F1 3I1 3W0 1F2 1I0 3W1 1F3 1I1 1W0 3F2 3I2 1W1 3F3 3I3 3W2 1I2 "
+                "3W3 1I3 1W2 1W3"}));
+}
+
+// Splitting the backward never makes the interleaved schedule slower when
+// I + W costs what B did, and shortens it when W can fill bubbles.
+TEST(Property, InterleavedZeroBubbleBeatsInterleaved1F1B) {
+  for (int p : {2, 4})
+    for (int v : {1, 2, 3}) {
+      hs::BuildOptions o;
+      o.chunks = v;
+      hs::CostModel c;
+      c.f = 1.0, c.b = 1.0, c.w = 1.0, c.comm = 0.1;
+      auto zb = hs::simulate(hs::build("interleaved-zb", p, 4 * p, o), c);
+      auto il = hs::simulate(hs::build("interleaved-1f1b", p, 4 * p, o), c);
+      SCOPED_TRACE("p=" + std::to_string(p) + " v=" + std::to_string(v));
+      EXPECT_LT(zb.makespan, il.makespan);
+      EXPECT_LT(zb.bubble_rate, il.bubble_rate);
+    }
+}
+
 TEST(Layout, LoopVAndDualPipePlacement) {
   hs::BuildOptions o;
   o.chunks = 3;
@@ -217,8 +248,9 @@ TEST(Constraints, EveryRefusalSaysWhatToChange) {
 
 TEST(Names, ListsEveryGenerator) {
   const auto& n = hs::names();
-  for (const char* want : {"naive", "gpipe", "1f1b", "interleaved-1f1b", "interleaved-bfs", "zb-h1",
-                           "zb-h2", "zbv", "dualpipe", "dualpipev", "zb-auto"}) {
+  for (const char* want :
+       {"naive", "gpipe", "1f1b", "interleaved-1f1b", "interleaved-bfs", "interleaved-zb", "zb-h1",
+        "zb-h2", "zbv", "dualpipe", "dualpipev", "zb-auto"}) {
     EXPECT_NE(std::find(n.begin(), n.end(), want), n.end()) << want;
     EXPECT_FALSE(hs::describe(want).empty()) << want;
   }
