@@ -67,10 +67,13 @@ Schedule one_f_one_b(int p, int m) {
   return s;
 }
 
-// Megatron's depth-first interleaved 1F1B: forwards go through groups of p
-// microbatches chunk by chunk; backwards the same with chunks reversed.
-Schedule interleaved(int p, int m, int v) {
-  const std::string name = "interleaved-1f1b";
+// Megatron's depth-first interleaved order over v chunks per rank: the k-th
+// forward of rank r runs chunk (k/p)%v on microbatch (k/(pv))p + k%p, the
+// k-th backward the same with the chunks reversed. Rank r warms up with
+// warm_per_rank * (p-1-r) + (v-1)p forwards, then alternates one forward with
+// one backward. With `split` each backward is an I, rank r's W trails its I
+// by r I's, and the W's left over end the list.
+Schedule depth_first(const std::string& name, int p, int m, int v, int warm_per_rank, bool split) {
   if (v < 1) unmet(name, "needs chunks v >= 1 (got v=" + std::to_string(v) + ")");
   if (m % p != 0)
     unmet(name, "needs microbatches divisible by ranks (m % p == 0); got m=" + std::to_string(m) +
@@ -78,77 +81,44 @@ Schedule interleaved(int p, int m, int v) {
   Schedule s = make_loop_layout(p, p * v, m);
   s.name = name;
   const int total = m * v;
-  auto fwd = [&](int r, int k) {
-    int chunk = (k / p) % v, mb = (k / (p * v)) * p + k % p;
-    return A(Op::F, chunk * p + r, mb);
-  };
-  auto bwd = [&](int r, int k) {
-    int chunk = v - 1 - (k / p) % v, mb = (k / (p * v)) * p + k % p;
-    return A(Op::B, chunk * p + r, mb);
+  auto act = [&](Op op, int r, int k) {
+    int group = (k / p) % v, mb = (k / (p * v)) * p + k % p;
+    int chunk = op == Op::F ? group : v - 1 - group;
+    return A(op, chunk * p + r, mb);
   };
   for (int r = 0; r < p; ++r) {
     auto& out = s.actions[r];
-    int warm = std::min((p - r - 1) * 2 + (v - 1) * p, total);
+    const int warm = std::min(warm_per_rank * (p - r - 1) + (v - 1) * p, total);
+    int next_w = 0;  // the W of the next_w-th I is the next one due
+    auto backward = [&](int k) {
+      out.push_back(act(split ? Op::I : Op::B, r, k));
+      if (split && k - next_w >= r) out.push_back(act(Op::W, r, next_w++));
+    };
     for (int k = 0; k < warm; ++k)
-      out.push_back(fwd(r, k));
+      out.push_back(act(Op::F, r, k));
     for (int i = 0; i < total - warm; ++i) {
-      out.push_back(fwd(r, warm + i));
-      out.push_back(bwd(r, i));
+      out.push_back(act(Op::F, r, warm + i));
+      backward(i);
     }
     for (int k = total - warm; k < total; ++k)
-      out.push_back(bwd(r, k));
+      backward(k);
+    while (split && next_w < total)
+      out.push_back(act(Op::W, r, next_w++));
   }
   return s;
 }
 
-// Interleaved zero bubble (PyTorch's ScheduleInterleavedZeroBubble): the
-// depth-first interleaved order with every B split into I and W. Forwards
-// and I keep Megatron's order with half its warmup ((v-1)p + p-1-r forwards
-// on rank r: sends are asynchronous, so the F/B pairing slack is not needed);
-// rank r defers each W by r I's, and the cooldown's bubbles take the rest.
+// Megatron's interleaved 1F1B: two forwards of warmup per rank below, since
+// its ranks exchange a forward and a backward in one blocking call.
+Schedule interleaved(int p, int m, int v) {
+  return depth_first("interleaved-1f1b", p, m, v, 2, false);
+}
+
+// Interleaved zero bubble (PyTorch's ScheduleInterleavedZeroBubble): the same
+// order with every B split into I and W, one forward of warmup per rank below
+// (sends are asynchronous), W deferred into the bubbles.
 Schedule interleaved_zb(int p, int m, int v) {
-  const std::string name = "interleaved-zb";
-  if (v < 1) unmet(name, "needs chunks v >= 1 (got v=" + std::to_string(v) + ")");
-  if (m % p != 0)
-    unmet(name, "needs microbatches divisible by ranks (m % p == 0); got m=" + std::to_string(m) +
-                    ", p=" + std::to_string(p) + "; use m=" + std::to_string((m / p + 1) * p));
-  Schedule s = make_loop_layout(p, p * v, m);
-  s.name = name;
-  const int total = m * v;
-  auto stage_mb = [&](int r, int k, bool backward) {
-    int group = (k / p) % v, mb = (k / (p * v)) * p + k % p;
-    int chunk = backward ? v - 1 - group : group;
-    return std::make_pair(chunk * p + r, mb);
-  };
-  for (int r = 0; r < p; ++r) {
-    auto& out = s.actions[r];
-    const int warm = std::min((p - r - 1) + (v - 1) * p, total);
-    int next_w = 0;  // the W of the next_w-th I is the next one due
-    auto input_grad = [&](int k) {
-      auto [st, mb] = stage_mb(r, k, true);
-      out.push_back(A(Op::I, st, mb));
-      if (k - next_w >= r) {
-        auto [wst, wmb] = stage_mb(r, next_w++, true);
-        out.push_back(A(Op::W, wst, wmb));
-      }
-    };
-    for (int k = 0; k < warm; ++k) {
-      auto [st, mb] = stage_mb(r, k, false);
-      out.push_back(A(Op::F, st, mb));
-    }
-    for (int i = 0; i < total - warm; ++i) {
-      auto [st, mb] = stage_mb(r, warm + i, false);
-      out.push_back(A(Op::F, st, mb));
-      input_grad(i);
-    }
-    for (int k = total - warm; k < total; ++k)
-      input_grad(k);
-    while (next_w < total) {
-      auto [wst, wmb] = stage_mb(r, next_w++, true);
-      out.push_back(A(Op::W, wst, wmb));
-    }
-  }
-  return s;
+  return depth_first("interleaved-zb", p, m, v, 1, true);
 }
 
 // Breadth-first (looped BFS): each rank runs all microbatches through one
