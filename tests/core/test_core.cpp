@@ -55,7 +55,13 @@ TEST(Memory, TrackerCountsAllocationsFreesAndPeak) {
   hp::reset_peak_memory();
   {
     auto t = torch::empty({1 << 20}, torch::kFloat32);  // 4 MiB
-    EXPECT_GE(hp::memory_allocated() - before, int64_t(4) << 20);
+    EXPECT_EQ(hp::memory_allocated() - before, int64_t(4) << 20);
+    // The size header keeps the data as aligned as LibTorch's own allocator.
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(t.data_ptr()) % 64, 0u);
+    auto small = torch::ones({3}, torch::kFloat64);
+    EXPECT_EQ(hp::memory_allocated() - before, (int64_t(4) << 20) + 24);
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(small.data_ptr()) % 64, 0u);
+    EXPECT_EQ(small.sum().item<double>(), 3.0);
   }
   EXPECT_EQ(hp::memory_allocated(), before);
   EXPECT_GE(hp::peak_memory_allocated() - before, int64_t(4) << 20);
