@@ -144,7 +144,7 @@ def run_ours(a, setting, name, chunks, out):
            "-s", name, "-m", str(s["microbatches"]), "--microbatch-size",
            str(s["microbatch_size"]), "--steps", str(a.steps), "--seed", str(a.seed),
            "--lr", str(a.lr), "--weight-decay", str(a.weight_decay), "--dtype", "float32",
-           "--report", out]
+           "--report", out, "--p2p", a.hp_p2p]
     if chunks > 1:
         cmd += ["-v", str(chunks)]
     rc, text = run(cmd, a.timeout + 30)
@@ -185,12 +185,13 @@ def render(a, settings, pairs, results, load_before, load_after):
     {setting: {"theirs": {name: [run]}, "ours": {(name, chunks): [run]}}}."""
     lines = []
     summary = {"load_before": load_before, "load_after": load_after, "settings": {},
-               "args": {"awake_cores": a.awake_cores, "rounds": a.rounds, "steps": a.steps,
+               "args": {"awake_cores": a.awake_cores, "hp_p2p": a.hp_p2p, "rounds": a.rounds, "steps": a.steps,
                         "nproc": a.nproc, "lr": a.lr, "weight_decay": a.weight_decay,
                         "seed": a.seed}}
     for setting in settings:
         s = SETTINGS[setting]
-        lines.append(f"\n**{setting}**{' (cores kept awake)' if a.awake_cores else ''}: "
+        lines.append(f"\n**{setting}**{' (cores kept awake)' if a.awake_cores else ''}"
+                     f"{', hp point-to-point over shared memory' if a.hp_p2p == 'shm' else ''}: "
                      f"gpt, {s['layers']} layers, d_model {s['d_model']}, "
                      f"{s['heads']} heads, seq {s['seq_len']}, {s['microbatches']} microbatches of "
                      f"{s['microbatch_size']}, {a.nproc} ranks, {a.steps} steps x {a.rounds} "
@@ -307,6 +308,9 @@ def main():
     ap.add_argument("--awake-cores", action="store_true",
                     help="keep the ranks' cores from idling during each run (a SCHED_IDLE busy "
                          "loop per core; see AwakeCores)")
+    ap.add_argument("--hp-p2p", default="gloo", choices=["gloo", "shm"],
+                    help="hp's point-to-point transport between the ranks (hp train --p2p); "
+                         "PyTorch's is always Gloo")
     ap.add_argument("--timeout", type=int, default=600)
     ap.add_argument("--json", default="", help="write every measurement here")
     ap.add_argument("--markdown", default="", help="write the tables here too")
@@ -316,6 +320,8 @@ def main():
     if a.render:
         settings, pairs, results, lb, la, a.rounds, a.steps, a.awake_cores = \
             results_from_json(a.render)
+        with open(a.render) as f:
+            a.hp_p2p = json.load(f).get("args", {}).get("hp_p2p", "gloo")
         text, _ = render(a, settings, pairs, results, lb, la)
         print(text)
         return 0

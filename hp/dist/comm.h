@@ -153,4 +153,12 @@ class Comm {
                                                const CommOptions& options = {});
 };
 
+/// `inner` with its point-to-point between ranks of the same host moved to
+/// shared-memory rings (NOTE [Shared-memory point-to-point]); collectives and
+/// split() stay on `inner`, messages over 8 MiB (or that find a ring full) go
+/// over a Gloo group split from it. Every rank of `inner` calls it (it
+/// rendezvouses over `inner`). Same Work and CommError behaviour, including
+/// the timeout and naming a peer whose process is gone.
+std::shared_ptr<Comm> with_shared_memory_p2p(std::shared_ptr<Comm> inner);
+
 }  // namespace hp::dist

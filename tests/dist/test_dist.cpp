@@ -12,6 +12,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -352,6 +353,109 @@ TEST(DistFileStore, ThreadsAsRanksSendRecvAllReduceAndSubgroups) {
     t.join();
   for (int r = 0; r < n; ++r)
     EXPECT_EQ(errors[r], "") << "rank " << r;
+}
+
+// ---- shared-memory point-to-point ---------------------------------------------
+
+// Two ranks post 48 MiB of sends to each other (more than a 32 MiB ring
+// holds) before receiving anything: the messages that do not fit go over
+// Gloo behind a header in the ring, in order. Mixed in: a repeated tag
+// (matched in order), a receive posted before its send, a message over 8 MiB
+// (always over Gloo), and collectives on the wrapped Comm. Contents are
+// checked element by element.
+TEST(DistSharedMemory, FullRingsRepeatedTagsLargeMessagesAndCollectives) {
+  TempDir dir;
+  std::vector<std::string> errors(2);
+  std::vector<std::thread> ts;
+  for (int r = 0; r < 2; ++r) {
+    ts.emplace_back([&, r] {
+      try {
+        hp::dist::CommOptions o;
+        o.timeout = std::chrono::seconds(20);
+        auto c = hp::dist::with_shared_memory_p2p(Comm::from_file_store(dir.path + "/s", r, 2, o));
+        const int peer = 1 - r;
+        if (c->backend_name() != "gloo+shm") errors[r] += "backend " + c->backend_name() + "; ";
+        const int64_t n = (1 << 20) / 8;  // 1 MiB of doubles
+        auto early = at::zeros({n}, at::kDouble);
+        auto early_work = c->irecv(early, peer, 7);
+        std::vector<hp::dist::Work> sends;
+        std::vector<at::Tensor> sent;  // kept until their sends complete
+        for (int k = 0; k < 48; ++k) {
+          sent.push_back(at::arange(n, at::kDouble) + 1000 * k + r);
+          sends.push_back(c->isend(sent.back(), peer, k % 40));  // tags 0..7 twice
+        }
+        auto big = at::arange(9 * n, at::kDouble) * (r + 1);  // 9 MiB: over the shm limit
+        auto big_in = at::zeros_like(big);
+        auto big_work = c->irecv(big_in, peer, 100);
+        sends.push_back(c->isend(big, peer, 100));
+        for (int k = 0; k < 48; ++k) {
+          auto got = at::zeros({n}, at::kDouble);
+          if (k != 7 && k != 47) {
+            c->recv(got, peer, k % 40);
+          } else if (k == 7) {
+            early_work.wait();  // the first message with tag 7 went to the early receive
+            got = at::arange(n, at::kDouble) + 1000 * k + peer;
+            if (!early.equal(got)) errors[r] += "early receive; ";
+            continue;
+          } else {
+            c->recv(got, peer, 7);
+          }
+          if (!got.equal(at::arange(n, at::kDouble) + 1000 * k + peer))
+            errors[r] += "message " + std::to_string(k) + "; ";
+        }
+        big_work.wait();
+        hp::dist::wait_all(sends);
+        if (!big_in.equal(at::arange(9 * n, at::kDouble) * (peer + 1))) errors[r] += "large; ";
+        auto sum = at::full({3}, double(r + 1), at::kDouble);
+        c->all_reduce(sum);
+        if (!sum.eq(3.0).all().item<bool>()) errors[r] += "all_reduce; ";
+        c->barrier();
+      } catch (const std::exception& e) {
+        errors[r] += e.what();
+      }
+    });
+  }
+  for (auto& t : ts)
+    t.join();
+  for (int r = 0; r < 2; ++r)
+    EXPECT_EQ(errors[r], "") << "rank " << r;
+}
+
+// A receive whose message never comes fails after the timeout, saying so.
+TEST(DistSharedMemory, AMissingMessageTimesOut) {
+  TempDir dir;
+  std::atomic<bool> finished{false};
+  std::string error;
+  double waited = 0;
+  std::thread other([&] {
+    hp::dist::CommOptions o;
+    o.timeout = std::chrono::seconds(1);
+    auto c = hp::dist::with_shared_memory_p2p(Comm::from_file_store(dir.path + "/s", 1, 2, o));
+    while (!finished)
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  });
+  try {
+    hp::dist::CommOptions o;
+    o.timeout = std::chrono::seconds(1);
+    auto c = hp::dist::with_shared_memory_p2p(Comm::from_file_store(dir.path + "/s", 0, 2, o));
+    auto t0 = std::chrono::steady_clock::now();
+    try {
+      c->recv(at::zeros({4}), 1, 3);
+    } catch (const CommError& e) {
+      waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      error = e.what();
+      EXPECT_TRUE(e.timed_out());
+    }
+  } catch (const std::exception& e) {
+    error = std::string("setup: ") + e.what();
+  }
+  finished = true;
+  other.join();
+  EXPECT_NE(error.find("timed out after 1 s while receiving from rank 1 with tag 3"),
+            std::string::npos)
+      << error;
+  EXPECT_GE(waited, 0.9);
+  EXPECT_LT(waited, 3.0);
 }
 
 // ---- two ranks in two network namespaces ------------------------------------

@@ -166,6 +166,23 @@ TEST(Pipeline, TimelineSeparatesComputeFromWaiting) {
   }
 }
 
+// The same training with point-to-point over shared memory (collectives on
+// Gloo): interleaved-zb at p = 4 moves activations between all neighbours.
+TEST(Pipeline, SharedMemoryPointToPointTrainsTheSame) {
+  for (auto [schedule, p] : {std::make_pair(std::string("interleaved-zb"), 4),
+                             std::make_pair(std::string("dualpipev"), 2)}) {
+    TrainConfig c = tiny(schedule, p, schedule == "dualpipev" ? 6 : 8, "gpt");
+    std::vector<TrainResult> results(p);
+    hp::testing::run_ranks_as_threads(p, [&](int r, std::shared_ptr<hp::dist::Comm> comm) {
+      auto shm = hp::dist::with_shared_memory_p2p(comm);
+      EXPECT_EQ(shm->backend_name(), "gloo+shm");
+      results[r] = hp::train::run_rank(c, shm);
+    });
+    expect_matches_reference(c, results);
+    expect_runs_its_action_list(c, results);
+  }
+}
+
 TEST(Pipeline, MlpWithSgdAndTiedGptHead) {
   TrainConfig c = tiny("zb-h1", 2, 4, "mlp");
   c.optimizer = "sgd";

@@ -159,6 +159,33 @@ TEST(TrainEndToEndFailures, AKilledRankFailsTheRunFastAndByName) {
   EXPECT_LT(r.seconds, c.timeout_s + 10) << "the surviving ranks must not hang";
 }
 
+// Real processes with --p2p shm: the same training, and a killed rank is
+// still named by the survivors within the timeout (they watch its pid).
+TEST(TrainEndToEnd, SharedMemoryPointToPointEqualsSingleProcessTraining) {
+  TrainConfig c = small("zbv", 2);
+  auto dir = fresh_dir("shm");
+  HpRun r = run_hp(flags(c) + " --p2p shm --report " + (dir / "report.json").string());
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto ref = hp::train::train_reference(c);
+  auto report = read_json(dir / "report.json");
+  ASSERT_EQ(report["loss"].size(), ref.losses.size());
+  for (size_t s = 0; s < ref.losses.size(); ++s)
+    EXPECT_NEAR(report["loss"][s].get<double>(), ref.losses[s], 1e-9 * std::abs(ref.losses[s]));
+  EXPECT_NEAR(report["parameter_checksum"].get<double>(), ref.checksum,
+              1e-9 * std::max(1.0, std::abs(ref.checksum)));
+  fs::remove_all(dir);
+}
+
+TEST(TrainEndToEndFailures, AKilledRankIsNamedWithSharedMemoryPointToPoint) {
+  TrainConfig c = small("1f1b", 3);
+  c.steps = 5;
+  c.timeout_s = 15;
+  HpRun r = run_hp(flags(c) + " --p2p shm", "HP_FAULT_KILL=1:2");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("lost connection to rank 1"), std::string::npos) << r.output;
+  EXPECT_LT(r.seconds, c.timeout_s + 10) << "the surviving ranks must not hang";
+}
+
 TEST(TrainEndToEndFailures, ResumeContinuesTheSameLossTrajectory) {
   TrainConfig c = small("zb-h1", 2);
   c.steps = 4;
