@@ -22,6 +22,7 @@
 
 namespace fs = std::filesystem;
 using hp::train::TrainConfig;
+using hp::train::TrainResult;
 
 namespace {
 
@@ -90,6 +91,18 @@ nlohmann::json read_json(const fs::path& p) {
   return nlohmann::json::parse(in);
 }
 
+// The report's per-step losses (and the parameter checksum) equal the
+// single-process reference's, to 1e-9 relative (float64).
+void expect_report_matches(const nlohmann::json& report, const TrainResult& ref, bool checksum) {
+  ASSERT_EQ(report["loss"].size(), ref.losses.size());
+  for (size_t s = 0; s < ref.losses.size(); ++s)
+    EXPECT_NEAR(report["loss"][s].get<double>(), ref.losses[s], 1e-9 * std::abs(ref.losses[s]))
+        << "step " << s;
+  if (checksum)
+    EXPECT_NEAR(report["parameter_checksum"].get<double>(), ref.checksum,
+                1e-9 * std::max(1.0, std::abs(ref.checksum)));
+}
+
 class TrainEndToEnd : public ::testing::TestWithParam<std::pair<std::string, int>> {};
 
 TEST_P(TrainEndToEnd, LossesAndParametersEqualSingleProcessTraining) {
@@ -104,11 +117,7 @@ TEST_P(TrainEndToEnd, LossesAndParametersEqualSingleProcessTraining) {
 
   auto ref = hp::train::train_reference(c);
   auto report = read_json(dir / "report.json");
-  ASSERT_EQ(report["loss"].size(), ref.losses.size());
-  for (size_t s = 0; s < ref.losses.size(); ++s)
-    EXPECT_NEAR(report["loss"][s].get<double>(), ref.losses[s], 1e-9 * std::abs(ref.losses[s]));
-  EXPECT_NEAR(report["parameter_checksum"].get<double>(), ref.checksum,
-              1e-9 * std::max(1.0, std::abs(ref.checksum)));
+  expect_report_matches(report, ref, /*checksum=*/true);
   EXPECT_EQ(report["ranks"].size(), static_cast<size_t>(p));
   EXPECT_TRUE(fs::file_size(dir / "trace.json") > 0 && fs::file_size(dir / "trace.json.svg") > 0);
 
@@ -168,11 +177,7 @@ TEST(TrainEndToEnd, SharedMemoryPointToPointEqualsSingleProcessTraining) {
   ASSERT_EQ(r.exit_code, 0) << r.output;
   auto ref = hp::train::train_reference(c);
   auto report = read_json(dir / "report.json");
-  ASSERT_EQ(report["loss"].size(), ref.losses.size());
-  for (size_t s = 0; s < ref.losses.size(); ++s)
-    EXPECT_NEAR(report["loss"][s].get<double>(), ref.losses[s], 1e-9 * std::abs(ref.losses[s]));
-  EXPECT_NEAR(report["parameter_checksum"].get<double>(), ref.checksum,
-              1e-9 * std::max(1.0, std::abs(ref.checksum)));
+  expect_report_matches(report, ref, /*checksum=*/true);
   fs::remove_all(dir);
 }
 
@@ -232,9 +237,7 @@ TEST(TrainEndToEnd, TwoRanksOnTwoHostsRendezvousOverTcp) {
   ASSERT_TRUE(r.ok()) << r.summary() << logs.str();
   auto ref = hp::train::train_reference(c);
   auto report = read_json(dir / "report.json");
-  ASSERT_EQ(report["loss"].size(), ref.losses.size());
-  for (size_t s = 0; s < ref.losses.size(); ++s)
-    EXPECT_NEAR(report["loss"][s].get<double>(), ref.losses[s], 1e-9 * std::abs(ref.losses[s]));
+  expect_report_matches(report, ref, /*checksum=*/false);
   fs::remove_all(dir);
 }
 
@@ -253,11 +256,7 @@ TEST(TrainEndToEnd, GraphModeWithFsdpEqualsSingleProcessTraining) {
   auto ref = hp::train::train_reference(c);
   auto report = read_json(dir / "report.json");
   EXPECT_EQ(report["config"]["mode"], "graph");
-  ASSERT_EQ(report["loss"].size(), ref.losses.size());
-  for (size_t s = 0; s < ref.losses.size(); ++s)
-    EXPECT_NEAR(report["loss"][s].get<double>(), ref.losses[s], 1e-9 * std::abs(ref.losses[s]));
-  EXPECT_NEAR(report["parameter_checksum"].get<double>(), ref.checksum,
-              1e-9 * std::max(1.0, std::abs(ref.checksum)));
+  expect_report_matches(report, ref, /*checksum=*/true);
   ASSERT_EQ(report["ranks"].size(), 2u);
   for (const auto& rank : report["ranks"]) {
     EXPECT_GT(rank["parameter_bytes"].get<double>(), 0);
