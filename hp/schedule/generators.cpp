@@ -177,9 +177,12 @@ Schedule zb_h2(int p, int m) {
   return s;
 }
 
+}  // namespace
+
 // ZB-V: V placement (rank r holds stages r and 2p-1-r); warmup on the down
 // leg, then alternating F I W on both legs, W deferred in the cooldown.
-Schedule zbv(int p, int m) {
+Schedule zbv_handmade(int p, int m) {
+  check_basic("zbv", p, m);
   Schedule s = make_v_layout(p, m);
   s.name = "zbv";
   const int n = std::max(2 * p - 1, m);  // generate at least 2p-1, drop the extra ones
@@ -224,6 +227,8 @@ Schedule zbv(int p, int m) {
   }
   return s;
 }
+
+namespace {
 
 // DualPipe's eight steps, shared by DualPipe (two directions) and DualPipeV
 // (one direction over a V). A rank owns two "phases" (its two stages); W of a
@@ -403,7 +408,7 @@ Schedule build(const std::string& name, int ranks, int microbatches, const Build
   } else if (name == "zb-h2") {
     s = zb_h2(ranks, microbatches);
   } else if (name == "zbv") {
-    s = zbv(ranks, microbatches);
+    s = zbv_auto(ranks, microbatches, o.costs, o.mem_limit);
   } else if (name == "dualpipe") {
     s = dualpipe(ranks, microbatches);
   } else if (name == "dualpipev") {

@@ -12,9 +12,11 @@ namespace hp::schedule {
 
 /// Options shared by the generators; each uses the fields it needs.
 struct BuildOptions {
-  int chunks = 2;        ///< v: virtual stages per rank (interleaved-*)
-  CostModel costs;       ///< costs and memory (zb-auto searches under these)
-  double mem_limit = 0;  ///< zb-auto: per-rank activation memory limit; 0 = 2 * p * mem_b
+  int chunks = 2;   ///< v: virtual stages per rank (interleaved-*)
+  CostModel costs;  ///< costs and memory (zb-auto searches under these)
+  /// zb-auto, zbv: per-rank activation memory limit; 0 = the generator's
+  /// default (zb-auto: 2 p mem_b, the paper's ZB-2p; zbv: p mem_b, 1F1B's).
+  double mem_limit = 0;
 };
 
 /// Every generator name build() accepts, in a stable order.
@@ -32,5 +34,11 @@ std::string describe(const std::string& name);
 /// to change.
 Schedule build(const std::string& name, int ranks, int microbatches,
                const BuildOptions& options = {});
+
+/// The hand-made ZB-V order (torch.distributed.pipelining's
+/// ScheduleZBVZeroBubble construction, laid out for F = I = W and no
+/// transfer time): the first candidate of `zbv`, which searches under the
+/// real costs (zbv_auto in zb_auto.h).
+Schedule zbv_handmade(int ranks, int microbatches);
 
 }  // namespace hp::schedule

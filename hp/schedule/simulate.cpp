@@ -43,6 +43,39 @@ void CostModel::check() const {
     pos(v, "stage B");
   for (double v : stage_w)
     pos(v, "stage W");
+  for (double v : stage_mem_b)
+    nonneg(v, "stage mem_b");
+  for (double v : stage_mem_w)
+    nonneg(v, "stage mem_w");
+  for (double v : stage_comm)
+    nonneg(v, "stage comm");
+}
+
+void CostModel::check(int num_stages) const {
+  check();
+  auto sized = [num_stages](const std::vector<double>& v, const char* n) {
+    if (!v.empty() && static_cast<int>(v.size()) != num_stages)
+      throw std::invalid_argument(std::string("cost model: ") + n + " has " +
+                                  std::to_string(v.size()) + " entries but the schedule has " +
+                                  std::to_string(num_stages) +
+                                  " stages; give one entry per stage or none");
+  };
+  sized(stage_f, "stage_f");
+  sized(stage_b, "stage_b (I)");
+  sized(stage_w, "stage_w");
+  sized(stage_mem_b, "stage_mem_b");
+  sized(stage_mem_w, "stage_mem_w");
+  sized(stage_comm, "stage_comm");
+}
+
+bool CostModel::per_stage() const {
+  return !stage_f.empty() || !stage_b.empty() || !stage_w.empty() || !stage_mem_b.empty() ||
+         !stage_mem_w.empty() || !stage_comm.empty();
+}
+
+double CostModel::boundary_cost(const Schedule& s, int upstream, int downstream) const {
+  if (s.stage_rank[upstream] == s.stage_rank[downstream]) return 0.0;
+  return pick(stage_comm, upstream, s, comm);
 }
 
 double CostModel::stage_cost(const Schedule& s, Op op, int stage) const {
@@ -91,7 +124,7 @@ int comm_volume(const Schedule& s) {
 }
 
 SimResult simulate(const Schedule& s, const CostModel& costs, const SimOptions& opts) {
-  costs.check();
+  costs.check(s.num_stages);
   const int p = s.num_ranks, S = s.num_stages, m = s.num_microbatches;
   const double kNotDone = -1.0;
   // Completion times per (stage, microbatch).
@@ -99,9 +132,6 @@ SimResult simulate(const Schedule& s, const CostModel& costs, const SimOptions& 
   std::vector<double> g_done(static_cast<size_t>(S) * m, kNotDone);  // I or B
   auto key = [m](int st, int mb) { return static_cast<size_t>(st) * m + mb; };
   auto in_range = [&](int st, int mb) { return st >= 0 && st < S && mb >= 0 && mb < m; };
-  auto hop = [&](int from, int to) {
-    return s.stage_rank[from] != s.stage_rank[to] ? costs.comm : 0.0;
-  };
 
   // Earliest start of a forward half, or <0 if its input has not arrived.
   auto f_ready = [&](int st, int mb) -> double {
@@ -110,7 +140,7 @@ SimResult simulate(const Schedule& s, const CostModel& costs, const SimOptions& 
     if (s.route_position(st, mb) < 0) return kNotDone;
     if (prev < 0) return 0.0;
     double t = f_done[key(prev, mb)];
-    return t < 0 ? kNotDone : t + hop(prev, st);
+    return t < 0 ? kNotDone : t + costs.boundary_cost(s, prev, st);
   };
   auto g_ready = [&](int st, int mb) -> double {
     if (!in_range(st, mb)) return kNotDone;
@@ -119,7 +149,7 @@ SimResult simulate(const Schedule& s, const CostModel& costs, const SimOptions& 
     int next = s.next_stage(st, mb);
     if (next < 0) return tf;
     double tg = g_done[key(next, mb)];
-    return tg < 0 ? kNotDone : std::max(tf, tg + hop(next, st));
+    return tg < 0 ? kNotDone : std::max(tf, tg + costs.boundary_cost(s, st, next));
   };
 
   SimResult res;

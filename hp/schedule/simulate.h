@@ -20,8 +20,16 @@ namespace hp::schedule {
 /// Bubble paper's B (see NOTE [Naming of B]); a fused `B` costs b + w; an `FB`
 /// pair costs f + b + w of its halves (no overlap gain in compute). Memory
 /// (the paper's model): F adds mem_b, I turns mem_b into mem_w, W frees mem_w,
-/// B frees mem_b. The per-stage vectors, when sized num_stages, override the
+/// B frees mem_b. The per-stage vectors, when not empty, must hold one entry
+/// per stage of the schedule they are used with (num_stages) and override the
 /// scaled defaults with absolute values (e.g. measured costs per stage).
+///
+/// `stage_comm[s]` is the latency of a cross-rank transfer over the boundary
+/// between stage s and the stage after it on its route: the activation s
+/// sends forward and the input gradient it receives back cross the same
+/// boundary, so both cost stage_comm[s] (a last stage's entry is unused).
+/// Without it every cross-rank transfer costs `comm`; a hand-off between two
+/// stages on one rank is free either way.
 struct CostModel {
   double f = 1.0;      ///< forward
   double b = 1.0;      ///< input gradient I (the paper's B)
@@ -31,6 +39,7 @@ struct CostModel {
   double mem_w = 0.5;  ///< memory held from I until W
   std::vector<double> stage_f, stage_b, stage_w;  ///< optional absolute per-stage costs
   std::vector<double> stage_mem_b, stage_mem_w;   ///< optional absolute per-stage memory
+  std::vector<double> stage_comm;  ///< optional per-boundary transfer latency (above)
 
   /// Compute time of a compute action on schedule s (0 for SEND/RECV).
   double cost(const Schedule& s, const Action& a) const;
@@ -39,9 +48,18 @@ struct CostModel {
   /// Per-stage activation memory after scaling.
   double stage_mem_b_of(const Schedule& s, int stage) const;
   double stage_mem_w_of(const Schedule& s, int stage) const;
+  /// Latency of a hand-off over the boundary between route-consecutive stages
+  /// `upstream` (earlier on the route) and `downstream`, in either direction:
+  /// 0 when both are on one rank, else stage_comm[upstream] (or `comm`).
+  double boundary_cost(const Schedule& s, int upstream, int downstream) const;
   /// Throws std::invalid_argument unless costs are positive and finite, comm
-  /// and memory non-negative.
+  /// and memory non-negative (per-stage entries included).
   void check() const;
+  /// check(), and that every non-empty per-stage vector has `num_stages`
+  /// entries; the message names the vector and the sizes.
+  void check(int num_stages) const;
+  /// True when some per-stage vector is set.
+  bool per_stage() const;
 };
 
 /// One timed action of one rank: simulated, or measured by a runtime.

@@ -1,13 +1,15 @@
-// hp/schedule/zb_auto.cpp: the greedy zero-bubble heuristic (time-ordered list
-// scheduling with split backward and a memory limit) and the zb-auto search.
+// hp/schedule/zb_auto.cpp: the zero-bubble heuristics (time-ordered list
+// scheduling; the paper's stage sweep) and the zb-auto and ZB-V searches.
 #include "hp/schedule/zb_auto.h"
 
 #include <algorithm>
 #include <cmath>
+#include <deque>
 #include <limits>
 #include <stdexcept>
 
 #include "hp/schedule/generators.h"
+#include "hp/schedule/refine.h"
 
 namespace hp::schedule {
 
@@ -24,15 +26,19 @@ constexpr double kEps = 1e-9;
 // earliest moment another rank could deliver something (its clock + the
 // cheapest op + comm), which is always later than T: the loop terminates.
 Schedule greedy_zero_bubble(int p, int m, const CostModel& costs, const HeuristicParams& hp) {
-  costs.check();
+  costs.check(p);
   if (static_cast<int>(hp.warmup.size()) != p || static_cast<int>(hp.max_inflight.size()) != p)
     throw std::invalid_argument(
         "greedy_zero_bubble: warmup and max_inflight need one entry per rank");
   Schedule s = make_loop_layout(p, p, m);
   s.name = "zb-greedy";
-  std::vector<double> fc(p), ic(p), wc(p), mb(p), mw(p);
-  double min_cost = kInf;
+  std::vector<double> fc(p), ic(p), wc(p), mb(p), mw(p), comm(p, 0.0);
+  double min_cost = kInf, min_comm = kInf;
   for (int r = 0; r < p; ++r) {
+    if (r + 1 < p) {
+      comm[r] = costs.boundary_cost(s, r, r + 1);
+      min_comm = std::min(min_comm, comm[r]);
+    }
     fc[r] = costs.stage_cost(s, Op::F, r);
     ic[r] = costs.stage_cost(s, Op::I, r);
     wc[r] = costs.stage_cost(s, Op::W, r);
@@ -83,7 +89,8 @@ Schedule greedy_zero_bubble(int p, int m, const CostModel& costs, const Heuristi
         act = false;
         double bound = kInf;
         for (int q = 0; q < p; ++q)
-          if (q != r && !finished(q)) bound = std::min(bound, t[q] + min_cost + costs.comm);
+          if (q != r && !finished(q))
+            bound = std::min(bound, t[q] + min_cost + (p > 1 ? min_comm : 0.0));
         double target = std::min(next, bound);
         if (!(target < kInf)) {
           if (w_ok) {
@@ -108,7 +115,7 @@ Schedule greedy_zero_bubble(int p, int m, const CostModel& costs, const Heuristi
         mem[r] += mb[r];
         s.actions[r].push_back(Action::make(Op::F, r, k));
         if (r + 1 < p)
-          f_arr[r + 1][k] = end + costs.comm;
+          f_arr[r + 1][k] = end + comm[r];
         else
           g_arr[r][k] = end;
         break;
@@ -118,7 +125,7 @@ Schedule greedy_zero_bubble(int p, int m, const CostModel& costs, const Heuristi
         end = T + ic[r];
         mem[r] -= mb[r] - mw[r];
         s.actions[r].push_back(Action::make(Op::I, r, k));
-        if (r > 0) g_arr[r - 1][k] = end + costs.comm;
+        if (r > 0) g_arr[r - 1][k] = end + comm[r - 1];
         break;
       }
       default: {
@@ -135,38 +142,503 @@ Schedule greedy_zero_bubble(int p, int m, const CostModel& costs, const Heuristi
   return s;
 }
 
-Schedule zb_auto(int p, int m, const CostModel& costs, double mem_limit) {
-  costs.check();
+namespace {
+
+// NOTE [Stage sweep]
+// The Zero Bubble paper's heuristic (Section 3.1), in rounds: round k gives
+// each stage, top down, at most one more forward (a stage never has fewer
+// forwards than the stage after it), then each stage, bottom up, the input
+// gradient of microbatch k. Before an op that waits for an input, weight
+// gradients fill the wait: every W that ends before the input arrives, and
+// one more when the remaining gap would make this stage the idlest so far
+// (or always, with fill_small_gaps). Weight gradients also run whenever the
+// next op would pass the memory limit. Round 0 is the warmup: each stage runs
+// as many forwards as end before the first input gradient reaches it (an
+// estimate made bottom up), fewer than the stage above. Idle time is counted
+// from a stage's first forward, as the paper's bubble rate counts it.
+class Sweep {
+ public:
+  Sweep(int p, int m, const CostModel& c, const SweepParams& sp)
+      : p_(p), m_(m), sp_(sp), s_(make_loop_layout(p, p, m)) {
+    fc_.resize(p), ic_.resize(p), wc_.resize(p), mb_.resize(p), mw_.resize(p);
+    comm_.assign(p, 0.0);
+    for (int j = 0; j < p; ++j) {
+      fc_[j] = c.stage_cost(s_, Op::F, j);
+      ic_[j] = c.stage_cost(s_, Op::I, j);
+      wc_[j] = c.stage_cost(s_, Op::W, j);
+      mb_[j] = c.stage_mem_b_of(s_, j);
+      mw_[j] = c.stage_mem_w_of(s_, j);
+      if (j + 1 < p) comm_[j] = c.boundary_cost(s_, j, j + 1);
+    }
+    nf_.assign(p, 0), ni_.assign(p, 0), nw_.assign(p, 0);
+    clock_.assign(p, 0.0), mem_.assign(p, 0.0), idle_.assign(p, 0.0);
+    f_end_.assign(static_cast<size_t>(p) * m, 0.0);
+    i_end_.assign(static_cast<size_t>(p) * m, 0.0);
+  }
+
+  Schedule run() {
+    warmup();
+    for (int k = 1; k < m_; ++k)
+      round(k);
+    for (int j = 0; j < p_; ++j)
+      while (nw_[j] < m_)
+        place(j, Op::W);
+    s_.name = "zb-sweep";
+    return std::move(s_);
+  }
+
+ private:
+  double& f_end(int j, int k) { return f_end_[static_cast<size_t>(j) * m_ + k]; }
+  double& i_end(int j, int k) { return i_end_[static_cast<size_t>(j) * m_ + k]; }
+  double max_idle() const { return *std::max_element(idle_.begin(), idle_.end()); }
+  bool over(double mem) const { return mem > sp_.mem_limit + kEps * std::max(1.0, sp_.mem_limit); }
+
+  void place(int j, Op op) {
+    double start = clock_[j];
+    int k = 0;
+    if (op == Op::F) {
+      k = nf_[j]++;
+      if (j > 0) start = std::max(start, f_end(j - 1, k) + comm_[j - 1]);
+    } else if (op == Op::I) {
+      k = ni_[j]++;
+      if (j + 1 < p_) start = std::max(start, i_end(j + 1, k) + comm_[j]);
+    } else {
+      k = nw_[j]++;
+    }
+    if (op != Op::F || k > 0) idle_[j] += start - clock_[j];
+    const double cost = op == Op::F ? fc_[j] : op == Op::I ? ic_[j] : wc_[j];
+    clock_[j] = start + cost;
+    if (op == Op::F) {
+      f_end(j, k) = clock_[j];
+      mem_[j] += mb_[j];
+    } else if (op == Op::I) {
+      i_end(j, k) = clock_[j];
+      mem_[j] += mw_[j] - mb_[j];
+    } else {
+      mem_[j] -= mw_[j];
+    }
+    s_.actions[j].push_back(Action::make(op, j, k));
+  }
+
+  // Weight gradients until `need` more memory fits under the limit.
+  void make_room(int j, double need) {
+    while (over(mem_[j] + need)) {
+      if (nw_[j] >= ni_[j])
+        throw std::invalid_argument("stage sweep: memory limit " + std::to_string(sp_.mem_limit) +
+                                    " too small on rank " + std::to_string(j) +
+                                    "; raise --mem-limit");
+      place(j, Op::W);
+    }
+  }
+
+  // Weight gradients in the wait for an input arriving at `arrival`.
+  void fill_wait(int j, double arrival) {
+    while (nw_[j] < ni_[j] && clock_[j] + wc_[j] <= arrival)
+      place(j, Op::W);
+    if (nw_[j] < ni_[j] && clock_[j] < arrival) {
+      const bool idlest = arrival - clock_[j] > max_idle() - idle_[j];
+      if (idlest || sp_.fill_small_gaps) place(j, Op::W);
+    }
+  }
+
+  void warmup() {
+    for (int j = 0; j < p_; ++j)
+      place(j, Op::F);
+    std::vector<int> extra(p_, 0);
+    double back = f_end(p_ - 1, 0) + ic_[p_ - 1];  // the last stage's first I ends
+    for (int j = p_ - 2; j >= 0; --j) {
+      const double arrival = back + comm_[j];
+      double t = clock_[j], mem = mem_[j];
+      while (nf_[j] + extra[j] < m_ && !over(mem + mb_[j])) {
+        if (sp_.warmup_overrun ? t + fc_[j] > arrival : t >= arrival) break;
+        mem += mb_[j];
+        t += fc_[j];
+        ++extra[j];
+      }
+      back = std::max(t, arrival) + ic_[j];
+    }
+    for (int j = 1; j < p_; ++j)
+      while (extra[j] > 0 && extra[j] >= extra[j - 1] && nf_[j] + extra[j] < m_)
+        --extra[j];
+    for (int j = 0; j < p_; ++j)
+      for (int e = 0; e < extra[j]; ++e)
+        place(j, Op::F);
+    for (int j = p_ - 1; j >= 0; --j)
+      place(j, Op::I);
+  }
+
+  void round(int k) {
+    std::vector<char> want(p_, 0);
+    for (int j = 0; j < p_; ++j) {
+      if (nf_[j] >= m_) continue;
+      want[j] = 1;
+      if (!sp_.hold_back_f || j + 1 >= p_ || nf_[j] < nf_[j + 1] + 2) continue;
+      // The next stage is two forwards behind: run this F only if it (and the
+      // W's it needs for memory) ends before the next stage could use it.
+      const double next_ready = clock_[j + 1] + fc_[j + 1] + ic_[j + 1] + comm_[j];
+      if (clock_[j] >= next_ready) {
+        want[j] = 0;
+        continue;
+      }
+      double w_time = 0, mem = mem_[j] + mb_[j];
+      for (int n = nw_[j]; over(mem) && n < ni_[j]; ++n) {
+        w_time += wc_[j];
+        mem -= mw_[j];
+      }
+      if (clock_[j] + fc_[j] + w_time <= next_ready) continue;
+      if (next_ready - clock_[j] <= max_idle() - idle_[j]) want[j] = 0;
+    }
+    for (int j = p_ - 2; j >= 0; --j)
+      want[j] = std::min(want[j], want[j + 1]);
+    for (int j = 0; j < p_; ++j) {
+      if (!want[j]) continue;
+      make_room(j, mb_[j]);
+      if (j > 0) fill_wait(j, f_end(j - 1, nf_[j]) + comm_[j - 1]);
+      place(j, Op::F);
+    }
+    for (int j = p_ - 1; j >= 0; --j) {
+      make_room(j, mw_[j] - mb_[j]);
+      if (j + 1 < p_) fill_wait(j, i_end(j + 1, k) + comm_[j]);
+      if (j == 0 && nf_[0] == m_)
+        while (nw_[0] < ni_[0])
+          place(0, Op::W);
+      place(j, Op::I);
+    }
+  }
+
+  int p_, m_;
+  SweepParams sp_;
+  Schedule s_;
+  std::vector<double> fc_, ic_, wc_, mb_, mw_, comm_;
+  std::vector<int> nf_, ni_, nw_;
+  std::vector<double> clock_, mem_, idle_, f_end_, i_end_;
+};
+
+// Keeps the candidate with the smallest longest-rank span within the memory
+// limit (ties: smaller peak memory); the first one wins exact ties.
+class Best {
+ public:
+  Best(const CostModel& costs, double limit) : costs_(costs), limit_(limit) {}
+  void consider(Schedule cand) {
+    SimOptions quiet;
+    quiet.record_timeline = false;
+    SimResult r = simulate(cand, costs_, quiet);
+    if (r.max_peak_memory > limit_ + 1e-9 * std::max(1.0, limit_)) return;
+    const double tol = 1e-9 * std::max(1.0, r.span);
+    if (!have_ || r.span < span_ - tol ||
+        (r.span < span_ + tol && r.max_peak_memory < mem_ - tol)) {
+      best_ = std::move(cand);
+      span_ = r.span;
+      mem_ = r.max_peak_memory;
+      have_ = true;
+    }
+  }
+  bool have() const { return have_; }
+  Schedule& schedule() { return best_; }
+
+ private:
+  const CostModel& costs_;
+  double limit_;
+  Schedule best_;
+  double span_ = kInf, mem_ = kInf;
+  bool have_ = false;
+};
+
+// NOTE [V sweep]
+// The ZB-V paper's heuristic for the V placement, which sizes the warmup by
+// the first microbatch's round trip, transfers included. Rank r holds the
+// down stage r and the up stage 2p-1-r. Warmup: a forward down the V for
+// microbatch 0; then, from the bottom rank up, rank r runs extra down
+// forwards (each also given to the ranks above it, which feed it) while they
+// end before the up forward of microbatch 0 reaches it and the memory of its
+// remaining warmup fits; then the up forward. Then every rank catches up with
+// the rank above (as many forwards, more up forwards). Then 2m rounds: each
+// rank runs one input gradient (the up stage's unless the down stage is
+// behind and its input is there; down ranks bottom up first, then up ranks
+// top down), then at most one forward (up when its input is there, else
+// down); weight gradients fill the wait for an input, free memory, and
+// bridge a wait that would make this rank the idlest. A second pass with
+// every rank allowed the idle the first pass gave the idlest one keeps the
+// better result.
+class VSweep {
+ public:
+  struct Failed {};  // an input the rules expected is missing: skip this setting
+
+  VSweep(int p, int m, const CostModel& c, double limit, bool fill_f, bool fill_b)
+      : p_(p), m_(m), limit_(limit), fill_f_(fill_f), fill_b_(fill_b), c_(c) {}
+
+  Schedule run(std::vector<double>* idle_out, const std::vector<double>& approved) {
+    s_ = make_v_layout(p_, m_);
+    const int S = 2 * p_;
+    f_end_.assign(static_cast<size_t>(S) * m_, -1.0);
+    i_end_.assign(static_cast<size_t>(S) * m_, -1.0);
+    nf_.assign(S, 0), ni_.assign(S, 0);
+    clock_.assign(p_, 0.0), mem_.assign(p_, 0.0), idle_.assign(p_, 0.0);
+    started_.assign(p_, 0);
+    pending_w_.assign(p_, {});
+    approved_ = approved;
+    max_approved_ = approved.empty() ? -1.0 : *std::max_element(approved.begin(), approved.end());
+    warmup();
+    for (int round = 0; round < 2 * m_; ++round) {
+      backward_round();
+      forward_round();
+    }
+    for (int r = 0; r < p_; ++r)
+      while (!pending_w_[r].empty())
+        place_w(r);
+    *idle_out = idle_;
+    s_.name = "zbv-sweep";
+    return std::move(s_);
+  }
+
+ private:
+  int dn(int r) const { return r; }
+  int up(int r) const { return 2 * p_ - 1 - r; }
+  double& f_end(int st, int k) { return f_end_[static_cast<size_t>(st) * m_ + k]; }
+  double& i_end(int st, int k) { return i_end_[static_cast<size_t>(st) * m_ + k]; }
+  bool over(double mem) const { return mem > limit_ + kEps * std::max(1.0, limit_); }
+  double allowance(int r) const {
+    double v = *std::max_element(idle_.begin(), idle_.end());
+    if (!approved_.empty()) v = std::max(v, max_approved_ - approved_[r]);
+    return v - idle_[r];
+  }
+  double comm(int upstream, int downstream) const {
+    return c_.boundary_cost(s_, upstream, downstream);
+  }
+
+  void start_op(int r, double start, double cost) {
+    if (started_[r]) idle_[r] += start - clock_[r];
+    started_[r] = 1;
+    clock_[r] = start + cost;
+  }
+
+  void place_f(int r, int st) {
+    if (nf_[st] >= m_) throw Failed{};
+    const int k = nf_[st]++;
+    double start = clock_[r];
+    if (st > 0) {
+      const double e = f_end(st - 1, k);
+      if (e < 0) throw Failed{};
+      start = std::max(start, e + comm(st - 1, st));
+    }
+    if (over(mem_[r] + c_.stage_mem_b_of(s_, st))) throw Failed{};
+    start_op(r, start, c_.stage_cost(s_, Op::F, st));
+    f_end(st, k) = clock_[r];
+    mem_[r] += c_.stage_mem_b_of(s_, st);
+    s_.actions[r].push_back(Action::make(Op::F, st, k));
+  }
+
+  void place_i(int r, int st) {
+    if (ni_[st] >= m_ || ni_[st] >= nf_[st]) throw Failed{};
+    const int k = ni_[st]++;
+    double start = clock_[r];
+    if (st + 1 < 2 * p_) {
+      const double e = i_end(st + 1, k);
+      if (e < 0) throw Failed{};
+      start = std::max(start, e + comm(st, st + 1));
+    }
+    const double dmem = c_.stage_mem_w_of(s_, st) - c_.stage_mem_b_of(s_, st);
+    if (over(mem_[r] + dmem)) throw Failed{};
+    start_op(r, start, c_.stage_cost(s_, Op::I, st));
+    i_end(st, k) = clock_[r];
+    mem_[r] += dmem;
+    s_.actions[r].push_back(Action::make(Op::I, st, k));
+    pending_w_[r].push_back({st, k});
+  }
+
+  void place_w(int r) {
+    const auto [st, k] = pending_w_[r].front();
+    pending_w_[r].pop_front();
+    start_op(r, clock_[r], c_.stage_cost(s_, Op::W, st));
+    mem_[r] -= c_.stage_mem_w_of(s_, st);
+    s_.actions[r].push_back(Action::make(Op::W, st, k));
+  }
+
+  double next_w_cost(int r) const { return c_.stage_cost(s_, Op::W, pending_w_[r].front().first); }
+
+  // Weight gradients in the wait for an input that arrives at `arrival`
+  // (negative: unknown yet, no fill); `bridge` allows one more W over a gap
+  // that would make this rank the idlest.
+  void fill_wait(int r, double arrival, bool bridge) {
+    if (arrival < 0) return;
+    while (!pending_w_[r].empty() && arrival >= clock_[r] + next_w_cost(r))
+      place_w(r);
+    if (!pending_w_[r].empty() && arrival - clock_[r] > allowance(r) && bridge) place_w(r);
+  }
+
+  void warmup() {
+    for (int r = 0; r < p_; ++r)
+      place_f(r, dn(r));
+    for (int r = p_ - 1; r >= 0; --r) {
+      if (r + 1 < p_) {
+        const int from = up(r) - 1;  // the up stage before this rank's, on rank r + 1
+        const double arrival = f_end(from, 0) + comm(from, up(r));
+        const double reserve = (2.0 + 2.0 * r) * c_.stage_mem_b_of(s_, dn(r));
+        while (!over(mem_[r] + reserve) && clock_[r] + c_.stage_cost(s_, Op::F, dn(r)) <= arrival &&
+               nf_[dn(r)] < m_ - r)
+          for (int q = 0; q <= r; ++q)
+            place_f(q, dn(q));
+      }
+      place_f(r, up(r));
+    }
+    // Each rank catches up with the one above: as many forwards in all, and
+    // more up forwards while the rank above has some to give.
+    int leg = 0;
+    for (int r = 1; r < p_; ++r) {
+      auto total = [&](int q) { return nf_[dn(q)] + nf_[up(q)]; };
+      while (total(r) < total(r - 1) || (nf_[up(r)] <= nf_[up(r - 1)] && nf_[up(r - 1)] < m_)) {
+        for (int q = p_ - 1; q >= r; --q) {
+          const int st = leg == 0 ? dn(q) : up(q);
+          if (nf_[st] < m_) place_f(q, st);
+        }
+        leg = 1 - leg;
+      }
+    }
+  }
+
+  void backward_round() {
+    for (int r = 0; r < p_; ++r)
+      while (!pending_w_[r].empty() &&
+             over(mem_[r] + c_.stage_mem_w_of(s_, up(r)) - c_.stage_mem_b_of(s_, up(r))))
+        place_w(r);
+    std::vector<int> down_ranks, up_ranks;
+    for (int r = 0; r < p_; ++r) {
+      bool down = false;
+      if (ni_[dn(r)] >= ni_[up(r)]) {
+        down = false;
+      } else if (r == p_ - 1) {
+        down = true;
+      } else {
+        down = i_end(dn(r) + 1, ni_[dn(r)]) >= 0 || ni_[up(r)] >= m_;
+      }
+      (down ? down_ranks : up_ranks).push_back(r);
+    }
+    for (auto it = down_ranks.rbegin(); it != down_ranks.rend(); ++it) {
+      const int r = *it;
+      const double arrival =
+          r + 1 < p_ ? arrival_of(i_end(dn(r) + 1, ni_[dn(r)]), dn(r), dn(r) + 1) : -1.0;
+      fill_wait(r, arrival, fill_b_);
+      place_i(r, dn(r));
+    }
+    for (int r : up_ranks) {
+      const double arrival =
+          r > 0 ? arrival_of(i_end(up(r) + 1, ni_[up(r)]), up(r), up(r) + 1) : -1.0;
+      fill_wait(r, arrival, true);
+      place_i(r, up(r));
+    }
+  }
+
+  double arrival_of(double end, int upstream, int downstream) const {
+    return end < 0 ? -1.0 : end + comm(upstream, downstream);
+  }
+
+  void forward_round() {
+    for (int r = 0; r < p_; ++r) {
+      if (nf_[up(r)] >= m_) continue;
+      int st = -1;
+      if (nf_[up(r)] >= nf_[dn(r)]) {
+        st = dn(r);
+      } else if (r == p_ - 1) {
+        st = up(r);
+      } else if (f_end(up(r) - 1, nf_[up(r)]) >= 0) {
+        st = up(r);
+      } else if (nf_[dn(r)] < m_ && (r == 0 || f_end(dn(r) - 1, nf_[dn(r)]) >= 0)) {
+        st = dn(r);
+      }
+      if (st < 0) continue;
+      while (over(mem_[r] + c_.stage_mem_b_of(s_, st))) {
+        if (pending_w_[r].empty()) throw Failed{};
+        place_w(r);
+      }
+      const int from = st - 1;
+      const bool has_input = st > 0 && s_.stage_rank[from] != r;
+      const double arrival = has_input ? arrival_of(f_end(from, nf_[st]), from, st) : -1.0;
+      fill_wait(r, arrival, fill_f_);
+      place_f(r, st);
+    }
+  }
+
+  int p_, m_;
+  double limit_;
+  bool fill_f_, fill_b_;
+  const CostModel& c_;
+  Schedule s_;
+  std::vector<double> f_end_, i_end_;
+  std::vector<int> nf_, ni_;
+  std::vector<double> clock_, mem_, idle_;
+  std::vector<char> started_;
+  std::vector<std::deque<std::pair<int, int>>> pending_w_;
+  std::vector<double> approved_;
+  double max_approved_ = -1;
+};
+
+// The V sweep with both W switches, each run twice (NOTE [V sweep]).
+void consider_v_sweeps(int p, int m, const CostModel& costs, double limit, Best& best) {
+  for (bool fill_b : {true, false}) {
+    for (bool fill_f : {true, false}) {
+      try {
+        VSweep v(p, m, costs, limit, fill_f, fill_b);
+        std::vector<double> idle, idle2;
+        Schedule first = v.run(&idle, {});
+        best.consider(first);
+        Schedule second = v.run(&idle2, idle);
+        best.consider(second);
+      } catch (const VSweep::Failed&) {
+        // these switches do not fit the limit or the costs; others may
+      }
+    }
+  }
+}
+
+double max_stage_mem_b(const Schedule& layout, const CostModel& c) {
+  double v = 0;
+  for (int st = 0; st < layout.num_stages; ++st)
+    v = std::max(v, c.stage_mem_b_of(layout, st));
+  return v;
+}
+
+}  // namespace
+
+Schedule sweep_zero_bubble(int p, int m, const CostModel& costs, const SweepParams& params) {
+  costs.check(p);
+  if (p < 1 || m < 1)
+    throw std::invalid_argument("stage sweep: needs p >= 1 and m >= 1 (got p=" + std::to_string(p) +
+                                ", m=" + std::to_string(m) + ")");
+  return Sweep(p, m, costs, params).run();
+}
+
+Schedule zb_auto(int p, int m, const CostModel& costs, double mem_limit,
+                 const SearchOptions& options) {
   if (p < 1 || m < 1)
     throw std::invalid_argument("schedule 'zb-auto': needs p >= 1 and m >= 1 (got p=" +
                                 std::to_string(p) + ", m=" + std::to_string(m) + ")");
-  const double limit = mem_limit > 0 ? mem_limit : 2.0 * p * costs.mem_b;
-  if (costs.mem_b > limit + kEps)
+  costs.check(p);
+  const Schedule layout = make_loop_layout(p, p, m);
+  const double one = max_stage_mem_b(layout, costs);
+  const double limit = mem_limit > 0 ? mem_limit : 2.0 * p * one;
+  if (one > limit + kEps)
     throw std::invalid_argument("schedule 'zb-auto': memory limit " + std::to_string(limit) +
                                 " is below one microbatch's activations (mem_b " +
-                                std::to_string(costs.mem_b) + "); raise --mem-limit");
-  SimOptions quiet;
-  quiet.record_timeline = false;
-  Schedule best;
-  double best_bubble = kInf, best_mem = kInf;
-  bool have = false;
-  auto consider = [&](Schedule cand) {
-    SimResult r = simulate(cand, costs, quiet);
-    if (r.max_peak_memory > limit + 1e-6) return;
-    double bubble = r.span - r.work;
-    if (!have || bubble < best_bubble - 1e-9 ||
-        (bubble < best_bubble + 1e-9 && r.max_peak_memory < best_mem - 1e-9)) {
-      best = std::move(cand);
-      best_bubble = bubble;
-      best_mem = r.max_peak_memory;
-      have = true;
+                                std::to_string(one) + "); raise --mem-limit");
+  Best best(costs, limit);
+  // The paper's heuristic over its switches; then the hand-made schedules.
+  for (int bits = 0; bits < 8; ++bits) {
+    SweepParams sp;
+    sp.mem_limit = limit;
+    sp.warmup_overrun = bits & 1;
+    sp.hold_back_f = bits & 2;
+    sp.fill_small_gaps = !(bits & 4);
+    try {
+      best.consider(sweep_zero_bubble(p, m, costs, sp));
+    } catch (const std::invalid_argument&) {
+      // this setting does not fit the limit; others may
     }
-  };
-  // Baselines: the hand-made schedules, when they fit.
+  }
   for (const char* n : {"zb-h1", "zb-h2", "1f1b"})
-    consider(build(n, p, m));
-  // The heuristic over warmup depths (a * (p - r) + b, capped by memory) and W policies.
-  const int mem_cap = static_cast<int>(std::floor(limit / std::max(costs.mem_b, 1e-12) + kEps));
+    best.consider(build(n, p, m));
+  // The time-ordered heuristic over warmup depths (a * (p - r) + b, capped by
+  // memory) and W policies.
+  const int mem_cap = static_cast<int>(std::floor(limit / std::max(one, 1e-12) + kEps));
   for (double a : {1.0, 1.5, 2.0, 3.0}) {
     for (int b : {-1, 0, 1}) {
       for (double w_wait : {0.0, 0.5, 1.0}) {
@@ -180,19 +652,55 @@ Schedule zb_auto(int p, int m, const CostModel& costs, double mem_limit) {
           hp.max_inflight.push_back(m);
         }
         try {
-          consider(greedy_zero_bubble(p, m, costs, hp));
+          best.consider(greedy_zero_bubble(p, m, costs, hp));
         } catch (const std::invalid_argument&) {
           // this setting cannot run under the limit; others may
         }
       }
     }
   }
-  if (!have)
+  if (!best.have())
     throw std::invalid_argument("schedule 'zb-auto': no schedule found within memory limit " +
                                 std::to_string(limit) + "; raise --mem-limit (1F1B needs " +
-                                std::to_string(p * costs.mem_b) + ")");
-  best.name = "zb-auto";
-  return best;
+                                std::to_string(p * one) + ")");
+  Schedule out = best.schedule();
+  if (options.refine_work > 0) {
+    RefineOptions ro;
+    ro.mem_limit = limit;
+    ro.max_work = options.refine_work;
+    out = refine(out, costs, ro);
+  }
+  out.name = "zb-auto";
+  return out;
+}
+
+Schedule zbv_auto(int p, int m, const CostModel& costs, double mem_limit,
+                  const SearchOptions& options) {
+  if (p < 1 || m < 1)
+    throw std::invalid_argument("schedule 'zbv': needs p >= 1 and m >= 1 (got p=" +
+                                std::to_string(p) + ", m=" + std::to_string(m) + ")");
+  costs.check(2 * p);
+  const Schedule layout = make_v_layout(p, m);
+  const double one = max_stage_mem_b(layout, costs);
+  const double limit = mem_limit > 0 ? mem_limit : 2.0 * p * one;
+  Best best(costs, limit);
+  best.consider(zbv_handmade(p, m));
+  consider_v_sweeps(p, m, costs, limit, best);
+  if (!best.have())
+    throw std::invalid_argument("schedule 'zbv': no V schedule found within memory limit " +
+                                std::to_string(limit) +
+                                "; raise --mem-limit (the hand-made "
+                                "ZB-V needs about " +
+                                std::to_string(2.0 * p * one) + ")");
+  Schedule out = best.schedule();
+  if (options.refine_work > 0) {
+    RefineOptions ro;
+    ro.mem_limit = limit;
+    ro.max_work = options.refine_work;
+    out = refine(out, costs, ro);
+  }
+  out.name = "zbv";
+  return out;
 }
 
 }  // namespace hp::schedule

@@ -1,5 +1,6 @@
-// hp/schedule/zb_auto.h: the zero-bubble list-scheduling heuristic (after the
-// Zero Bubble paper) and the zb-auto search that runs it over many settings.
+// hp/schedule/zb_auto.h: the zero-bubble heuristics (a time-ordered list
+// scheduler and the Zero Bubble paper's stage sweep) and the searches built on
+// them: zb-auto (loop placement) and the cost-aware ZB-V.
 #pragma once
 
 #include <vector>
@@ -30,11 +31,58 @@ struct HeuristicParams {
 Schedule greedy_zero_bubble(int ranks, int microbatches, const CostModel& costs,
                             const HeuristicParams& params);
 
-/// zb-auto: runs the heuristic over a grid of warmup depths and W policies
-/// (plus the hand-made ZB-H1, ZB-H2 and 1F1B when they fit the memory limit),
-/// simulates each under `costs` and returns the one with the smallest bubble
-/// rate (ties: smaller peak memory) whose peak memory stays within
-/// `mem_limit` (0 = 2 * p * mem_b).
-Schedule zb_auto(int ranks, int microbatches, const CostModel& costs, double mem_limit = 0);
+/// Settings of the stage sweep (the Zero Bubble paper's heuristic, its
+/// Section 3.1): three switches the paper searches over.
+struct SweepParams {
+  double mem_limit = 1e300;  ///< per-rank activation memory limit
+  /// Warmup: also run a forward that ends after the first input gradient
+  /// arrives (a shorter gap before the first I, at the cost of delaying it).
+  bool warmup_overrun = false;
+  /// A stage two or more forwards ahead of the next one skips its forward in
+  /// a round when that would leave the next stage waiting less than the
+  /// largest idle so far.
+  bool hold_back_f = false;
+  /// Fill an idle gap shorter than a W with a W even when the gap would not
+  /// make this stage the idlest.
+  bool fill_small_gaps = true;
+};
+
+/// The stage sweep: microbatch by microbatch, each round gives every stage
+/// (top down) at most one more forward, never more than the stage above it
+/// has, then every stage (bottom up) the input gradient of the round's
+/// microbatch; weight gradients are placed to free memory or to fill the
+/// wait for an input. Warmup: as many forwards per stage as fit before the
+/// first input gradient arrives, within the memory limit. Loop placement, one
+/// stage per rank, per-stage costs, memory and comm honoured. Throws
+/// std::invalid_argument when the memory limit cannot hold the warmup.
+Schedule sweep_zero_bubble(int ranks, int microbatches, const CostModel& costs,
+                           const SweepParams& params);
+
+/// Options of zb_auto() and zbv_auto() beyond costs and memory.
+struct SearchOptions {
+  /// Work budget of the local search (refine.h) in simulated actions; 0 turns
+  /// the local search off. Deterministic (NOTE [Deterministic search]).
+  long long refine_work = 20'000'000;
+};
+
+/// zb-auto: the smallest-span schedule (the Zero Bubble paper's cost: the
+/// longest rank's first-F-to-last-op time) on loop placement within
+/// `mem_limit` (0 = 2 p mem_b, the paper's ZB-2p), among the stage sweep over
+/// its eight switch settings, the time-ordered heuristic over a grid of
+/// warmup depths and W policies, and the hand-made ZB-H1, ZB-H2 and 1F1B,
+/// then improved by local search (refine()). Ties: smaller peak memory.
+/// Honours per-stage costs, memory and comm (one entry per rank). Never worse
+/// than the paper's heuristic under the same inputs.
+Schedule zb_auto(int ranks, int microbatches, const CostModel& costs, double mem_limit = 0,
+                 const SearchOptions& options = {});
+
+/// ZB-V that covers transfer time: V placement (rank r holds stages r and
+/// 2p-1-r), the smallest span within `mem_limit` (0 = p mem_b, 1F1B's memory)
+/// among the hand-made ZB-V order and a V heuristic that runs as many
+/// warmup forwards as the first gradient's round trip (transfers included)
+/// leaves room for, then refined by local search. Per-stage vectors, when
+/// given, have 2p entries (one per virtual stage).
+Schedule zbv_auto(int ranks, int microbatches, const CostModel& costs, double mem_limit = 0,
+                  const SearchOptions& options = {});
 
 }  // namespace hp::schedule
