@@ -6,6 +6,8 @@
 #include <limits>
 #include <stdexcept>
 
+#include "hp/schedule/text.h"
+
 namespace hp::schedule {
 
 namespace {
@@ -23,7 +25,7 @@ std::string_view trim(std::string_view s) {
 }
 
 [[noreturn]] void fail(std::string_view text, const std::string& why) {
-  throw std::invalid_argument("cannot parse action '" + std::string(text) + "': " + why +
+  throw std::invalid_argument("cannot parse action '" + escape_bytes(text) + "': " + why +
                               " (expected e.g. 2F0, 1I3, 0W1, 0B2, 0SEND_B2, 3F1+5B0)");
 }
 
@@ -57,9 +59,10 @@ Action parse_simple(std::string_view whole, std::string_view s) {
       found = true;
     }
   }
-  if (!found) fail(whole, "unknown op '" + std::string(op) + "'");
+  if (!found) fail(whole, "unknown op '" + escape_bytes(op) + "'");
   if (!read_int(s, pos, a.microbatch)) fail(whole, "missing or too large microbatch number");
-  if (pos != s.size()) fail(whole, "unexpected trailing text '" + std::string(s.substr(pos)) + "'");
+  if (pos != s.size())
+    fail(whole, "unexpected trailing text '" + escape_bytes(s.substr(pos)) + "'");
   return a;
 }
 }  // namespace

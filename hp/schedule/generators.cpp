@@ -381,10 +381,11 @@ std::string describe(const std::string& name) {
     return "v chunks per rank, depth-first with W split off and deferred (PyTorch)";
   if (name == "zb-h1") return "1F1B with W split off into the bubbles, 1F1B memory";
   if (name == "zb-h2") return "zero bubble when F = B = W, about 2x 1F1B memory";
-  if (name == "zbv") return "V placement, zero bubble at 1F1B memory when F = B = W";
+  if (name == "zbv") return "V placement searched under the costs (transfers covered), 1F1B memory";
   if (name == "dualpipe") return "two directions over mirrored stage copies (DeepSeek)";
   if (name == "dualpipev") return "DualPipe folded onto a V (one model copy)";
-  if (name == "zb-auto") return "searched zero-bubble schedule under a memory limit";
+  if (name == "zb-auto")
+    return "the Zero Bubble paper's search plus local search, under a memory limit";
   return "";
 }
 

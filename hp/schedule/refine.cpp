@@ -104,6 +104,8 @@ class Search {
         from.consumer_rank[slot] = n.rank;
       }
     }
+    for (const Node& n : nodes_)
+      busy_total_ += n.cost;
     end_.assign(nodes_.size(), -1.0);
     span_.assign(p_, 0.0);
     peak_.assign(p_, 0.0);
@@ -239,7 +241,8 @@ class Search {
   }
 
   // One round: for the ranks from the longest span down, each idle gap is
-  // attacked by the moves below; the first move that helps is kept.
+  // attacked by the moves below, and each W that delays the op after it is
+  // tried later; the first move that helps is kept.
   bool improve_once(Score& best) {
     // Times of the current best order (the last evaluation may be a rejected one).
     Score now;
@@ -257,6 +260,13 @@ class Search {
         const double start = ends[id] - nodes_[id].cost;
         const bool gap = prev_end >= 0 && start > prev_end + kEps * std::max(1.0, start);
         prev_end = ends[id];
+        // (d) a W that holds up the op after it goes later.
+        if (nodes_[id].op == Op::W && k + 1 < n && nodes_[row[k + 1]].op != Op::W) {
+          const double next_start = ends[row[k + 1]] - nodes_[row[k + 1]].cost;
+          if (next_start <= ends[id] + kEps * std::max(1.0, next_start))
+            for (int fwd = 1; fwd <= 2 && k + fwd < n; ++fwd)
+              if (attempt(r, k, k + fwd, best)) return true;
+        }
         if (!gap) continue;
         // (a) a later W of this rank fills the gap.
         for (int j = k + 1; j < n && j <= k + 24; ++j)
@@ -293,6 +303,10 @@ class Search {
   }
 
   long long budget() const { return budget_; }
+  // True when no rank idles inside its span: nothing left to gain.
+  bool perfect(const Score& sc) const {
+    return sc.sum_span <= busy_total_ + kEps * std::max(1.0, busy_total_);
+  }
   int evaluations_ = 0;
   int improvements_ = 0;
 
@@ -302,6 +316,7 @@ class Search {
   long long budget_;
   int p_ = 0;
   std::vector<Node> nodes_;
+  double busy_total_ = 0;
   std::vector<int> stage_, mb_;
   std::vector<std::vector<int>> order_;
   std::vector<double> end_, span_, peak_, free_at_, first_, mem_;
@@ -330,7 +345,7 @@ Schedule refine(const Schedule& s, const CostModel& costs, const RefineOptions& 
   Score best;
   if (!search.evaluate(best)) return s;  // deadlocked or over the limit already
   const double before = best.max_span;
-  while (search.budget() > 0 && search.improve_once(best)) {
+  while (search.budget() > 0 && !search.perfect(best) && search.improve_once(best)) {
   }
   if (stats) {
     stats->evaluations = search.evaluations_;

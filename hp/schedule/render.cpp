@@ -245,10 +245,10 @@ std::string render_chrome_trace(const Timeline& t) {
 
 std::string summary_text(const SimResult& r) {
   std::ostringstream os;
-  os << "bubble rate    " << fmt(100 * r.bubble_rate) << " %  (span " << fmt(r.span) << ", work "
-     << fmt(r.work) << ")\n";
-  os << "makespan       " << fmt(r.makespan) << "\n";
-  os << "idle fraction  " << fmt(100 * r.idle_fraction) << " %\n";
+  os << "step time      " << fmt(r.makespan) << "  (makespan: first op to last op, all ranks)\n";
+  os << "idle fraction  " << fmt(100 * r.idle_fraction) << " %  (idle time / (p x step time))\n";
+  os << "bubble rate    " << fmt(100 * r.bubble_rate) << " %  (Zero Bubble paper: longest rank's "
+     << "(span - work) / span; span " << fmt(r.span) << ", work " << fmt(r.work) << ")\n";
   os << "comm volume    " << r.comm_volume << " transfers\n";
   os << "peak memory    " << fmt(r.max_peak_memory) << " (max over ranks)\n";
   os << "rank   busy      idle      peak-mem\n";

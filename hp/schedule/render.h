@@ -41,8 +41,9 @@ std::string render_svg(const Timeline& t, const SvgOptions& opts = {});
 /// per rank). One time unit of the timeline is written as 1 ms.
 std::string render_chrome_trace(const Timeline& t);
 
-/// The statistics of a simulation as aligned text (bubble rate, makespan,
-/// idle, peak memory per rank, communication volume).
+/// The statistics of a simulation as aligned text, what a user picks by
+/// first: step time (makespan), idle fraction, then the paper's bubble rate,
+/// communication volume, peak memory, and busy/idle/peak memory per rank.
 std::string summary_text(const SimResult& r);
 /// The statistics as a JSON object (no timeline).
 std::string summary_json(const SimResult& r, const std::string& name = "");

@@ -4,9 +4,12 @@
 
 #include <algorithm>
 #include <istream>
+#include <map>
 #include <ostream>
 #include <sstream>
 #include <stdexcept>
+
+#include "hp/schedule/text.h"
 
 namespace hp::schedule {
 
@@ -43,7 +46,8 @@ std::string trim(const std::string& s) {
 int parse_int(const std::string& text, const std::string& where) {
   std::string t = trim(text);
   if (t.empty() || t.size() > 9 || t.find_first_not_of("0123456789") != std::string::npos)
-    throw std::invalid_argument(where + ": expected a non-negative integer, got '" + text + "'");
+    throw std::invalid_argument(where + ": expected a non-negative integer, got '" +
+                                escape_bytes(text) + "'");
   return std::stoi(t);
 }
 
@@ -202,29 +206,72 @@ std::string to_csv(const Schedule& s) {
   return os.str();
 }
 
-Schedule read_csv(std::istream& in) {
+// NOTE [Strict schedule CSV]
+// A schedule file is either plain rows (one per rank, torch style) or the
+// form write_csv produces: metadata lines, then rows. Everything the metadata
+// says must agree with the rows: as many rows as ranks, every action's stage
+// and microbatch inside the declared counts, placement, chunk and route lists
+// of the declared sizes, no SEND/RECV in a file that says it is not lowered,
+// each metadata key once (route may repeat). Errors name the source and the
+// line and show the offending bytes escaped and cut (escape_bytes); input
+// above kMaxInputBytes is refused before it is parsed.
+Schedule read_csv(std::istream& in, const std::string& source) {
+  std::string text;
+  char buf[65536];
+  while (in) {
+    in.read(buf, sizeof buf);
+    text.append(buf, static_cast<size_t>(in.gcount()));
+    if (text.size() > kMaxInputBytes)
+      throw std::invalid_argument(source + ": more than " + std::to_string(kMaxInputBytes) +
+                                  " bytes; a schedule CSV must be smaller");
+  }
+  return from_csv(text, source);
+}
+
+Schedule from_csv(const std::string& text, const std::string& source) {
+  if (text.size() > kMaxInputBytes)
+    throw std::invalid_argument(source + ": " + std::to_string(text.size()) +
+                                " bytes, more than the limit of " + std::to_string(kMaxInputBytes) +
+                                " for a schedule CSV");
   Schedule s;
-  bool have_meta = false, have_ranks = false, have_stages = false, have_mbs = false,
-       have_chunks = false;
-  std::string line;
+  bool have_ranks = false, have_stages = false, have_mbs = false, have_chunks = false,
+       have_lowered = false;
+  std::map<std::string, int> key_line;  // metadata key -> line it was given on
+  std::vector<int> row_line;            // rank -> line of its row
   int line_no = 0;
-  while (std::getline(in, line)) {
+  size_t pos = 0;
+  while (pos <= text.size()) {
+    size_t eol = text.find('\n', pos);
+    if (eol == std::string::npos) eol = text.size();
+    const std::string line = text.substr(pos, eol - pos);
+    pos = eol + 1;
     ++line_no;
-    std::string where = "csv line " + std::to_string(line_no);
+    const std::string where = source + " line " + std::to_string(line_no);
     std::string t = trim(line);
     if (t.empty()) continue;
     if (t[0] == '#') {
       auto cells = split(t.substr(1), ',');
       std::string key = trim(cells[0]);
       if (cells.size() < 2)
-        throw std::invalid_argument(where + ": metadata '" + t + "' has no value");
-      have_meta = true;
+        throw std::invalid_argument(where + ": metadata '" + escape_bytes(t) + "' has no value");
+      if (key != "route" && key_line.count(key))
+        throw std::invalid_argument(where + ": metadata '" + escape_bytes(key) +
+                                    "' was already given on line " + std::to_string(key_line[key]) +
+                                    "; give it once");
+      if (!row_line.empty())
+        throw std::invalid_argument(where +
+                                    ": metadata after the rows of actions; put every '#' "
+                                    "line before the first row");
+      key_line[key] = line_no;
       if (key == "hp-schedule") {
         if (parse_int(cells[1], where) != 1)
-          throw std::invalid_argument(where + ": unsupported hp-schedule version '" + cells[1] +
-                                      "'");
+          throw std::invalid_argument(where + ": unsupported hp-schedule version '" +
+                                      escape_bytes(cells[1]) + "'");
       } else if (key == "name") {
         s.name = trim(cells[1]);
+        if (s.name.size() > 200 || escape_bytes(s.name, s.name.size()) != s.name)
+          throw std::invalid_argument(where + ": name '" + escape_bytes(s.name) +
+                                      "' must be printable text of at most 200 characters");
       } else if (key == "ranks") {
         s.num_ranks = parse_int(cells[1], where);
         have_ranks = true;
@@ -238,7 +285,10 @@ Schedule read_csv(std::istream& in) {
         s.num_chunks = parse_int(cells[1], where);
         have_chunks = true;
       } else if (key == "lowered") {
-        s.lowered = parse_int(cells[1], where) != 0;
+        const int v = parse_int(cells[1], where);
+        if (v > 1) throw std::invalid_argument(where + ": lowered must be 0 or 1");
+        s.lowered = v != 0;
+        have_lowered = true;
       } else if (key == "stage_rank") {
         s.stage_rank = parse_ints(cells, 1, where);
       } else if (key == "stage_chunk") {
@@ -248,7 +298,7 @@ Schedule read_csv(std::istream& in) {
       } else if (key == "microbatch_route") {
         s.microbatch_route = parse_ints(cells, 1, where);
       } else {
-        throw std::invalid_argument(where + ": unknown metadata key '" + key + "'");
+        throw std::invalid_argument(where + ": unknown metadata key '" + escape_bytes(key) + "'");
       }
       continue;
     }
@@ -256,24 +306,63 @@ Schedule read_csv(std::istream& in) {
     int rank = static_cast<int>(s.actions.size());
     for (const auto& cell : split(t, ',')) {
       if (trim(cell).empty()) continue;
+      Action a;
       try {
-        row.push_back(parse_action(cell));
+        a = parse_action(cell);
       } catch (const std::invalid_argument& e) {
         throw std::invalid_argument(where + " (rank " + std::to_string(rank) + "): " + e.what());
       }
+      if (a.stage > 1000000 || a.microbatch > 1000000 || a.stage2 > 1000000 ||
+          a.microbatch2 > 1000000)
+        throw std::invalid_argument(where + " (rank " + std::to_string(rank) + "): action '" +
+                                    to_string(a) + "' has a stage or microbatch above 1000000");
+      if (have_stages && std::max(a.stage, a.stage2) >= s.num_stages)
+        throw std::invalid_argument(where + " (rank " + std::to_string(rank) + "): action '" +
+                                    to_string(a) + "' names a stage outside the " +
+                                    std::to_string(s.num_stages) + " stages of line " +
+                                    std::to_string(key_line["stages"]));
+      if (have_mbs && std::max(a.microbatch, a.microbatch2) >= s.num_microbatches)
+        throw std::invalid_argument(where + " (rank " + std::to_string(rank) + "): action '" +
+                                    to_string(a) + "' names a microbatch outside the " +
+                                    std::to_string(s.num_microbatches) + " microbatches of line " +
+                                    std::to_string(key_line["microbatches"]));
+      if (have_lowered && !s.lowered && is_comm(a.op))
+        throw std::invalid_argument(where + " (rank " + std::to_string(rank) + "): '" +
+                                    to_string(a) + "' is communication but line " +
+                                    std::to_string(key_line["lowered"]) +
+                                    " says the schedule is not lowered");
+      row.push_back(a);
     }
+    if (have_ranks && rank >= s.num_ranks)
+      throw std::invalid_argument(where + ": row " + std::to_string(rank + 1) +
+                                  " of actions but line " + std::to_string(key_line["ranks"]) +
+                                  " says " + std::to_string(s.num_ranks) +
+                                  " ranks; give one row per rank");
     s.actions.push_back(std::move(row));
+    row_line.push_back(line_no);
   }
+  if (have_ranks && static_cast<int>(s.actions.size()) != s.num_ranks)
+    throw std::invalid_argument(
+        source + ": line " + std::to_string(key_line["ranks"]) + " says " +
+        std::to_string(s.num_ranks) + " ranks but the file has " +
+        std::to_string(s.actions.size()) +
+        " rows of actions; give one row per rank (a rank without actions is a lone comma)");
+  auto sized = [&](const std::vector<int>& v, const char* key, int want, const char* what) {
+    if (!v.empty() && static_cast<int>(v.size()) != want)
+      throw std::invalid_argument(source + " line " + std::to_string(key_line[key]) + ": " + key +
+                                  " has " + std::to_string(v.size()) + " entries but there are " +
+                                  std::to_string(want) + " " + what);
+  };
+  if (have_stages) {
+    sized(s.stage_rank, "stage_rank", s.num_stages, "stages");
+    sized(s.stage_chunk, "stage_chunk", s.num_stages, "stages");
+  }
+  if (have_mbs) sized(s.microbatch_route, "microbatch_route", s.num_microbatches, "microbatches");
   // Infer whatever the metadata did not say (a plain torch-style CSV has none).
   int max_stage = -1, max_mb = -1;
   bool has_comm = false;
-  std::vector<int> seen_rank;
   for (size_t r = 0; r < s.actions.size(); ++r)
     for (const auto& a : s.actions[r]) {
-      if (a.stage > 1000000 || a.microbatch > 1000000 || a.stage2 > 1000000 ||
-          a.microbatch2 > 1000000)
-        throw std::invalid_argument("csv rank " + std::to_string(r) + ": action '" + to_string(a) +
-                                    "' has a stage or microbatch above 1000000");
       max_stage = std::max({max_stage, a.stage, a.stage2});
       max_mb = std::max({max_mb, a.microbatch, a.microbatch2});
       has_comm = has_comm || is_comm(a.op);
@@ -281,15 +370,18 @@ Schedule read_csv(std::istream& in) {
   if (!have_ranks) s.num_ranks = static_cast<int>(s.actions.size());
   if (!have_stages) s.num_stages = max_stage + 1;
   if (!have_mbs) s.num_microbatches = max_mb + 1;
-  if (s.num_ranks < 1) throw std::invalid_argument("csv: no rows (one row of actions per rank)");
-  if (s.num_stages < 1) throw std::invalid_argument("csv: no actions, cannot infer the stages");
+  if (s.num_ranks < 1)
+    throw std::invalid_argument(source + ": no rows (one row of actions per rank)");
+  if (s.num_stages < 1)
+    throw std::invalid_argument(source + ": no actions, cannot infer the stages");
   if (s.num_microbatches < 1)
-    throw std::invalid_argument("csv: no actions, cannot infer the microbatches");
+    throw std::invalid_argument(source + ": no actions, cannot infer the microbatches");
   if (s.num_stages > 100000 || s.num_microbatches > 1000000 || s.num_ranks > 100000 ||
       static_cast<long long>(s.num_stages) * s.num_microbatches > 100000000LL)
-    throw std::invalid_argument("csv: sizes too large (stages " + std::to_string(s.num_stages) +
-                                ", microbatches " + std::to_string(s.num_microbatches) + ")");
-  if (!have_meta) s.lowered = has_comm;
+    throw std::invalid_argument(source + ": sizes too large (ranks " + std::to_string(s.num_ranks) +
+                                ", stages " + std::to_string(s.num_stages) + ", microbatches " +
+                                std::to_string(s.num_microbatches) + ")");
+  if (!have_lowered) s.lowered = has_comm;
   if (s.stage_rank.empty()) {
     // Infer placement from where each stage's compute actions sit.
     s.stage_rank.assign(s.num_stages, -1);
@@ -299,10 +391,10 @@ Schedule read_csv(std::istream& in) {
         for (int st : {a.stage, a.stage2}) {
           if (st < 0) continue;
           if (s.stage_rank[st] >= 0 && s.stage_rank[st] != static_cast<int>(r))
-            throw std::invalid_argument("csv: stage " + std::to_string(st) +
-                                        " has actions on rank " + std::to_string(s.stage_rank[st]) +
-                                        " and rank " + std::to_string(r) +
-                                        "; add a '# stage_rank,...' line");
+            throw std::invalid_argument(source + " line " + std::to_string(row_line[r]) +
+                                        ": stage " + std::to_string(st) + " has actions on rank " +
+                                        std::to_string(s.stage_rank[st]) + " and rank " +
+                                        std::to_string(r) + "; add a '# stage_rank,...' line");
           s.stage_rank[st] = static_cast<int>(r);
         }
       }
@@ -325,15 +417,13 @@ Schedule read_csv(std::istream& in) {
     s.routes.push_back(route);
   }
   if (s.microbatch_route.empty()) s.microbatch_route.assign(s.num_microbatches, 0);
-  if (static_cast<int>(s.actions.size()) < s.num_ranks) s.actions.resize(s.num_ranks);
   s.index_routes();
-  s.check_layout();
+  try {
+    s.check_layout();
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(source + ": " + e.what());
+  }
   return s;
-}
-
-Schedule from_csv(const std::string& text) {
-  std::istringstream is(text);
-  return read_csv(is);
 }
 
 }  // namespace hp::schedule

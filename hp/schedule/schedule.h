@@ -3,6 +3,7 @@
 // action lists), and its CSV form.
 #pragma once
 
+#include <cstddef>
 #include <iosfwd>
 #include <string>
 #include <vector>
@@ -84,12 +85,16 @@ Schedule make_v_layout(int ranks, int microbatches);
 void write_csv(const Schedule& s, std::ostream& out);
 /// The CSV as a string.
 std::string to_csv(const Schedule& s);
+/// Largest schedule CSV (or cost file) the readers accept: 16 MiB.
+constexpr std::size_t kMaxInputBytes = std::size_t{16} << 20;
+
 /// Reads a CSV written by write_csv. Without metadata lines (plain rows of
 /// actions, one row per rank) it infers a loop layout from the actions.
-/// Throws std::invalid_argument naming the row and text on error.
-Schedule read_csv(std::istream& in);
+/// Strict (NOTE [Strict schedule CSV]): throws std::invalid_argument naming
+/// `source`, the line, the rank and the text (escaped) on any disagreement.
+Schedule read_csv(std::istream& in, const std::string& source = "csv");
 /// read_csv from a string.
-Schedule from_csv(const std::string& text);
+Schedule from_csv(const std::string& text, const std::string& source = "csv");
 
 /// One rank's actions as a single line ("0F0 0F1 0B0 ..."), for messages and tests.
 std::string format_actions(const std::vector<Action>& actions);

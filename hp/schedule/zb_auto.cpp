@@ -257,8 +257,12 @@ class Sweep {
       }
       back = std::max(t, arrival) + ic_[j];
     }
+    // A stage never runs more warmup forwards than the stage above it (it
+    // could not get their inputs before that stage's first I), and fewer
+    // unless it would take every microbatch.
     for (int j = 1; j < p_; ++j)
-      while (extra[j] > 0 && extra[j] >= extra[j - 1] && nf_[j] + extra[j] < m_)
+      while (extra[j] > 0 &&
+             (extra[j] > extra[j - 1] || (extra[j] == extra[j - 1] && nf_[j] + extra[j] < m_)))
         --extra[j];
     for (int j = 0; j < p_; ++j)
       for (int e = 0; e < extra[j]; ++e)
@@ -322,7 +326,12 @@ class Best {
   void consider(Schedule cand) {
     SimOptions quiet;
     quiet.record_timeline = false;
-    SimResult r = simulate(cand, costs_, quiet);
+    SimResult r;
+    try {
+      r = simulate(cand, costs_, quiet);
+    } catch (const std::runtime_error&) {
+      return;  // a heuristic's order that deadlocks under these costs: not a candidate
+    }
     if (r.max_peak_memory > limit_ + 1e-9 * std::max(1.0, limit_)) return;
     const double tol = 1e-9 * std::max(1.0, r.span);
     if (!have_ || r.span < span_ - tol ||

@@ -2,6 +2,7 @@
 // of a Schedule (round trips, inference, errors naming the offending text).
 #include <gtest/gtest.h>
 
+#include <sstream>
 #include <stdexcept>
 #include <string>
 
@@ -106,4 +107,85 @@ TEST(Csv, ErrorsNameTheRowAndText) {
   EXPECT_THROW(hs::from_csv("0F0,0B0\n0F1,0B1\n"), std::invalid_argument);
   // Placement that names a rank that does not exist.
   EXPECT_THROW(hs::from_csv("# stage_rank,0,5\n0F0,0B0\n1F0,1B0\n"), std::invalid_argument);
+}
+
+namespace {
+std::string csv_error(const std::string& text) {
+  try {
+    hs::from_csv(text, "s.csv");
+  } catch (const std::invalid_argument& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+bool printable(const std::string& s) {
+  for (char c : s)
+    if (!(c >= 0x20 && c < 0x7f)) return false;
+  return true;
+}
+}  // namespace
+
+// Issue 15: a header that disagrees with the rows is refused with the file
+// and the line, never padded or ignored.
+TEST(Csv, HeaderAndRowsMustAgree) {
+  std::string full = hs::to_csv(hs::build("1f1b", 3, 4));
+  ASSERT_EQ(csv_error(full), "(no error)");
+  // Drop the last rank's row: the header still says 3 ranks.
+  std::string two_rows = full.substr(0, full.rfind('\n', full.size() - 2) + 1);
+  std::string e = csv_error(two_rows);
+  EXPECT_NE(e.find("s.csv: line 3 says 3 ranks but the file has 2 rows"), std::string::npos) << e;
+  // One row too many.
+  e = csv_error(full + "2F0\n");
+  EXPECT_NE(e.find("s.csv line 15: row 4 of actions but line 3 says 3 ranks"), std::string::npos)
+      << e;
+  // An action outside the declared stages / microbatches.
+  e = csv_error("# stages,2\n# microbatches,2\n0F0,0B0,0F1,0B1\n1F0,1B0,1F3,1B1\n");
+  EXPECT_NE(e.find("s.csv line 4 (rank 1): action '1F3' names a microbatch outside the 2"),
+            std::string::npos)
+      << e;
+  e = csv_error("# stages,1\n0F0,0B0\n1F0,1B0\n");
+  EXPECT_NE(e.find("line 3 (rank 1): action '1F0' names a stage outside the 1 stages of line 1"),
+            std::string::npos)
+      << e;
+  // Lists of the wrong length, metadata given twice or after the rows, a
+  // lowered flag the rows contradict.
+  EXPECT_NE(csv_error("# stages,2\n# stage_rank,0\n0F0,0B0\n1F0,1B0\n")
+                .find("line 2: stage_rank has 1 entries but there are 2 stages"),
+            std::string::npos);
+  EXPECT_NE(csv_error("# ranks,2\n# ranks,2\n0F0,0B0\n1F0,1B0\n")
+                .find("line 2: metadata 'ranks' was already given on line 1"),
+            std::string::npos);
+  EXPECT_NE(csv_error("0F0,0B0\n# ranks,1\n").find("metadata after the rows"), std::string::npos);
+  EXPECT_NE(csv_error("# lowered,0\n0F0,0SEND_F0,0B0\n").find("says the schedule is not lowered"),
+            std::string::npos);
+  EXPECT_NE(csv_error("# lowered,2\n0F0\n").find("lowered must be 0 or 1"), std::string::npos);
+}
+
+// Error text shows the offending bytes escaped and cut, and a NUL byte does
+// not end the message early.
+TEST(Csv, ErrorsShowBytesSafely) {
+  std::string e = csv_error(std::string("0F0,0\x01X") + std::string(1, '\0') + "Y\xff,0B0\n");
+  EXPECT_NE(e.find("0\\x01X\\x00Y\\xff"), std::string::npos) << e;
+  EXPECT_TRUE(printable(e)) << e;
+  std::string junk(5000, 'Q');
+  e = csv_error("0F0," + junk + "\n");
+  EXPECT_LT(e.size(), 600u) << e;
+  EXPECT_NE(e.find("(5000 bytes)"), std::string::npos) << e;
+  e = csv_error(std::string("# name,\x1b[31mred\n0F0,0B0\n"));
+  EXPECT_NE(e.find("\\x1b[31mred"), std::string::npos) << e;
+  EXPECT_TRUE(printable(e)) << e;
+}
+
+// Input is bounded: more than kMaxInputBytes is refused before parsing, from a
+// string and from a stream (which is read only up to the bound).
+TEST(Csv, InputIsBounded) {
+  std::string big(hs::kMaxInputBytes + 1, ' ');
+  EXPECT_NE(csv_error(big).find("more than the limit"), std::string::npos);
+  std::istringstream in(big);
+  try {
+    hs::read_csv(in, "big.csv");
+    ADD_FAILURE();
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("big.csv: more than"), std::string::npos) << e.what();
+  }
 }

@@ -1,9 +1,13 @@
 // tests/schedule/test_fuzz_corpus.cpp: drives the fuzz target of fuzz_parse.cpp
-// with a few thousand deterministic random and mutated inputs, so every
-// compiler (not only clang's libFuzzer) exercises the parsers.
+// with the kept corpus (tests/schedule/fuzz_corpus: seeds and every input that
+// ever crashed it) and a few thousand deterministic random and mutated inputs,
+// so every compiler (not only clang's libFuzzer) exercises the parsers.
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <random>
 #include <string>
 #include <vector>
@@ -22,9 +26,30 @@ int feed(const std::string& s) {
 }
 }  // namespace
 
+TEST(Fuzz, KeptCorpusNeverCrashes) {
+  int files = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(HP_FUZZ_CORPUS_DIR)) {
+    std::ifstream in(entry.path(), std::ios::binary);
+    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    EXPECT_EQ(feed(text), 0) << entry.path();
+    ++files;
+  }
+  EXPECT_GE(files, 10);
+}
+
 TEST(Fuzz, SeedsAndMutationsNeverCrashOrLeakOtherExceptions) {
   std::vector<std::string> seeds = {"2F0",  "1I3",      "0SEND_B2",          "3F1+5B0",
                                     "0W12", "0RECV_F1", "0F0,0B0\n1F0,1B0\n"};
+  // Issue 15's cases: headers that disagree with the rows, metadata twice or
+  // after the rows, a lowered flag the rows contradict, raw and NUL bytes.
+  for (const char* c : {"# ranks,3\n0F0,0B0\n1F0,1B0\n", "# ranks,1\n0F0,0B0\n1F0,1B0\n",
+                        "# stages,1\n0F0,0B0\n1F0,1B0\n", "# microbatches,1\n0F0,0F1,0B0,0B1\n",
+                        "# ranks,2\n# ranks,2\n0F0\n1F0\n", "0F0,0B0\n# ranks,1\n",
+                        "# lowered,0\n0F0,0SEND_F0,0B0\n", "# stages,2\n# stage_rank,0\n0F0\n1F0\n",
+                        "# name,\x1b[31m\n0F0,0B0\n"})
+    seeds.push_back(c);
+  seeds.push_back(std::string("0F0,0\x01X") + std::string(1, '\0') + "\xff,0B0\n");
+  seeds.push_back(std::string("# ranks,2\n0F0,0B0\n") + std::string(3, '\0') + "\n1F0,1B0\n");
   for (const char* n : {"1f1b", "zbv", "dualpipe", "interleaved-1f1b"}) {
     hs::Schedule s = hs::build(n, 2, 4);
     seeds.push_back(hs::to_csv(s));

@@ -11,6 +11,7 @@
 #include "hp/schedule/generators.h"
 #include "hp/schedule/lower.h"
 #include "hp/schedule/simulate.h"
+#include "hp/schedule/zb_auto.h"
 
 namespace hs = hp::schedule;
 
@@ -254,4 +255,57 @@ TEST(Names, ListsEveryGenerator) {
     EXPECT_NE(std::find(n.begin(), n.end(), want), n.end()) << want;
     EXPECT_FALSE(hs::describe(want).empty()) << want;
   }
+}
+
+// The searching generators and their heuristics under costs that are not
+// F = I = W (and transfers that take time), over a grid of sizes: every
+// schedule they return lowers and validates, does each rank's full work, and
+// stays within the memory limit it was given.
+TEST(Property, CostAwareGeneratorsStayValid) {
+  struct C {
+    double f, b, w, comm;
+  };
+  int built = 0;
+  for (C k : {C{1, 1, 1, 0.25}, C{18.5, 18.1, 9.3, 0.6}, C{2, 1, 0.5, 0.1}, C{1, 2, 1.5, 0}}) {
+    hs::CostModel c;
+    c.f = k.f, c.b = k.b, c.w = k.w, c.comm = k.comm;
+    for (int p = 1; p <= 7; ++p) {
+      for (int m : {1, 2, 3, p, 2 * p + 1, 3 * p}) {
+        SCOPED_TRACE("p=" + std::to_string(p) + " m=" + std::to_string(m) +
+                     " F=" + std::to_string(k.f) + " comm=" + std::to_string(k.comm));
+        std::vector<std::pair<hs::Schedule, double>> got;  // schedule, memory limit
+        for (double x : {1.0, 2.0}) {
+          hs::BuildOptions o;
+          o.costs = c;
+          o.mem_limit = x * p * c.mem_b;
+          got.emplace_back(hs::build("zb-auto", p, m, o), o.mem_limit);
+          got.emplace_back(hs::build("zbv", p, m, o), o.mem_limit);
+          for (int bits = 0; bits < 8; ++bits) {
+            hs::SweepParams sp;
+            sp.mem_limit = o.mem_limit;
+            sp.warmup_overrun = bits & 1;
+            sp.hold_back_f = bits & 2;
+            sp.fill_small_gaps = !(bits & 4);
+            try {
+              got.emplace_back(hs::sweep_zero_bubble(p, m, c, sp), 1e300);
+            } catch (const std::invalid_argument&) {
+              // the sweep may not fit this limit; zb-auto then uses another candidate
+            }
+          }
+        }
+        for (const auto& [s, limit] : got) {
+          ++built;
+          SCOPED_TRACE(s.name);
+          ASSERT_NO_THROW(hs::validate(s));
+          hs::Schedule low = hs::lower(s);
+          ASSERT_NO_THROW(hs::validate(low));
+          hs::SimResult r = hs::simulate(low, c);
+          EXPECT_LE(r.max_peak_memory, limit + 1e-9);
+          for (int rk = 0; rk < p; ++rk)
+            EXPECT_NEAR(r.rank_busy[rk], m * (k.f + k.b + k.w), 1e-6 * m * (k.f + k.b + k.w));
+        }
+      }
+    }
+  }
+  EXPECT_GT(built, 1000);
 }

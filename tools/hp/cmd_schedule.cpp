@@ -1,5 +1,7 @@
 // `hp schedule`: list, show (terminal timeline + statistics, SVG, trace, JSON,
-// CSV) and compare pipeline schedules, all through the torch-free hp/schedule.
+// CSV), compare, tune (a schedule for measured per-stage costs) and
+// paper-table (the Zero Bubble paper's tables beside ours), all through the
+// torch-free hp/schedule.
 #include <unistd.h>
 
 #include <algorithm>
@@ -10,12 +12,16 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "hp/schedule/cost_file.h"
 #include "hp/schedule/formulas.h"
 #include "hp/schedule/generators.h"
 #include "hp/schedule/lower.h"
+#include "hp/schedule/paper.h"
 #include "hp/schedule/render.h"
 #include "hp/schedule/schedule.h"
 #include "hp/schedule/simulate.h"
+#include "hp/schedule/text.h"
+#include "hp/schedule/zb_auto.h"
 #include "tools/hp/commands.h"
 
 namespace hp::cli {
@@ -57,9 +63,11 @@ hs::CostModel costs_of(const Common& o) {
   return c;
 }
 
-double mem_limit_of(const Common& o) {
-  if (o.mem_limit.empty()) return 0.0;
-  std::string t = o.mem_limit;
+// A --mem-limit value: "" (0: the generator's default), a number, or a
+// multiple of `unit` (p * mem_b) written like 2x.
+double parse_mem_limit(const std::string& text, double unit) {
+  if (text.empty()) return 0.0;
+  std::string t = text;
   bool multiple = !t.empty() && (t.back() == 'x' || t.back() == 'X');
   if (multiple) t.pop_back();
   double v = 0;
@@ -70,10 +78,14 @@ double mem_limit_of(const Common& o) {
     used = 0;
   }
   if (used != t.size() || !(v > 0))
-    throw std::invalid_argument("--mem-limit '" + o.mem_limit +
+    throw std::invalid_argument("--mem-limit '" + hs::escape_bytes(text) +
                                 "': expected a positive number (e.g. 12) or a multiple of "
                                 "p*mem_b (e.g. 2x)");
-  return multiple ? v * o.p * o.mem_b : v;
+  return multiple ? v * unit : v;
+}
+
+double mem_limit_of(const Common& o) {
+  return parse_mem_limit(o.mem_limit, o.p * o.mem_b);
 }
 
 hs::BuildOptions options_of(const Common& o) {
@@ -112,9 +124,7 @@ struct ShowArgs {
 void run_show(const ShowArgs& a) {
   hs::Schedule s;
   if (!a.from.empty()) {
-    std::ifstream in(a.from);
-    if (!in) throw std::runtime_error("cannot read '" + a.from + "'");
-    s = hs::read_csv(in);
+    s = hs::from_csv(hs::read_input_file(a.from), a.from);
   } else {
     if (a.name.empty()) throw std::invalid_argument("hp schedule show: give a NAME or --from FILE");
     s = hs::build(a.name, a.c.p, a.c.m, options_of(a.c));
@@ -187,9 +197,12 @@ void run_compare(const CompareArgs& a) {
       skipped.emplace_back(n, e.what());
     }
   }
+  // What a user picks by comes first: the step time, then the idle share.
   std::stable_sort(rows.begin(), rows.end(), [](const Row& x, const Row& y) {
-    if (x.r.bubble_rate != y.r.bubble_rate) return x.r.bubble_rate < y.r.bubble_rate;
-    return x.r.makespan < y.r.makespan;
+    const double tol = 1e-9 * std::max(1.0, std::max(x.r.makespan, y.r.makespan));
+    if (x.r.makespan < y.r.makespan - tol) return true;
+    if (y.r.makespan < x.r.makespan - tol) return false;
+    return x.r.idle_fraction < y.r.idle_fraction - 1e-12;
   });
   if (!a.svg.empty()) {
     std::vector<hs::Timeline> tls;
@@ -201,7 +214,8 @@ void run_compare(const CompareArgs& a) {
     nlohmann::json j = nlohmann::json::array();
     for (const auto& row : rows)
       j.push_back(nlohmann::json::parse(hs::summary_json(row.r, row.name)));
-    nlohmann::json out = {{"ranks", a.c.p}, {"microbatches", a.c.m}, {"schedules", j}};
+    nlohmann::json out = {
+        {"ranks", a.c.p}, {"microbatches", a.c.m}, {"sorted_by", "makespan"}, {"schedules", j}};
     nlohmann::json sk = nlohmann::json::array();
     for (const auto& [n, why] : skipped)
       sk.push_back({{"name", n}, {"reason", why}});
@@ -213,8 +227,8 @@ void run_compare(const CompareArgs& a) {
               a.c.v, num(a.c.f).c_str(), num(a.c.b).c_str(), num(a.c.w).c_str(),
               num(a.c.comm).c_str(), num(a.c.mem_b).c_str(), num(a.c.mem_w).c_str(),
               limit > 0 ? ("  mem-limit=" + num(limit)).c_str() : "");
-  std::printf("%-18s %8s %10s %9s %6s  %s\n", "schedule", "bubble", "makespan", "peak-mem", "comm",
-              "peak memory per rank");
+  std::printf("%-18s %9s %7s %8s %9s %6s  %s\n", "schedule", "step time", "idle", "bubble",
+              "peak-mem", "comm", "peak memory per rank");
   for (const auto& row : rows) {
     std::string per;
     for (size_t i = 0; i < row.r.peak_memory.size(); ++i) {
@@ -225,10 +239,16 @@ void run_compare(const CompareArgs& a) {
       per += (i ? " " : "") + num(row.r.peak_memory[i]);
     }
     std::string over = (limit > 0 && row.r.max_peak_memory > limit + 1e-9) ? "  (over limit)" : "";
-    std::printf("%-18s %8s %10s %9s %6d  %s%s\n", row.name.c_str(), pct(row.r.bubble_rate).c_str(),
-                num(row.r.makespan).c_str(), num(row.r.max_peak_memory).c_str(), row.r.comm_volume,
-                per.c_str(), over.c_str());
+    std::printf("%-18s %9s %7s %8s %9s %6d  %s%s\n", row.name.c_str(), num(row.r.makespan).c_str(),
+                pct(row.r.idle_fraction).c_str(), pct(row.r.bubble_rate).c_str(),
+                num(row.r.max_peak_memory).c_str(), row.r.comm_volume, per.c_str(), over.c_str());
   }
+  std::printf(
+      "\nsorted by step time. step time: one step's makespan (first op to last op over all\n"
+      "ranks), in cost units. idle: total idle time / (p x step time), the wall-clock share\n"
+      "(AFAB at p=4 m=8: 27.27%%). bubble: the Zero Bubble paper's bubble rate, (span - work)\n"
+      "/ span of the longest rank, its span counted from its own first F (a later start is not\n"
+      "counted). peak-mem: activation memory in units of mem_b; comm: cross-rank transfers.\n");
   if (!skipped.empty()) {
     std::printf("\nnot applicable for p=%d m=%d:\n", a.c.p, a.c.m);
     for (const auto& [n, why] : skipped)
@@ -236,10 +256,150 @@ void run_compare(const CompareArgs& a) {
   }
 }
 
+struct TuneArgs {
+  std::string costs, out, mem_limit;
+  int p = 0, m = 8;
+  bool json = false;
+};
+
+// `hp schedule tune`: zb-auto under per-stage costs read from a file, written
+// as a schedule CSV, beside the fixed schedules on the same p-stage cut.
+void run_tune(const TuneArgs& a) {
+  if (a.costs.empty()) throw std::invalid_argument("hp schedule tune: give --costs FILE");
+  if (a.out.empty()) throw std::invalid_argument("hp schedule tune: give -o OUT.csv");
+  hs::CostModel costs = hs::parse_stage_costs(hs::read_input_file(a.costs), a.costs);
+  const int stages = static_cast<int>(costs.stage_f.size());
+  const int p = a.p > 0 ? a.p : stages;
+  if (p != stages)
+    throw std::invalid_argument(a.costs + " has " + std::to_string(stages) + " stages but -p is " +
+                                std::to_string(p) + "; give one stage per rank (or leave -p out)");
+  if (a.m < 1 || a.m > 100000)
+    throw std::invalid_argument("-m " + std::to_string(a.m) + ": give 1 to 100000 microbatches");
+  const double limit = parse_mem_limit(a.mem_limit, p * costs.mem_b);
+  hs::Schedule tuned = hs::zb_auto(p, a.m, costs, limit);
+  tuned.name = "tuned";
+  hs::validate(hs::lower(tuned));
+  write_file(a.out, hs::to_csv(tuned));
+  const double used_limit = limit > 0 ? limit : 2.0 * p * costs.mem_b;
+  hs::SimOptions quiet;
+  quiet.record_timeline = false;
+  struct Row {
+    std::string name;
+    hs::SimResult r;
+  };
+  std::vector<Row> rows = {{"tuned (zb-auto)", hs::simulate(tuned, costs, quiet)}};
+  for (const char* n : {"1f1b", "zb-h1", "zb-h2", "gpipe", "naive"})
+    rows.push_back({n, hs::simulate(hs::build(n, p, a.m), costs, quiet)});
+  if (a.json) {
+    nlohmann::json j = nlohmann::json::array();
+    for (const auto& row : rows)
+      j.push_back(nlohmann::json::parse(hs::summary_json(row.r, row.name)));
+    std::cout << nlohmann::json{{"ranks", p},
+                                {"microbatches", a.m},
+                                {"mem_limit", used_limit},
+                                {"csv", a.out},
+                                {"schedules", j}}
+                     .dump(2)
+              << "\n";
+    return;
+  }
+  std::printf("tuned p=%d m=%d from %s, memory limit %s; wrote %s\n\n", p, a.m, a.costs.c_str(),
+              num(used_limit).c_str(), a.out.c_str());
+  std::printf("%-16s %9s %7s %8s %9s\n", "schedule", "step time", "idle", "bubble", "peak-mem");
+  for (const auto& row : rows) {
+    const bool over = row.r.max_peak_memory > used_limit + 1e-9;
+    std::printf("%-16s %9s %7s %8s %9s%s\n", row.name.c_str(), num(row.r.makespan).c_str(),
+                pct(row.r.idle_fraction).c_str(), pct(row.r.bubble_rate).c_str(),
+                num(row.r.max_peak_memory).c_str(), over ? "  (over limit)" : "");
+  }
+  std::printf(
+      "\nall on the same %d-stage cut with the file's per-stage costs; step time is the\n"
+      "makespan, idle the wall-clock share, bubble the Zero Bubble paper's rate.\n"
+      "run it: hp schedule show --from %s\n",
+      p, a.out.c_str());
+}
+
+struct PaperArgs {
+  int table = 0;  // 0: both
+  bool json = false;
+};
+
+std::string rate(double v) {
+  char buf[16];
+  std::snprintf(buf, sizeof buf, "%.4f", v);
+  return buf;
+}
+
+// `hp schedule paper-table`: the Zero Bubble paper's Tables 5 and 8 beside
+// what our schedules give on the same inputs.
+void run_paper(const PaperArgs& a) {
+  if (a.table != 0 && a.table != 5 && a.table != 8)
+    throw std::invalid_argument("--table " + std::to_string(a.table) + ": give 5 or 8");
+  nlohmann::json out = nlohmann::json::object();
+  if (a.table == 0 || a.table == 5) {
+    nlohmann::json rows = nlohmann::json::array();
+    if (!a.json) {
+      std::printf(
+          "Zero Bubble paper (arXiv 2401.10241) Table 5, inputs from its Table 9: bubble rate, "
+          "paper / ours\nZB-1p: zb-auto under p M_B, ZB-2p: under 2p M_B (M_B = 34h + 5as, "
+          "M_W = 32h, s = 1024)\n\n");
+      std::printf("%-6s %3s %4s | %-15s | %-15s | %-15s | %-15s | %-15s\n", "model", "p", "m",
+                  "1F1B", "ZB-H1", "ZB-H2", "ZB-1p", "ZB-2p");
+    }
+    for (const hs::PaperRow& r : hs::paper_table5()) {
+      hs::PaperResult o = hs::run_paper_row(r, 5);
+      if (a.json) {
+        rows.push_back({{"model", r.model},
+                        {"p", r.p},
+                        {"m", r.m},
+                        {"paper", {r.r_1f1b, r.r_zbh1, r.r_zbh2, r.r_zb1p, r.r_zb2p}},
+                        {"ours", {o.r_1f1b, o.r_zbh1, o.r_zbh2, o.r_zb1p, o.r_zb2p}}});
+        continue;
+      }
+      std::printf("%-6s %3d %4d | %s / %s | %s / %s | %s / %s | %s / %s | %s / %s\n",
+                  r.model.c_str(), r.p, r.m, rate(r.r_1f1b).c_str(), rate(o.r_1f1b).c_str(),
+                  rate(r.r_zbh1).c_str(), rate(o.r_zbh1).c_str(), rate(r.r_zbh2).c_str(),
+                  rate(o.r_zbh2).c_str(), rate(r.r_zb1p).c_str(), rate(o.r_zb1p).c_str(),
+                  rate(r.r_zb2p).c_str(), rate(o.r_zb2p).c_str());
+    }
+    out["table5"] = {{"columns", {"1F1B", "ZB-H1", "ZB-H2", "ZB-1p", "ZB-2p"}}, {"rows", rows}};
+  }
+  if (a.table == 0 || a.table == 8) {
+    nlohmann::json rows = nlohmann::json::array();
+    if (!a.json) {
+      std::printf(
+          "%sZero Bubble paper (arXiv 2401.10241) Table 8: bubble rate, paper / ours\nZB-V: zbv "
+          "under p M_B; inputs recovered from the table's own 1F1B, ZB-H1, ZB-H2 columns\n(see "
+          "docs/schedules.md)\n\n",
+          a.table == 0 ? "\n" : "");
+      std::printf("%-6s %3s %4s | %-15s | %-15s | %-15s | %-15s\n", "model", "p", "m", "1F1B",
+                  "ZB-H1", "ZB-H2", "ZB-V");
+    }
+    for (const hs::PaperRow& r : hs::paper_table8()) {
+      hs::PaperResult o = hs::run_paper_row(r, 8);
+      if (a.json) {
+        rows.push_back({{"model", r.model},
+                        {"p", r.p},
+                        {"m", r.m},
+                        {"paper", {r.r_1f1b, r.r_zbh1, r.r_zbh2, r.r_zbv}},
+                        {"ours", {o.r_1f1b, o.r_zbh1, o.r_zbh2, o.r_zbv}}});
+        continue;
+      }
+      std::printf("%-6s %3d %4d | %s / %s | %s / %s | %s / %s | %s / %s\n", r.model.c_str(), r.p,
+                  r.m, rate(r.r_1f1b).c_str(), rate(o.r_1f1b).c_str(), rate(r.r_zbh1).c_str(),
+                  rate(o.r_zbh1).c_str(), rate(r.r_zbh2).c_str(), rate(o.r_zbh2).c_str(),
+                  rate(r.r_zbv).c_str(), rate(o.r_zbv).c_str());
+    }
+    out["table8"] = {{"columns", {"1F1B", "ZB-H1", "ZB-H2", "ZB-V"}}, {"rows", rows}};
+  }
+  if (a.json) std::cout << out.dump(2) << "\n";
+}
+
 }  // namespace
 
 void add_schedule_command(CLI::App& app) {
-  CLI::App* sched = app.add_subcommand("schedule", "pipeline schedules: list, show, compare");
+  CLI::App* sched =
+      app.add_subcommand("schedule", "pipeline schedules: list, show, compare, tune, paper-table");
   sched->require_subcommand(1);
 
   CLI::App* list = sched->add_subcommand("list", "list the schedule generators");
@@ -264,11 +424,35 @@ void add_schedule_command(CLI::App& app) {
   show->callback([show_args]() { run_show(*show_args); });
 
   auto cmp_args = std::make_shared<CompareArgs>();
-  CLI::App* cmp = sched->add_subcommand("compare", "all schedules side by side, sorted by bubble");
+  CLI::App* cmp =
+      sched->add_subcommand("compare", "all schedules side by side, sorted by step time");
   add_common(cmp, cmp_args->c);
   cmp->add_option("--svg", cmp_args->svg, "write all timelines stacked as one SVG");
   cmp->add_flag("--json", cmp_args->json, "print the table as JSON");
   cmp->callback([cmp_args]() { run_compare(*cmp_args); });
+
+  auto tune_args = std::make_shared<TuneArgs>();
+  CLI::App* tune = sched->add_subcommand(
+      "tune", "a zero-bubble schedule for measured per-stage costs, written as CSV");
+  tune->add_option("--costs", tune_args->costs,
+                   "per-stage costs JSON: {\"stages\": [{\"f\":..,\"i\":..,\"w\":..,"
+                   "\"comm\":..,\"mem_b\":..,\"mem_w\":..}, ...]} (docs/schedules.md)")
+      ->required();
+  tune->add_option("-p,--ranks", tune_args->p, "pipeline ranks (default: the file's stages)");
+  tune->add_option("-m,--microbatches", tune_args->m, "microbatches")->capture_default_str();
+  tune->add_option("--mem-limit", tune_args->mem_limit,
+                   "per-rank memory limit: a number, or a multiple of p*max(mem_b) like 2x "
+                   "(default 2x)");
+  tune->add_option("-o,--out", tune_args->out, "write the schedule CSV here")->required();
+  tune->add_flag("--json", tune_args->json, "print the comparison as JSON");
+  tune->callback([tune_args]() { run_tune(*tune_args); });
+
+  auto paper_args = std::make_shared<PaperArgs>();
+  CLI::App* paper = sched->add_subcommand(
+      "paper-table", "the Zero Bubble paper's Tables 5 and 8 beside our schedules");
+  paper->add_option("--table", paper_args->table, "5 or 8 (default: both)");
+  paper->add_flag("--json", paper_args->json, "print as JSON");
+  paper->callback([paper_args]() { run_paper(*paper_args); });
 }
 
 HP_CLI_COMMAND(add_schedule_command);

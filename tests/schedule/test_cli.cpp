@@ -1,0 +1,123 @@
+// tests/schedule/test_cli.cpp: `hp schedule` as a user runs it: the compare
+// table leads with step time and idle, tune writes a CSV that show reads back,
+// and bad input files are refused with the file and the line.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace {
+
+struct CliRun {
+  int status = -1;
+  std::string out;  // stdout and stderr
+};
+
+CliRun hp(const std::string& args) {
+  CliRun r;
+  const std::string cmd = std::string(HP_BIN) + " " + args + " 2>&1";
+  FILE* f = ::popen(cmd.c_str(), "r");
+  if (!f) return r;
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, f)) > 0)
+    r.out.append(buf, n);
+  const int st = ::pclose(f);
+  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  return r;
+}
+
+std::string temp(const std::string& name) {
+  return ::testing::TempDir() + "hp_cli_test_" + name;
+}
+
+void write(const std::string& path, const std::string& text) {
+  std::ofstream out(path, std::ios::binary);
+  out << text;
+}
+
+}  // namespace
+
+// Issue 17 item 5: the table leads with the step time and the idle fraction,
+// is sorted by step time, keeps the paper's bubble rate as a named second
+// measure and says which is which.
+TEST(Cli, CompareLeadsWithStepTimeAndIdle) {
+  CliRun r = hp("schedule compare -p 4 -m 8");
+  ASSERT_EQ(r.status, 0) << r.out;
+  std::istringstream in(r.out);
+  std::string line, header;
+  std::vector<double> steps;
+  bool gpipe_seen = false;
+  while (std::getline(in, line)) {
+    if (line.rfind("schedule ", 0) == 0) header = line;
+    if (header.empty() || line == header || line.empty()) continue;
+    if (line.rfind("sorted by", 0) == 0) break;
+    std::istringstream cells(line);
+    std::string name, idle;
+    double step = 0;
+    cells >> name >> step >> idle;
+    steps.push_back(step);
+    if (name == "gpipe") {
+      gpipe_seen = true;
+      EXPECT_EQ(idle, "27.27%");  // seed 004: AFAB at p=4, m=8 idles 9/33 of the time
+    }
+  }
+  ASSERT_FALSE(header.empty()) << r.out;
+  const size_t step = header.find("step time"), idle = header.find("idle"),
+               bubble = header.find("bubble");
+  ASSERT_NE(step, std::string::npos);
+  EXPECT_LT(step, idle);
+  EXPECT_LT(idle, bubble);
+  EXPECT_TRUE(gpipe_seen);
+  ASSERT_GE(steps.size(), 10u);
+  for (size_t i = 1; i < steps.size(); ++i)
+    EXPECT_LE(steps[i - 1], steps[i]) << "row " << i;
+  EXPECT_NE(r.out.find("sorted by step time"), std::string::npos);
+  EXPECT_NE(r.out.find("Zero Bubble paper's bubble rate"), std::string::npos);
+  EXPECT_NE(r.out.find("total idle time / (p x step time)"), std::string::npos);
+}
+
+TEST(Cli, TuneWritesACsvThatShowReads) {
+  const std::string costs = temp("costs.json"), out = temp("tuned.csv");
+  write(costs,
+        R"({"stages": [{"f": 1.4, "i": 1.4, "w": 0.7, "comm": 0.3},
+                       {"f": 1, "i": 1, "w": 0.8, "comm": 0.3},
+                       {"f": 1, "i": 1, "w": 0.8, "comm": 0.3},
+                       {"f": 1.9, "i": 2.1, "w": 1.0, "mem_b": 1.5, "mem_w": 0.7}]})");
+  CliRun t = hp("schedule tune --costs " + costs + " -m 16 --mem-limit 1x -o " + out);
+  ASSERT_EQ(t.status, 0) << t.out;
+  EXPECT_NE(t.out.find("tuned (zb-auto)"), std::string::npos) << t.out;
+  CliRun s = hp("schedule show --from " + out + " --no-color");
+  EXPECT_EQ(s.status, 0) << s.out;
+  EXPECT_NE(s.out.find("tuned  p=4 m=16"), std::string::npos) << s.out;
+  // The stage count must match -p.
+  CliRun bad = hp("schedule tune --costs " + costs + " -p 3 -o " + out);
+  EXPECT_EQ(bad.status, 1);
+  EXPECT_NE(bad.out.find("has 4 stages but -p is 3"), std::string::npos) << bad.out;
+  std::remove(costs.c_str());
+  std::remove(out.c_str());
+}
+
+// Issue 15: bad schedule files are refused at once, with the file and line.
+TEST(Cli, ShowRefusesBadFiles) {
+  CliRun dev = hp("schedule show --from /dev/zero");
+  EXPECT_EQ(dev.status, 1);
+  EXPECT_NE(dev.out.find("not a regular file"), std::string::npos) << dev.out;
+  const std::string path = temp("two_rows.csv");
+  write(path, "# ranks,3\n0F0,0B0\n1F0,1B0\n");
+  CliRun rows = hp("schedule show --from " + path);
+  EXPECT_EQ(rows.status, 1);
+  EXPECT_NE(rows.out.find(path + ": line 1 says 3 ranks but the file has 2 rows"),
+            std::string::npos)
+      << rows.out;
+  write(path, std::string("0F0,0B0\n1F0,1\x01Q") + std::string(1, '\0') + "0\n");
+  CliRun raw = hp("schedule show --from " + path);
+  EXPECT_EQ(raw.status, 1);
+  EXPECT_NE(raw.out.find("line 2 (rank 1)"), std::string::npos) << raw.out;
+  EXPECT_NE(raw.out.find("1\\x01Q\\x000"), std::string::npos) << raw.out;
+  std::remove(path.c_str());
+}
