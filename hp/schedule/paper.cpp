@@ -102,6 +102,11 @@ PaperResult run_paper_row(const PaperRow& row, int table) {
     out.peak_1p = one.max_peak_memory;
     out.r_zb2p = two.bubble_rate;
     out.peak_2p = two.max_peak_memory;
+    const double work = row.m * (row.f + row.b + row.w);
+    for (int x : {1, 2}) {
+      const double span = span_lower_bound(row.p, row.m, c, x * row.p * c.mem_b);
+      (x == 1 ? out.bound_1p : out.bound_2p) = (span - work) / span;
+    }
   } else {
     SimResult v = run(zbv_auto(row.p, row.m, c, 1.0 * row.p * c.mem_b));
     out.r_zbv = v.bubble_rate;

@@ -44,6 +44,9 @@ struct PaperResult {
   double r_zb1p = -1, r_zb2p = -1;                ///< zb-auto under p M_B and 2p M_B (Table 5)
   double r_zbv = -1;                              ///< zbv under p M_B (Table 8)
   double peak_1p = 0, peak_2p = 0, peak_zbv = 0;  ///< their peak memory, in M_B
+  /// The bubble rate of span_lower_bound() under p M_B and 2p M_B (Table 5):
+  /// no loop schedule within that memory does better.
+  double bound_1p = -1, bound_2p = -1;
 };
 
 /// Runs our schedules on a row of Table 5 (`table == 5`) or Table 8.

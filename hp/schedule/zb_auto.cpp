@@ -616,6 +616,53 @@ Schedule sweep_zero_bubble(int p, int m, const CostModel& costs, const SweepPara
   return Sweep(p, m, costs, params).run();
 }
 
+// NOTE [Rank 0 bound]
+// Rank 0 runs every microbatch's first forward and its last weight gradient.
+// Warmup: its first I cannot start before microbatch 0 has gone down the
+// pipeline and its gradient has come back, T1 = sum F + sum of the other
+// stages' I + every transfer twice, after its first F; until then rank 0 can
+// only run forwards (no W exists yet), at most k = limit / mem_b of them (and
+// m), so it idles at least T1 - k F. Tail: after its last forward ends, the
+// last microbatch still has to go down and back and rank 0 then runs its I and
+// W: chain = the other stages' F and I + transfers + I + W of stage 0. The work
+// left to rank 0 by then is the I and W of the a microbatches in flight and
+// the W of d microbatches past their I, with a mem_b + d mem_w within the
+// limit, at most max(a (I + W) + d W); the rest of the chain is idle. The two
+// idle stretches do not overlap when m > k (the last forward follows the first
+// I); otherwise only the larger counts. Span >= rank 0's work + both, and >=
+// every rank's work. Under the Zero Bubble paper's inputs this bound equals the
+// paper's ZB-1p (and ours) on every row of its Table 5.
+double span_lower_bound(int p, int m, const CostModel& costs, double mem_limit) {
+  if (p < 1 || m < 1) throw std::invalid_argument("span_lower_bound: needs p >= 1 and m >= 1");
+  costs.check(p);
+  const Schedule s = make_loop_layout(p, p, m);
+  auto F = [&](int j) { return costs.stage_cost(s, Op::F, j); };
+  auto I = [&](int j) { return costs.stage_cost(s, Op::I, j); };
+  auto W = [&](int j) { return costs.stage_cost(s, Op::W, j); };
+  double busy_max = 0, down_back = 0, comm2 = 0;
+  for (int j = 0; j < p; ++j) {
+    busy_max = std::max(busy_max, m * (F(j) + I(j) + W(j)));
+    if (j > 0) down_back += F(j) + I(j);
+    if (j + 1 < p) comm2 += 2 * costs.boundary_cost(s, j, j + 1);
+  }
+  const double mb = costs.stage_mem_b_of(s, 0), mw = costs.stage_mem_w_of(s, 0);
+  const double limit = mem_limit > 0 ? mem_limit : kInf;
+  const int cap = mb > 0 ? static_cast<int>(std::min<double>(m, std::floor(limit / mb + kEps))) : m;
+  const int k = std::max(1, cap);
+  const double warm = std::max(0.0, F(0) + down_back + comm2 - k * F(0));
+  double left = 0;  // most work rank 0 can still have after its last forward
+  for (int a = 1; a <= k; ++a) {
+    double room = limit - a * mb;
+    int d = m - a;
+    if (mw > 0) d = std::min<int>(d, static_cast<int>(std::floor(std::max(0.0, room) / mw + kEps)));
+    left = std::max(left, a * (I(0) + W(0)) + d * W(0));
+  }
+  const double chain = down_back + comm2 + I(0) + W(0);
+  const double tail = std::max(0.0, chain - left);
+  const double idle = m > k ? warm + tail : std::max(warm, tail);
+  return std::max(busy_max, m * (F(0) + I(0) + W(0)) + idle);
+}
+
 Schedule zb_auto(int p, int m, const CostModel& costs, double mem_limit,
                  const SearchOptions& options) {
   if (p < 1 || m < 1)

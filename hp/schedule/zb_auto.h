@@ -76,6 +76,13 @@ struct SearchOptions {
 Schedule zb_auto(int ranks, int microbatches, const CostModel& costs, double mem_limit = 0,
                  const SearchOptions& options = {});
 
+/// A lower bound on the longest rank's span (first F to last op) of every
+/// loop-placement F/I/W schedule of p ranks and m microbatches whose peak
+/// activation memory stays within `mem_limit`, under `costs` (per-stage
+/// values honoured; NOTE [Rank 0 bound]). zb-auto's result is at least this;
+/// where they meet, no schedule is better.
+double span_lower_bound(int ranks, int microbatches, const CostModel& costs, double mem_limit);
+
 /// ZB-V that covers transfer time: V placement (rank r holds stages r and
 /// 2p-1-r), the smallest span within `mem_limit` (0 = p mem_b, 1F1B's memory)
 /// among the hand-made ZB-V order and a V heuristic that runs as many

@@ -277,3 +277,45 @@ TEST(InputFile, BoundedRegularFilesOnly) {
             std::string::npos);
   std::remove(path.c_str());
 }
+
+// span_lower_bound is a bound: no schedule within the memory limit has a
+// shorter longest span, whatever the costs; and it is tight for 1F1B's
+// structure at unit costs without memory to spare (ZB-H1 meets it).
+TEST(Bound, NoScheduleWithinTheLimitBeatsIt) {
+  std::mt19937 rng(3);
+  std::uniform_real_distribution<double> u(0.3, 2.0), cm(0.0, 0.3);
+  int checked = 0;
+  for (int trial = 0; trial < 40; ++trial) {
+    const int p = 1 + static_cast<int>(rng() % 6), m = 1 + static_cast<int>(rng() % 14);
+    hs::CostModel c;
+    for (int s = 0; s < p; ++s) {
+      c.stage_f.push_back(u(rng));
+      c.stage_b.push_back(u(rng));
+      c.stage_w.push_back(u(rng));
+      c.stage_comm.push_back(cm(rng));
+      c.stage_mem_b.push_back(1.0);
+      c.stage_mem_w.push_back(0.2 + 0.6 * u(rng) / 2);
+    }
+    for (double x : {1.0, 1.5, 2.0, 3.0}) {
+      const double limit = x * p;
+      const double bound = hs::span_lower_bound(p, m, c, limit);
+      std::vector<hs::Schedule> all = {hs::zb_auto(p, m, c, limit)};
+      for (const char* n : {"1f1b", "zb-h1", "zb-h2", "gpipe", "naive"})
+        all.push_back(hs::build(n, p, m));
+      for (const auto& s : all) {
+        hs::SimResult r = hs::simulate(s, c);
+        if (r.max_peak_memory > limit + 1e-9) continue;
+        EXPECT_GE(r.span, bound - 1e-9) << s.name << " p=" << p << " m=" << m << " x=" << x;
+        ++checked;
+      }
+    }
+  }
+  EXPECT_GT(checked, 300);
+  hs::CostModel unit;
+  unit.mem_w = 0.5;
+  for (int p : {2, 4, 8})
+    for (int m : {2 * p, 3 * p})
+      EXPECT_NEAR(hs::simulate(hs::build("zb-h1", p, m), unit).span,
+                  hs::span_lower_bound(p, m, unit, p * unit.mem_b), 1e-9)
+          << p << " " << m;
+}

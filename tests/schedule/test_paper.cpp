@@ -119,6 +119,11 @@ TEST(PaperTables, Table5ZbAutoAtMostThePaper) {
     EXPECT_LE(printed(ours.r_zb2p), t.r_last2 + 1e-12);
     EXPECT_LE(ours.peak_1p, 1.0 * t.p + 1e-9);
     EXPECT_LE(ours.peak_2p, 2.0 * t.p + 1e-9);
+    // The lower bound holds, and under p M_B it is met: no schedule within
+    // 1F1B's memory beats the paper's ZB-1p (or ours) on any row.
+    EXPECT_LE(ours.bound_1p, ours.r_zb1p + 1e-12);
+    EXPECT_LE(ours.bound_2p, ours.r_zb2p + 1e-12);
+    EXPECT_NEAR(ours.r_zb1p, ours.bound_1p, 1e-4);
   }
 }
 
