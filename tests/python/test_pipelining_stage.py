@@ -214,6 +214,46 @@ def test_pytorch_stage_double_counts_x_w_w_and_ours_does_not(trained):
     assert theirs > 1e-6, f"torch's stage differs from single-process training by {theirs}"
 
 
+def test_stage_split_costs_one_backward_and_pytorchs_costs_more_on_x_w_w():
+    """The I and W our stage runs (in-process, on one stage's graph): FLOPs of one full
+    backward, gradients exact; PyTorch's stage_backward_input/weight on the same graph."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import hyperparallel.pipelining as hpp
+
+    chunk = Chunk(1)
+    x = torch.randn(16, D, dtype=F64)
+    grad_out = torch.randn(16, D, dtype=F64)
+
+    def forward():
+        xi = x.detach().requires_grad_(True)
+        return xi, chunk(xi)
+
+    xi, out = forward()
+    ref = torch.autograd.grad(out, [xi, *chunk.parameters()], grad_out)
+    xi, out = forward()
+    with FlopCounterMode(display=False) as full:
+        torch.autograd.grad(out, [xi, *chunk.parameters()], grad_out)
+
+    xi, out = forward()
+    with FlopCounterMode(display=False) as ours:
+        dx, grad_fn = hpp._backward_input((out,), (grad_out,), [xi], chunk.parameters())
+        grad_fn.compute_weight_grad()
+    torch.testing.assert_close(dx[0], ref[0], rtol=1e-12, atol=1e-12)
+    for p, r in zip(chunk.parameters(), ref[1:]):
+        torch.testing.assert_close(p.grad, r, rtol=1e-12, atol=1e-12)
+        p.grad = None
+    assert ours.get_total_flops() == full.get_total_flops()
+
+    xi, out = forward()
+    with FlopCounterMode(display=False) as theirs:
+        _, groups = stage_backward_input([out], [grad_out], [xi], chunk.parameters())
+        stage_backward_weight(chunk.parameters(), groups)
+    assert not torch.allclose(chunk.w.grad, ref[1]), "PyTorch's split counts w twice"
+    assert theirs.get_total_flops() > full.get_total_flops()
+
+
 def test_use_split_rejects_what_is_not_a_stage():
     import hyperparallel.pipelining as hpp
 
