@@ -68,12 +68,16 @@ def checkpoint(fn, *args, weights=None, preserve_rng_state=True, check_versions=
     the current `RecomputeSession`) and runs the block's own dx/dw split, so a
     split backward inside a retaining session recomputes the block once.
 
-    - Every tensor in `args`/`kwargs` (nested in lists, tuples, dicts too) is a
-      block input: gradients flow to those that require grad.
-    - `weights`: every other tensor requiring grad that `fn` uses (typically
+    - Tensors in `args`/`kwargs` (nested in lists, tuples, dicts too) are block
+      inputs, except weights passed as arguments: those listed in `weights` and
+      every nn.Parameter. Gradients flow to those that require grad.
+    - `weights`: the tensors requiring grad that `fn` uses as weights (typically
       the parameters it captures). None (default): the parameters of `fn` when
-      it is an nn.Module (or a bound method of one), else none. Gradients of
-      tensors `fn` uses but that are not listed are NOT computed.
+      it is an nn.Module (or a bound method of one), else none; nn.Parameter
+      arguments are added. Gradients of tensors `fn` uses without getting them
+      as arguments or in `weights` are NOT computed. A split backward inside a
+      retaining session recomputes a block once only when the block has
+      weights (a plain tensor passed as an argument is an input, not a weight).
     - `preserve_rng_state`: the recompute replays the forward's random numbers
       (CPU and the inputs' CUDA devices). `check_versions`: the recompute fails
       (RuntimeError) when an input or weight was modified in place since.
@@ -93,15 +97,35 @@ def checkpoint(fn, *args, weights=None, preserve_rng_state=True, check_versions=
             if not isinstance(w, torch.Tensor):
                 raise TypeError(f"checkpoint: weights[{i}] is a {type(w).__name__}, not a Tensor")
 
+    unique = {}
+    for w in weight_list:  # a weight listed twice would be counted twice
+        unique.setdefault(id(w), w)
+    weight_list = list(unique.values())
     leaves, in_spec = pytree.tree_flatten((args, kwargs))
-    tensor_at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-    inputs = [leaves[i] for i in tensor_at]
-    # The block keeps its own detached aliases of the inputs: the template must
-    # not hold the originals (nor, through them, the graph that produced them).
-    template = [_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
-    input_ids = {id(t) for t in inputs}
-    # A weight passed as an argument too is an input: listing it twice would count it twice.
-    weight_list = [w for w in weight_list if id(w) not in input_ids]
+    weight_ids = set(unique)
+    # NOTE [Weights passed as arguments]
+    # The block's backward node tells dx (its inputs' slots) from dw (its
+    # weights' slots), and only a block with weights keeps its recompute for
+    # dw. So a tensor argument that is a weight (listed in `weights`, or an
+    # nn.Parameter) stays a weight: the block is called with the tensor itself,
+    # and the C++ checkpoint sees it among its weights, not its inputs.
+    tensor_at, inputs = [], []
+    template = []
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor) and (
+                id(leaf) in weight_ids or isinstance(leaf, torch.nn.Parameter)):
+            if id(leaf) not in weight_ids:
+                weight_ids.add(id(leaf))
+                weight_list.append(leaf)
+            template.append(leaf)
+        elif isinstance(leaf, torch.Tensor):
+            # The block keeps its own detached aliases of the inputs: the template
+            # must not hold them (nor, through them, the graph that made them).
+            tensor_at.append(i)
+            inputs.append(leaf)
+            template.append(_TENSOR)
+        else:
+            template.append(leaf)
     out_state: dict = {}
 
     def block(tensors):
