@@ -18,7 +18,8 @@
 #
 # Other settings: HP_DEBIAN13_MIRROR (default http://deb.debian.org/debian).
 # HP_* variables (HP_JOBS, HP_TEST_JOBS, HP_BUILD_TYPE, ...) and OMP_NUM_THREADS
-# are passed into the root; `test` sets HP_BUILD_DIR=build-debian13.
+# are passed into the root, where HP_TARGET=debian (Debian's LibTorch; see
+# scripts/install_deps.sh); `test` sets HP_BUILD_DIR=build-debian13.
 # Needs root and util-linux (unshare, findmnt, flock); installs debootstrap
 # with apt-get when it is missing.
 set -euo pipefail
@@ -186,10 +187,11 @@ chroot_env() {
   local v
   env_args=(env -i HOME=/root LANG=C.UTF-8 TERM="${TERM:-dumb}"
             PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
-            CCACHE_DIR=/var/cache/ccache DEBIAN_FRONTEND=noninteractive)
+            CCACHE_DIR=/var/cache/ccache DEBIAN_FRONTEND=noninteractive
+            HP_TARGET=debian)
   for v in $(compgen -e); do
     case "$v" in
-      HP_DEBIAN13_*) ;;
+      HP_DEBIAN13_* | HP_TARGET) ;;
       HP_* | OMP_NUM_THREADS) env_args+=("$v=${!v}") ;;
     esac
   done
@@ -210,7 +212,7 @@ in_root() {
 # The project's own list (scripts/install_deps.sh) under trixie's names, which
 # are the same, plus what this root needs besides.
 packages() {
-  bash "$repo/scripts/install_deps.sh" --print-packages
+  bash "$repo/scripts/install_deps.sh" --print-packages debian
   echo ca-certificates
   [ "$with_python" -eq 0 ] || echo python3-torch
 }

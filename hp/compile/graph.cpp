@@ -1,5 +1,5 @@
 // The IR's helpers (def-use queries, lint, printing) and `replay`: boxed
-// dispatcher calls under NoGradGuard, collectives as tagged isend/irecv.
+// dispatcher calls under NoGradGuard, collectives through Comm's asynchronous ones.
 #include "hp/compile/graph.h"
 
 #include <c10/util/Exception.h>
@@ -11,7 +11,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
-#include "hp/dist/comm.h"
+#include "hp/distributed/comm.h"
 
 namespace hp::compile {
 
@@ -264,81 +264,49 @@ std::string Graph::str() const {
 namespace {
 
 // NOTE [Collectives at replay]
-// A Collective node posts tagged isend/irecv pairs with every other rank and
-// returns at once; its Wait completes them and finishes the result (the sum in
-// rank order for reductions, so every rank adds in the same order). The Comm
-// has only blocking collectives, and this is what lets a wait move away from
-// its collective (AutoOverlapPass). Bytes moved per rank: all_gather and
-// reduce_scatter (w-1)/w of the full tensor, as a ring would; all_reduce
-// (w-1) times the tensor (a direct exchange, fine for the small replicated
-// parameters it serves). The degree must be the Comm's world size.
+// A Collective node starts its operation on the Comm (Comm's asynchronous
+// collectives: a direct exchange with every other rank, the reduction in
+// rank order so every rank adds in the same order) and returns at once; its
+// Wait completes it. This is what lets a wait move away from its collective
+// (AutoOverlapPass). Bytes moved per rank: all_gather and reduce_scatter
+// (w-1)/w of the full tensor, as a ring would; all_reduce (w-1) times the
+// tensor (fine for the small replicated parameters it serves). Reductions
+// are averages: data-parallel gradients are means over the ranks' batches.
+// The degree must be the Comm's world size.
 struct Pending {
-  CollectiveKind kind;
-  std::vector<hp::dist::Work> works;
-  std::vector<at::Tensor> keep;    // sent tensors, alive until the wait
-  std::vector<at::Tensor> pieces;  // per rank: received (or own) piece
-  at::Tensor result;               // all_gather's output buffer
-  int64_t world = 1;
+  hp::distributed::Work work;
+  at::Tensor result;
 };
 
-constexpr int64_t kTagBase = 1 << 20;
-
-Pending issue(const Node& n, const at::Tensor& in_raw, hp::dist::Comm* comm) {
+Pending issue(const Node& n, const at::Tensor& in_raw, hp::distributed::Comm* comm) {
   TORCH_CHECK(comm, "graph replay: the graph has a ", n.name,
               " collective but no Comm was given; pass the Comm of the FSDP group");
   const int64_t w = comm->world_size();
-  const int me = comm->rank();
   TORCH_CHECK(n.degree == w, "graph replay: collective of degree ", n.degree,
               " on a Comm of world size ", w,
               "; FSDP subgroups are not supported: use fsdp_degree == world size");
-  const int tag = static_cast<int>(kTagBase + n.tag);
   at::Tensor in = in_raw.contiguous();
+  using hp::distributed::ReduceOp;
   Pending p;
-  p.kind = n.collective;
-  p.world = w;
-  p.keep.push_back(in);
-  p.pieces.resize(w);
   switch (n.collective) {
     case CollectiveKind::AllGather: {
       std::vector<int64_t> shape = in.sizes().vec();
       TORCH_CHECK(!shape.empty(), "all_gather needs a tensor with at least one dimension");
-      const int64_t rows = shape[0];
       shape[0] *= w;
       p.result = at::empty(shape, in.options());
-      p.result.narrow(0, me * rows, rows).copy_(in);
-      for (int r = 0; r < w; ++r) {
-        if (r == me) continue;
-        p.works.push_back(comm->isend(in, r, tag));
-        p.works.push_back(comm->irecv(p.result.narrow(0, r * rows, rows), r, tag));
-      }
+      p.work = comm->all_gather_async(p.result, in);
       break;
     }
     case CollectiveKind::ReduceScatter: {
       TORCH_CHECK(in.dim() >= 1 && in.size(0) % w == 0, "reduce_scatter: dim 0 (", in.size(0),
                   ") must divide by the degree ", w);
-      const int64_t rows = in.size(0) / w;
-      for (int r = 0; r < w; ++r) {
-        at::Tensor chunk = in.narrow(0, r * rows, rows);
-        if (r == me) {
-          p.pieces[r] = chunk;
-          continue;
-        }
-        p.pieces[r] = at::empty_like(chunk);
-        p.works.push_back(comm->isend(chunk, r, tag));
-        p.works.push_back(comm->irecv(p.pieces[r], r, tag));
-      }
+      p.result = at::empty_like(in.narrow(0, 0, in.size(0) / w));
+      p.work = comm->reduce_scatter_async(p.result, in, ReduceOp::Avg);
       break;
     }
     case CollectiveKind::AllReduce: {
-      for (int r = 0; r < w; ++r) {
-        if (r == me) {
-          p.pieces[r] = in;
-          continue;
-        }
-        p.pieces[r] = at::empty_like(in);
-        p.works.push_back(comm->isend(in, r, tag));
-        p.works.push_back(comm->irecv(p.pieces[r], r, tag));
-      }
+      p.result = in.clone();
+      p.work = comm->all_reduce_async(p.result, ReduceOp::Avg);
       break;
     }
   }
@@ -346,13 +314,8 @@ Pending issue(const Node& n, const at::Tensor& in_raw, hp::dist::Comm* comm) {
 }
 
 at::Tensor finish(Pending& p) {
-  hp::dist::wait_all(p.works);
-  if (p.kind == CollectiveKind::AllGather) return p.result;
-  // Averaged: data-parallel gradients are means over the ranks' batches.
-  at::Tensor sum = p.pieces[0].clone();
-  for (int64_t r = 1; r < p.world; ++r)
-    sum.add_(p.pieces[r]);
-  return sum.div_(static_cast<double>(p.world));
+  p.work.wait();
+  return p.result;
 }
 
 }  // namespace
@@ -400,7 +363,7 @@ double ReplayTrace::hidden_comm_fraction() const {
 }
 
 std::vector<at::Tensor> replay(const Graph& graph, const std::vector<at::Tensor>& placeholders,
-                               hp::dist::Comm* comm, ReplayTrace* trace) {
+                               hp::distributed::Comm* comm, ReplayTrace* trace) {
   // NOTE [Replay below autograd]
   // The graph already holds the backward, so nothing of autograd is needed:
   // dispatch starts below the Autograd and ADInplaceOrView keys, which skips

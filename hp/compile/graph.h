@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-namespace hp::dist {
+namespace hp::distributed {
 class Comm;
 }
 
@@ -71,7 +71,8 @@ struct Node {
   std::vector<std::string> aliases;
   std::vector<int64_t> shape;
   c10::ScalarType dtype = c10::ScalarType::Undefined;
-  /// Collective: which one, over how many ranks, and its message tag.
+  /// Collective: which one, over how many ranks, and its number among the
+  /// graph's collectives (they are issued in that order on every rank).
   CollectiveKind collective = CollectiveKind::AllGather;
   int64_t degree = 1;
   int64_t tag = 0;
@@ -160,6 +161,6 @@ struct ReplayTrace {
 /// the Output's tensors. `comm` is needed only when the graph has collectives.
 /// With `trace`, records the time of every call, collective and wait.
 std::vector<at::Tensor> replay(const Graph& graph, const std::vector<at::Tensor>& placeholders,
-                               hp::dist::Comm* comm = nullptr, ReplayTrace* trace = nullptr);
+                               hp::distributed::Comm* comm = nullptr, ReplayTrace* trace = nullptr);
 
 }  // namespace hp::compile

@@ -7,13 +7,13 @@
 #include <cmath>
 #include <unordered_set>
 
-#include "hp/dist/comm.h"
+#include "hp/distributed/comm.h"
 
 namespace hp::compile {
 
 GraphTrainer::GraphTrainer(std::shared_ptr<torch::nn::Module> model, TrainFn train_fn,
                            PassConfig config, std::optional<PassPlan> plan,
-                           OptimizerConfig optimizer, std::shared_ptr<hp::dist::Comm> comm)
+                           OptimizerConfig optimizer, std::shared_ptr<hp::distributed::Comm> comm)
     : model_(std::move(model)),
       train_fn_(std::move(train_fn)),
       config_(config),

@@ -42,7 +42,7 @@ class GraphTrainer {
   /// `comm` is the FSDP / data-parallel group (null: one process).
   GraphTrainer(std::shared_ptr<torch::nn::Module> model, TrainFn train_fn, PassConfig config = {},
                std::optional<PassPlan> plan = std::nullopt, OptimizerConfig optimizer = {},
-               std::shared_ptr<hp::dist::Comm> comm = nullptr);
+               std::shared_ptr<hp::distributed::Comm> comm = nullptr);
 
   /// Captures the train step on this batch's shapes and runs the passes
   /// (FSDP shards the live model here). Called by the first train_step.
@@ -84,7 +84,7 @@ class GraphTrainer {
   PassConfig config_;
   std::optional<PassPlan> plan_;
   OptimizerConfig optimizer_;
-  std::shared_ptr<hp::dist::Comm> comm_;
+  std::shared_ptr<hp::distributed::Comm> comm_;
   bool compiled_ = false;
   bool record_trace_ = false;
   ReplayTrace trace_;

@@ -7,7 +7,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
-#include "hp/dist/comm.h"
+#include "hp/distributed/comm.h"
 
 namespace hp::compile {
 

@@ -12,7 +12,7 @@
 #include "hp/compile/graph.h"
 #include "hp/compile/pass_config.h"
 
-namespace hp::dist {
+namespace hp::distributed {
 class Comm;
 }
 
@@ -23,7 +23,7 @@ struct PassContext {
   /// The live model (FSDPPass shards its parameters in place).
   torch::nn::Module* model = nullptr;
   /// The FSDP group; null or world size 1 means a single process.
-  hp::dist::Comm* comm = nullptr;
+  hp::distributed::Comm* comm = nullptr;
   /// Which modules FSDP shards; null shards every parameter.
   const PassPlan* plan = nullptr;
   PassConfig config;

@@ -1,49 +1,41 @@
 // LibTorch version compatibility: the ONLY place in hyperparallel that tests
-// TORCH_VERSION_*. Everything else uses the names defined here.
+// TORCH_VERSION_*. Everything else uses the names defined here. The targets
+// are PyTorch 2.11 from pip and Debian 13's LibTorch 2.6
+// (docs/torch_versions.md).
 #pragma once
 
 #include <torch/version.h>
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include <c10/util/intrusive_ptr.h>
 
 /// True when the LibTorch we build against is at least MAJOR.MINOR.
 #define HP_TORCH_AT_LEAST(major, minor) \
   (TORCH_VERSION_MAJOR > (major) ||     \
    (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
 
-// c10::Allocator::allocate lost its const in LibTorch 2.x, which also added
-// copy_data as a pure virtual.
-#if HP_TORCH_AT_LEAST(2, 3)
-#define HP_ALLOCATOR_CONST
-#define HP_ALLOCATOR_EXTRA_OVERRIDES                                              \
-  void copy_data(void* dest, const void* src, std::size_t count) const override { \
-    default_copy_data(dest, src, count);                                          \
-  }
-#else
-#define HP_ALLOCATOR_CONST const
-#define HP_ALLOCATOR_EXTRA_OVERRIDES
-#endif
+namespace c10d {
+class ProcessGroup;
+}
 
 namespace hp {
 
-/// The LibTorch version we were built against, e.g. "1.13.1".
+/// The LibTorch version we were built against, e.g. "2.11.0".
 const char* torch_version();
 
 namespace compat {
 
-// NOTE [TCPStore and libuv]
-// LibTorch 2.4 made libuv the default TCPStore server backend
-// (TCPStoreOptions::useLibUV = true), but Debian 13's LibTorch 2.6 is built
-// without libuv: rank 0 then cannot host the store at all ("use_libuv was
-// requested but PyTorch was build without libuv support"). We always ask for
-// the classic backend, the only one LibTorch 1.13 has. A template, so that
-// this header needs no c10d include.
-template <typename TCPStoreOptions>
-inline void use_classic_tcpstore(TCPStoreOptions& options) {
-#if HP_TORCH_AT_LEAST(2, 4)
-  options.useLibUV = false;
-#else
-  (void)options;
-#endif
-}
+/// A subgroup of `group` over its ranks `ranks` (sorted, this rank among
+/// them; only the members call it), through the backend's own split
+/// (c10d::ProcessGroup::splitGroup, LibTorch 2.8 and later). On older
+/// LibTorch it throws: split a group made by hp's own rendezvous instead.
+c10::intrusive_ptr<c10d::ProcessGroup> split_process_group(c10d::ProcessGroup& group,
+                                                           const std::vector<int>& ranks,
+                                                           std::chrono::milliseconds timeout,
+                                                           const std::string& name);
 
 }  // namespace compat
 }  // namespace hp

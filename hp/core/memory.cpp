@@ -84,7 +84,7 @@ class TrackingAllocator final : public c10::Allocator {
       : inner_(inner), header_(inner->raw_deleter() != nullptr) {
     if (header_) g_inner_raw_deleter = inner->raw_deleter();
   }
-  c10::DataPtr allocate(size_t n) HP_ALLOCATOR_CONST override {
+  c10::DataPtr allocate(size_t n) override {
     if (n == 0) return inner_->allocate(0);  // nothing to count
     if (header_) {
       c10::DataPtr p = inner_->allocate(n + kHeader);
@@ -112,7 +112,9 @@ class TrackingAllocator final : public c10::Allocator {
   c10::DeleterFnPtr raw_deleter() const override {
     return header_ ? &delete_with_header : &delete_tracked;
   }
-  HP_ALLOCATOR_EXTRA_OVERRIDES
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
 
  private:
   c10::Allocator* inner_;

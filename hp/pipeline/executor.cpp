@@ -1,6 +1,6 @@
 // Executor: the walk over one rank's lowered actions (see NOTE [Executor
-// protocol]), the receive lookahead, local hand-offs, and a helper thread that
-// completes sends and frees sent outputs.
+// protocol]): batches of SEND/RECV posted in list order, local hand-offs, and
+// a helper thread that completes sends and frees sent outputs.
 #include "hp/pipeline/executor.h"
 
 #include <chrono>
@@ -38,7 +38,7 @@ class SendReaper {
     cv_.notify_all();
     thread_.join();
   }
-  void add(dist::Work work, torch::Tensor keep_alive, std::function<void()> on_done) {
+  void add(distributed::Work work, torch::Tensor keep_alive, std::function<void()> on_done) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       queue_.push_back({std::move(work), std::move(keep_alive), std::move(on_done)});
@@ -66,7 +66,7 @@ class SendReaper {
 
  private:
   struct Item {
-    dist::Work work;
+    distributed::Work work;
     torch::Tensor keep_alive;
     std::function<void()> on_done;
   };
@@ -108,13 +108,13 @@ struct Executor::State {
   const schedule::Schedule& sched;
   int rank;
   PipelineStage& stage;
-  std::shared_ptr<dist::Comm> comm;
+  std::shared_ptr<distributed::Comm> comm;
   ExecutorOptions opts;
   const std::vector<Action>& actions;
 
   // Per step.
   struct Posted {
-    dist::Work work;
+    distributed::Work work;
     torch::Tensor buffer;
   };
   std::map<std::tuple<int, int, int>, Posted> recvs;  // (kind, consumer stage, mb)
@@ -124,7 +124,7 @@ struct Executor::State {
   Clock::time_point t0;
   std::unique_ptr<SendReaper> reaper;
 
-  State(const schedule::Schedule& s, int r, PipelineStage& st, std::shared_ptr<dist::Comm> c,
+  State(const schedule::Schedule& s, int r, PipelineStage& st, std::shared_ptr<distributed::Comm> c,
         ExecutorOptions o)
       : sched(s),
         rank(r),
@@ -134,27 +134,24 @@ struct Executor::State {
         actions(s.actions.at(r)) {}
 
   int rank_of(int stage_id) const { return sched.stage_rank.at(stage_id); }
-  int tag(int kind, int consumer, int mb) const {
-    return (kind * sched.num_stages + consumer) * sched.num_microbatches + mb;
-  }
+  static bool is_send(Op op) { return op == Op::SEND_F || op == Op::SEND_B; }
   std::string where(const Action& a) const {
     std::ostringstream os;
     os << "rank " << rank << " action " << schedule::to_string(a);
     return os.str();
   }
 
-  void post_recv(const Action& a) {
+  // The receive of a RECV action: a fresh buffer, from the producer's rank.
+  distributed::P2POp recv_op(const Action& a, torch::Tensor& buffer) {
     const bool fwd = a.op == Op::RECV_F;
-    const int kind = fwd ? 0 : 1;
-    auto key = std::make_tuple(kind, a.stage, a.microbatch);
-    if (recvs.count(key)) return;  // posted by the lookahead
     int producer =
         fwd ? sched.prev_stage(a.stage, a.microbatch) : sched.next_stage(a.stage, a.microbatch);
     TORCH_CHECK(producer >= 0, where(a), ": nothing on the route sends this");
+    TORCH_CHECK(!recvs.count(std::make_tuple(fwd ? 0 : 1, a.stage, a.microbatch)), where(a),
+                ": received twice");
     auto shape = opts.activation_shape(fwd ? producer : a.stage, a.microbatch);
-    auto buffer = torch::empty(shape, torch::TensorOptions().dtype(opts.dtype));
-    Posted p{comm->irecv(buffer, rank_of(producer), tag(kind, a.stage, a.microbatch)), buffer};
-    recvs.emplace(key, std::move(p));
+    buffer = torch::empty(shape, torch::TensorOptions().dtype(opts.dtype).device(opts.device));
+    return distributed::P2POp::recv(buffer, rank_of(producer));
   }
 
   torch::Tensor take_recv(int kind, int stage_id, int mb, const Action& consumer) {
@@ -172,13 +169,14 @@ struct Executor::State {
     return buffer;
   }
 
-  void post_send(const Action& a) {
+  // The send of a SEND action: the output (F) or input gradient (I/B) it
+  // names, to the consumer's rank; `on_done` frees a sent output.
+  distributed::P2POp send_op(const Action& a, std::function<void()>& on_done) {
     const bool fwd = a.op == Op::SEND_F;
     const int mb = a.microbatch;
     int consumer = fwd ? sched.next_stage(a.stage, mb) : sched.prev_stage(a.stage, mb);
     TORCH_CHECK(consumer >= 0, where(a), ": nothing on the route receives this");
     torch::Tensor t;
-    std::function<void()> on_done;
     if (fwd) {
       t = stage.output(a.stage, mb);
       TORCH_INTERNAL_ASSERT(t.is_contiguous(), where(a), ": outputs are contiguous");
@@ -194,10 +192,33 @@ struct Executor::State {
       t = std::move(it->second);
       pending_dx.erase(it);
     }
-    dist::Work w = comm->isend(t, rank_of(consumer), tag(fwd ? 0 : 1, consumer, mb));
-    // The reaper holds a handle of the tensor while the send runs; the data is
-    // freed by on_done (outputs) or when the handle drops (gradients).
-    reaper->add(std::move(w), fwd ? torch::Tensor() : t, std::move(on_done));
+    return distributed::P2POp::send(t, rank_of(consumer));
+  }
+
+  // Posts actions[i, j) (consecutive SEND/RECV actions) as one batch, in
+  // list order (NOTE [Executor protocol]).
+  void post_batch(size_t i, size_t j) {
+    std::vector<distributed::P2POp> ops;
+    std::vector<torch::Tensor> buffers(j - i);
+    std::vector<std::function<void()>> on_done(j - i);
+    for (size_t k = i; k < j; ++k) {
+      const Action& a = actions[k];
+      ops.push_back(is_send(a.op) ? send_op(a, on_done[k - i]) : recv_op(a, buffers[k - i]));
+    }
+    auto works = comm->batch(ops);
+    for (size_t k = i; k < j; ++k) {
+      const Action& a = actions[k];
+      if (is_send(a.op)) {
+        // The reaper holds the sent tensor while the send runs; the data is
+        // freed by on_done (outputs) or when the handle drops (gradients).
+        const bool fwd = a.op == Op::SEND_F;
+        reaper->add(works[k - i], fwd ? torch::Tensor() : ops[k - i].tensor,
+                    std::move(on_done[k - i]));
+      } else {
+        recvs.emplace(std::make_tuple(a.op == Op::RECV_F ? 0 : 1, a.stage, a.microbatch),
+                      Posted{works[k - i], buffers[k - i]});
+      }
+    }
   }
 
   void forward(int s, int mb, const Action& a) {
@@ -282,55 +303,61 @@ struct Executor::State {
     reaper = std::make_unique<SendReaper>();
     t0 = Clock::now();
     const size_t n = actions.size();
-    size_t posted_upto = 0;  // actions [0, posted_upto) were scanned for receives
-    for (size_t i = 0; i < n; ++i) {
+    for (size_t i = 0; i < n;) {
       const Action& a = actions[i];
       auto start = Clock::now();
-      try {
-        if (a.op == Op::RECV_F || a.op == Op::RECV_B) {
-          post_recv(a);
-        } else if (a.op == Op::SEND_F || a.op == Op::SEND_B) {
-          post_send(a);
-        } else {
-          // Lookahead: post every receive up to the next compute action.
-          size_t k = i + 1;
-          while (k < n && !schedule::is_compute(actions[k].op))
-            ++k;
-          for (size_t j = std::max(posted_upto, i + 1); j <= std::min(k, n - 1); ++j)
-            if (actions[j].op == Op::RECV_F || actions[j].op == Op::RECV_B) post_recv(actions[j]);
-          posted_upto = std::max(posted_upto, std::min(k + 1, n));
-          double waited = stats.comm_wait;
-          compute(a);
-          auto end = Clock::now();
-          waited = stats.comm_wait - waited;
-          stats.compute += seconds_between(start, end) - waited;
-          stats.executed.push_back(a);
-          // NOTE [Compute events exclude waits]
-          // A compute action waits for its inputs inside the call; that time is
-          // communication, recorded as the receive's own event. The compute
-          // event keeps only the compute: it starts `waited` after the call
-          // did (for FB, whose second wait falls in the middle, the event is
-          // as long as the compute and ends when it ended). Counting the wait
-          // as compute once made the measured costs of waiting stages look
-          // heavier, the simulator pessimistic about 1F1B and the measured
-          // bubble too small.
-          record(a,
-                 start + std::chrono::duration_cast<Clock::duration>(
-                             std::chrono::duration<double>(waited)),
-                 end);
-          reaper->rethrow_if_failed();
-          continue;
+      if (schedule::is_comm(a.op)) {
+        size_t j = i;
+        while (j < n && schedule::is_comm(actions[j].op))
+          ++j;
+        try {
+          post_batch(i, j);
+        } catch (const distributed::CommError& e) {
+          throw e.with_context(where(a) + ": ");
+        } catch (const std::exception& e) {
+          throw std::runtime_error(where(a) + ": " + e.what());
         }
+        auto end = Clock::now();
+        stats.comm_wait += seconds_between(start, end);
+        // Posting a batch runs its sends' copies (on loopback): the sends' events.
+        for (size_t k = i; k < j; ++k)
+          if (is_send(actions[k].op)) record(actions[k], start, end);
+        i = j;
+        continue;
+      }
+      try {
+        double waited = stats.comm_wait;
+        compute(a);
+        auto end = Clock::now();
+        waited = stats.comm_wait - waited;
+        stats.compute += seconds_between(start, end) - waited;
+        stats.executed.push_back(a);
+        // NOTE [Compute events exclude waits]
+        // A compute action waits for its inputs inside the call; that time is
+        // communication, recorded as the receive's own event. The compute
+        // event keeps only the compute: it starts `waited` after the call
+        // did (for FB, whose second wait falls in the middle, the event is
+        // as long as the compute and ends when it ended). Counting the wait
+        // as compute once made the measured costs of waiting stages look
+        // heavier, the simulator pessimistic about 1F1B and the measured
+        // bubble too small.
+        record(a,
+               start + std::chrono::duration_cast<Clock::duration>(
+                           std::chrono::duration<double>(waited)),
+               end);
+        reaper->rethrow_if_failed();
+      } catch (const distributed::CommError& e) {
+        throw e.with_context(where(a) + ": ");
       } catch (const std::exception& e) {
         throw std::runtime_error(where(a) + ": " + e.what());
       }
-      auto end = Clock::now();
-      stats.comm_wait += seconds_between(start, end);
-      if (a.op == Op::SEND_F || a.op == Op::SEND_B) record(a, start, end);  // posting runs the copy
+      ++i;
     }
     auto t = Clock::now();
     try {
       reaper->drain();
+    } catch (const distributed::CommError& e) {
+      throw e.with_context("rank " + std::to_string(rank) + " while completing the step's sends: ");
     } catch (const std::exception& e) {
       throw std::runtime_error("rank " + std::to_string(rank) +
                                " while completing the step's sends: " + e.what());
@@ -352,7 +379,7 @@ struct Executor::State {
 };
 
 Executor::Executor(const schedule::Schedule& schedule, int rank, PipelineStage& stage,
-                   std::shared_ptr<dist::Comm> comm, ExecutorOptions options)
+                   std::shared_ptr<distributed::Comm> comm, ExecutorOptions options)
     : state_(std::make_unique<State>(schedule, rank, stage, std::move(comm), std::move(options))) {
   TORCH_CHECK(rank >= 0 && rank < schedule.num_ranks, "rank ", rank, " is not in a ",
               schedule.num_ranks, "-rank schedule");

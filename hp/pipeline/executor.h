@@ -9,7 +9,7 @@
 #include <memory>
 #include <vector>
 
-#include "hp/dist/comm.h"
+#include "hp/distributed/comm.h"
 #include "hp/pipeline/stage.h"
 #include "hp/schedule/schedule.h"
 #include "hp/schedule/simulate.h"
@@ -25,6 +25,8 @@ struct ExecutorOptions {
   std::function<std::vector<int64_t>(int stage, int mb)> activation_shape;
   /// dtype of activations and gradients.
   torch::Dtype dtype = torch::kFloat32;
+  /// Where receive buffers are allocated (the stages' device).
+  torch::Device device = torch::kCPU;
   /// Free a sent output's storage as soon as its send completes.
   bool release_sent_outputs = true;
 };
@@ -45,17 +47,22 @@ struct StepStats {
 };
 
 // NOTE [Executor protocol]
-// * A RECV is posted (irecv into a fresh buffer) when the walk reaches it, and
-//   earlier: before each compute action the executor posts every RECV up to
-//   the next compute action, so the data for the next op arrives while this
-//   one computes. The consumer (F for RECV_F, I/B for RECV_B) waits on it.
-// * A SEND is posted when reached; a helper thread waits for sends in order
-//   and frees each sent output (NOTE [Releasing a sent output]); the step
-//   ends only when every send completed.
-// * Message tags are (kind, consuming stage, microbatch), unique in a step;
-//   Gloo matches sends and receives by (peer, tag) in posting order.
+// * SEND/RECV actions are posted exactly in list order, with no tags
+//   (NOTE [Point-to-point without tags]): each run of consecutive SEND/RECV
+//   actions between two compute actions is one batch (`Comm::batch`; one
+//   coalesced group on NCCL). Lowering places every RECV where it should be
+//   posted - early enough that its data arrives while the rank computes, in
+//   one order the two ranks of every message agree on (NOTE [Lowering and
+//   message order]) - so the executor never reorders.
+// * A RECV's buffer is waited for by its consumer (F for RECV_F, I/B for
+//   RECV_B); the wait is the receive's timed event.
+// * A SEND's data is the output (F) or input gradient (I/B) it names; a
+//   helper thread waits for sends in order and frees each sent output (NOTE
+//   [Releasing a sent output]); the step ends only when every send completed.
 // * Consecutive route stages on one rank hand off locally: the output (or
 //   dx) is passed as a tensor, never sent.
+// * A CommError (a lost peer, a timeout) reaches the caller as a CommError,
+//   its message prefixed with the rank and action.
 
 /// Runs one rank's lowered action list, one step per call.
 class Executor {
@@ -63,7 +70,7 @@ class Executor {
   /// `schedule` must be lowered; `comm` connects the pipeline's ranks (rank r
   /// of the schedule is rank r of the Comm).
   Executor(const schedule::Schedule& schedule, int rank, PipelineStage& stage,
-           std::shared_ptr<dist::Comm> comm, ExecutorOptions options);
+           std::shared_ptr<distributed::Comm> comm, ExecutorOptions options);
   ~Executor();
 
   /// Runs every action of this rank once. Throws (naming stage, microbatch

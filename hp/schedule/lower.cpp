@@ -1,6 +1,8 @@
-// hp/schedule/lower.cpp: lower() inserts SEND/RECV pairs in a deadlock-free,
-// per-channel-consistent order; validate() checks a schedule end to end.
+// hp/schedule/lower.cpp: lower() inserts SEND/RECV pairs in one message order
+// that every rank follows; validate() checks a schedule end to end.
 #include "hp/schedule/lower.h"
+
+#include "hp/schedule/simulate.h"
 
 #include <algorithm>
 #include <map>
@@ -41,6 +43,211 @@ std::string at(int rank, size_t idx, const Action& a) {
   throw std::invalid_argument("invalid schedule: " + msg);
 }
 
+// The order in which one valid execution sends the messages: every rank
+// runs its compute actions in list order as far as its inputs allow (a
+// message counts as arrived once sent), ranks taken in turn; each message is
+// numbered when its producer runs. Any execution would do; this one is
+// deterministic, so every rank that lowers the same schedule derives the
+// same order. Throws if the compute-only schedule cannot run at all.
+std::map<std::tuple<bool, int, int>, long> message_order(
+    const Schedule& s, const std::vector<std::vector<std::vector<Msg>>>& sends) {
+  const int p = s.num_ranks, m = s.num_microbatches;
+  auto key = [m](int st, int mb) { return static_cast<size_t>(st) * m + mb; };
+  const size_t n = static_cast<size_t>(s.num_stages) * m;
+  std::vector<char> f_done(n, 0), g_done(n, 0), i_done(n, 0);
+  auto f_ok = [&](int st, int mb) {
+    int prev = s.prev_stage(st, mb);
+    return prev < 0 || f_done[key(prev, mb)];
+  };
+  auto g_ok = [&](int st, int mb) {
+    if (!f_done[key(st, mb)]) return false;
+    int next = s.next_stage(st, mb);
+    return next < 0 || g_done[key(next, mb)];
+  };
+  std::map<std::tuple<bool, int, int>, long> order;
+  std::vector<size_t> pc(p, 0);
+  long counter = 0;
+  bool progress = true;
+  while (progress) {
+    progress = false;
+    for (int r = 0; r < p; ++r) {
+      while (pc[r] < s.actions[r].size()) {
+        const Action& a = s.actions[r][pc[r]];
+        bool ok = a.op == Op::F    ? f_ok(a.stage, a.microbatch)
+                  : a.op == Op::W  ? i_done[key(a.stage, a.microbatch)] != 0
+                  : a.op == Op::FB ? f_ok(a.stage, a.microbatch) && g_ok(a.stage2, a.microbatch2)
+                                   : g_ok(a.stage, a.microbatch);  // I, B
+        if (!ok) break;
+        for (const Half& h : halves(a)) {
+          size_t k = key(h.stage, h.mb);
+          if (h.op == Op::F) f_done[k] = 1;
+          if (h.op == Op::I) i_done[k] = 1;
+          if (h.op == Op::I || h.op == Op::B) g_done[k] = 1;
+        }
+        for (const auto& msg : sends[r][pc[r]])
+          order[{msg.grad, msg.dst_stage, msg.mb}] = counter++;
+        ++pc[r];
+        progress = true;
+      }
+    }
+  }
+  for (int r = 0; r < p; ++r)
+    if (pc[r] < s.actions[r].size())
+      throw std::invalid_argument("lower: schedule '" + s.name +
+                                  "' cannot run: " + at(r, pc[r], s.actions[r][pc[r]]) +
+                                  " waits forever (validate() says more)");
+  return order;
+}
+
+// NOTE [Batch order]
+// A rank's runs of consecutive SEND/RECV actions are its batches. When each
+// rank starts its batches one after the other, and a message completes only
+// once the batches holding its two ends have both started (NCCL), message v
+// must complete before message w can start whenever some rank holds v in an
+// earlier batch than w. The ranks wait on each other forever exactly when
+// these "before" relations form a cycle. `batches[r]` lists rank r's batches
+// in order, each as message indices; returns the messages of one cycle, each
+// with the rank that puts it before the next (the last before the first), or
+// nothing.
+std::vector<std::pair<int, int>> order_cycle(
+    const std::vector<std::vector<std::vector<int>>>& batches, int num_messages) {
+  std::vector<std::vector<std::pair<int, int>>> succ(num_messages);  // -> (message, rank)
+  for (size_t r = 0; r < batches.size(); ++r)
+    for (size_t b = 1; b < batches[r].size(); ++b)
+      for (int v : batches[r][b - 1])
+        for (int w : batches[r][b])
+          succ[v].push_back({w, int(r)});
+  std::vector<int> state(num_messages, 0), parent(num_messages, -1), parent_rank(num_messages, -1);
+  for (int start = 0; start < num_messages; ++start) {
+    if (state[start]) continue;
+    std::vector<std::pair<int, size_t>> stack{{start, 0}};
+    state[start] = 1;
+    while (!stack.empty()) {
+      auto& [v, k] = stack.back();
+      if (k == succ[v].size()) {
+        state[v] = 2;
+        stack.pop_back();
+        continue;
+      }
+      auto [w, by] = succ[v][k++];
+      if (state[w] == 0) {
+        state[w] = 1;
+        parent[w] = v;
+        parent_rank[w] = by;
+        stack.push_back({w, 0});
+      } else if (state[w] == 1) {
+        // v -> w closes a cycle w -> ... -> v -> w.
+        std::vector<std::pair<int, int>> cycle{{v, by}};
+        for (int x = v; x != w; x = parent[x])
+          cycle.push_back({parent[x], parent_rank[x]});
+        std::reverse(cycle.begin(), cycle.end());
+        return cycle;
+      }
+    }
+  }
+  return {};
+}
+
+// The strongly connected components of the "before" relation of `batches`
+// (NOTE [Batch order]): comp[v] for every message, and for each component
+// whether it holds a cycle. Iterative Tarjan, linear in the edges.
+std::pair<std::vector<int>, std::vector<char>> order_components(
+    const std::vector<std::vector<std::vector<int>>>& batches, int num_messages,
+    std::vector<std::vector<std::pair<int, int>>>& succ) {
+  succ.assign(num_messages, {});
+  for (size_t r = 0; r < batches.size(); ++r)
+    for (size_t b = 1; b < batches[r].size(); ++b)
+      for (int v : batches[r][b - 1])
+        for (int w : batches[r][b])
+          succ[v].push_back({w, int(r)});
+  std::vector<int> index(num_messages, -1), low(num_messages, 0), comp(num_messages, -1);
+  std::vector<char> on_stack(num_messages, 0), cyclic;
+  std::vector<int> stack;
+  int next_index = 0;
+  for (int start = 0; start < num_messages; ++start) {
+    if (index[start] >= 0) continue;
+    std::vector<std::pair<int, size_t>> call{{start, 0}};
+    index[start] = low[start] = next_index++;
+    stack.push_back(start);
+    on_stack[start] = 1;
+    while (!call.empty()) {
+      auto& [v, k] = call.back();
+      if (k < succ[v].size()) {
+        int w = succ[v][k++].first;
+        if (index[w] < 0) {
+          index[w] = low[w] = next_index++;
+          stack.push_back(w);
+          on_stack[w] = 1;
+          call.push_back({w, 0});
+        } else if (on_stack[w]) {
+          low[v] = std::min(low[v], index[w]);
+        }
+        continue;
+      }
+      if (low[v] == index[v]) {
+        const int c = int(cyclic.size());
+        int size = 0, x;
+        do {
+          x = stack.back();
+          stack.pop_back();
+          on_stack[x] = 0;
+          comp[x] = c;
+          ++size;
+        } while (x != v);
+        cyclic.push_back(size > 1);
+      }
+      const int done = v;
+      call.pop_back();
+      if (!call.empty()) low[call.back().first] = std::min(low[call.back().first], low[done]);
+    }
+  }
+  return {comp, cyclic};
+}
+
+// Names a message by its RECV: "1RECV_F1".
+std::string message_name(const std::tuple<Op, int, int>& id) {
+  auto [op, st, mb] = id;
+  return to_string(Action::make(op == Op::F ? Op::RECV_F : Op::RECV_B, st, mb));
+}
+
+void check_batch_order(const Schedule& s) {
+  std::map<std::tuple<Op, int, int>, int> node;  // message -> index
+  std::vector<std::tuple<Op, int, int>> names;
+  std::vector<std::vector<std::vector<int>>> batches(s.num_ranks);
+  for (int r = 0; r < s.num_ranks; ++r) {
+    bool open = false;
+    for (const Action& a : s.actions[r]) {
+      if (!is_comm(a.op)) {
+        open = false;
+        continue;
+      }
+      bool is_send = a.op == Op::SEND_F || a.op == Op::SEND_B;
+      bool fwd = a.op == Op::SEND_F || a.op == Op::RECV_F;
+      int consumer = !is_send ? a.stage
+                     : fwd    ? s.next_stage(a.stage, a.microbatch)
+                              : s.prev_stage(a.stage, a.microbatch);
+      auto id = std::make_tuple(fwd ? Op::F : Op::B, consumer, a.microbatch);
+      auto [it, fresh] = node.emplace(id, int(names.size()));
+      if (fresh) names.push_back(id);
+      if (!open) batches[r].emplace_back();
+      open = true;
+      batches[r].back().push_back(it->second);
+    }
+  }
+  auto cycle = order_cycle(batches, int(names.size()));
+  if (cycle.empty()) return;
+  std::string msg = "message order: the ranks post messages in a cycle (";
+  for (size_t c = 0; c < cycle.size(); ++c)
+    msg += message_name(names[cycle[c].first]) + " before " +
+           message_name(names[cycle[(c + 1) % cycle.size()].first]) + " on rank " +
+           std::to_string(cycle[c].second) + (c + 1 < cycle.size() ? ", " : "");
+  msg +=
+      "), so when each rank's operations run in posting order (NCCL) every rank waits on "
+      "another; lower the compute-only schedule with lower(), which orders them "
+      "(NOTE [Batch order])";
+  bad(msg);
+}
+
 }  // namespace
 
 Schedule lower(const Schedule& s) {
@@ -48,8 +255,6 @@ Schedule lower(const Schedule& s) {
   const int p = s.num_ranks;
   // Outgoing messages per producing action, in production order per rank.
   std::vector<std::vector<std::vector<Msg>>> sends(p);
-  std::map<std::tuple<bool, int, int>, Msg*> by_key;  // (grad, dst_stage, mb) -> msg
-  std::vector<std::vector<Msg>> storage;
   for (int r = 0; r < p; ++r) {
     sends[r].resize(s.actions[r].size());
     for (size_t i = 0; i < s.actions[r].size(); ++i) {
@@ -78,8 +283,6 @@ Schedule lower(const Schedule& s) {
         if (h.op == Op::F) consumer_at[{false, h.stage, h.mb}] = i;
         if (h.op == Op::I || h.op == Op::B) consumer_at[{true, h.stage, h.mb}] = i;
       }
-  // Per channel (src -> dst), messages in send order; place receives.
-  std::map<std::pair<int, int>, std::vector<Msg>> channel;
   for (int r = 0; r < p; ++r)
     for (auto& list : sends[r])
       for (auto& msg : list) {
@@ -90,33 +293,176 @@ Schedule lower(const Schedule& s) {
                                       to_string(msg.recv()) + " on rank " +
                                       std::to_string(msg.dst_rank));
         msg.consumer = it->second;
-        channel[{msg.src_rank, msg.dst_rank}].push_back(msg);
       }
-  // recv_before[r][i]: receives to post before compute action i of rank r.
-  std::vector<std::vector<std::vector<Msg>>> recv_before(p);
+  // Every message, with where its ends sit (NOTE [Lowering and message order]).
+  std::vector<Msg*> msgs;
+  for (auto& per_rank : sends)
+    for (auto& list : per_rank)
+      for (auto& msg : list)
+        msgs.push_back(&msg);
+  const int n = int(msgs.size());
+  std::map<std::tuple<bool, int, int>, int> index_of;
+  for (int k = 0; k < n; ++k)
+    index_of[{msgs[k]->grad, msgs[k]->dst_stage, msgs[k]->mb}] = k;
+  // When a nominal run (unit costs) sends each message and runs each compute
+  // action.
+  SimResult sim = simulate(s, CostModel{});
+  using ActionKey = std::tuple<int, int, int, int, int, int>;  // rank, op, stages, microbatches
+  auto akey = [](int r, const Action& a) {
+    return ActionKey{r, int(a.op), a.stage, a.microbatch, a.stage2, a.microbatch2};
+  };
+  std::map<ActionKey, std::pair<double, double>> span;  // -> start, end
+  for (const Event& e : sim.timeline.events)
+    span[akey(e.rank, e.action)] = {e.start, e.end};
+  std::vector<double> sent_at(n);
+  std::vector<size_t> send_slot(n);  // the SEND's slot: right after its producer
   for (int r = 0; r < p; ++r)
-    recv_before[r].resize(s.actions[r].size() + 1);
-  for (auto& [key, msgs] : channel) {
+    for (size_t i = 0; i < s.actions[r].size(); ++i)
+      for (auto& msg : sends[r][i]) {
+        int k = index_of.at({msg.grad, msg.dst_stage, msg.mb});
+        sent_at[k] = span.at(akey(r, s.actions[r][i])).second;
+        send_slot[k] = i + 1;
+      }
+  // Slot j of a rank: just before its compute action j (j = size: the end).
+  // Latest slot of each RECV: before its consumer and, as each channel is
+  // received in send order, not after a later message of its channel.
+  std::vector<size_t> latest(n), slot(n);
+  std::map<std::pair<int, int>, std::vector<int>> channel;  // (src, dst) -> messages, sent order
+  for (int r = 0; r < p; ++r)
+    for (auto& list : sends[r])
+      for (auto& msg : list)
+        channel[{msg.src_rank, msg.dst_rank}].push_back(
+            index_of.at({msg.grad, msg.dst_stage, msg.mb}));
+  for (auto& [ch, list] : channel) {
     size_t limit = static_cast<size_t>(-1);
-    std::vector<size_t> pos(msgs.size());
-    for (size_t k = msgs.size(); k-- > 0;) {
-      limit = std::min(limit, msgs[k].consumer);
-      pos[k] = limit;
+    for (size_t k = list.size(); k-- > 0;) {
+      limit = std::min(limit, msgs[list[k]]->consumer);
+      latest[list[k]] = limit;
     }
-    for (size_t k = 0; k < msgs.size(); ++k)
-      recv_before[key.second][pos[k]].push_back(msgs[k]);
   }
+  // First choice: post each RECV just before the receiver's first compute
+  // action that ends after the message is sent, the compute during which
+  // its data can arrive (never earlier: an early receive buys nothing and,
+  // on NCCL, holds up the operations behind it).
+  for (int k = 0; k < n; ++k) {
+    const int r = msgs[k]->dst_rank;
+    size_t j = 0;
+    while (j < latest[k] && span.at(akey(r, s.actions[r][j])).second < sent_at[k])
+      ++j;
+    slot[k] = j;
+  }
+  for (auto& [ch, list] : channel)  // keep each channel's order
+    for (size_t k = 1; k < list.size(); ++k)
+      slot[list[k]] = std::max(slot[list[k]], slot[list[k - 1]]);
+  // The batches (NOTE [Batch order]) of that placement, within a slot in
+  // sending order, so that the two ends of a channel list it alike.
+  auto order_in_slot = [&](int a, int b) {
+    return sent_at[a] != sent_at[b] ? sent_at[a] < sent_at[b] : a < b;
+  };
+  auto batches_of = [&] {
+    std::vector<std::vector<std::vector<int>>> slots(p);
+    for (int r = 0; r < p; ++r)
+      slots[r].resize(s.actions[r].size() + 1);
+    for (int k = 0; k < n; ++k) {
+      slots[msgs[k]->src_rank][send_slot[k]].push_back(k);
+      slots[msgs[k]->dst_rank][slot[k]].push_back(k);
+    }
+    for (auto& per_rank : slots)
+      for (auto& b : per_rank)
+        std::sort(b.begin(), b.end(), order_in_slot);
+    return slots;
+  };
+  auto nonempty = [](std::vector<std::vector<std::vector<int>>> slots) {
+    for (auto& per_rank : slots)
+      per_rank.erase(std::remove_if(per_rank.begin(), per_rank.end(),
+                                    [](const std::vector<int>& b) { return b.empty(); }),
+                     per_rank.end());
+    return slots;
+  };
+  // Repair: while the ranks would wait on each other in a cycle, post one of
+  // the cycle's receives later, in the batch of the message its rank orders
+  // after it - the receive whose data comes last, whose early post is worth
+  // least. Receives only move later and never past their latest slot, so
+  // this ends; if a cycle has no receive left to move, fall back to one
+  // global order for every message (always acyclic).
+  bool ordered = true;
+  std::vector<std::vector<std::pair<int, int>>> succ;
+  for (;;) {
+    auto [comp, cyclic] = order_components(nonempty(batches_of()), n, succ);
+    // One receive per cyclic component moves in each round.
+    std::vector<int> best(cyclic.size(), -1);
+    std::vector<size_t> best_to(cyclic.size(), 0);
+    bool any = false;
+    for (int v = 0; v < n; ++v) {
+      if (!cyclic[comp[v]]) continue;
+      any = true;
+      const int r = msgs[v]->dst_rank;
+      if (slot[v] >= latest[v]) continue;
+      for (auto [w, by] : succ[v]) {
+        if (by != r || comp[w] != comp[v]) continue;  // only v's receive end can move
+        size_t to = msgs[w]->dst_rank == r ? slot[w] : send_slot[w];
+        to = std::min(std::max(to, slot[v] + 1), latest[v]);
+        int& b = best[comp[v]];
+        if (b < 0 || sent_at[v] > sent_at[b] || (sent_at[v] == sent_at[b] && v < b)) {
+          b = v;
+          best_to[comp[v]] = to;
+        }
+      }
+    }
+    if (!any) break;
+    bool moved = false;
+    for (size_t c = 0; c < cyclic.size(); ++c) {
+      if (!cyclic[c]) continue;
+      if (best[c] < 0) {  // a cycle with no receive left to move
+        ordered = false;
+        break;
+      }
+      const int v = best[c];
+      slot[v] = std::max(slot[v], best_to[c]);
+      moved = true;
+      const auto& list = channel.at({msgs[v]->src_rank, msgs[v]->dst_rank});
+      for (size_t k = 1; k < list.size(); ++k)
+        slot[list[k]] = std::max(slot[list[k]], slot[list[k - 1]]);
+    }
+    if (!ordered || !moved) {
+      ordered = false;
+      break;
+    }
+  }
+  if (!ordered) {
+    // Fallback: every rank's SENDs and RECVs in one global order (the order
+    // a valid execution sends them), each RECV as late as that order allows.
+    auto key_of = message_order(s, sends);
+    for (int r = 0; r < p; ++r) {
+      std::vector<int> mine;
+      for (int k = 0; k < n; ++k)
+        if (msgs[k]->src_rank == r || msgs[k]->dst_rank == r) mine.push_back(k);
+      auto key = [&](int k) { return key_of.at({msgs[k]->grad, msgs[k]->dst_stage, msgs[k]->mb}); };
+      std::sort(mine.begin(), mine.end(), [&](int a, int b) { return key(a) < key(b); });
+      size_t next = s.actions[r].size();
+      for (size_t c = mine.size(); c-- > 0;) {
+        int k = mine[c];
+        if (msgs[k]->src_rank == r) {
+          next = send_slot[k];
+        } else {
+          slot[k] = std::min(msgs[k]->consumer, next);
+          next = slot[k];
+        }
+      }
+      for (int k : mine)
+        sent_at[k] = double(key(k));  // within a slot: the global order
+    }
+  }
+  auto slots = batches_of();
   Schedule out = s;
   out.lowered = true;
   for (int r = 0; r < p; ++r) {
     auto& row = out.actions[r];
     row.clear();
-    for (size_t i = 0; i < s.actions[r].size(); ++i) {
-      for (const auto& msg : recv_before[r][i])
-        row.push_back(msg.recv());
-      row.push_back(s.actions[r][i]);
-      for (const auto& msg : sends[r][i])
-        row.push_back(msg.send());
+    for (size_t j = 0; j <= s.actions[r].size(); ++j) {
+      for (int k : slots[r][j])
+        row.push_back(msgs[k]->src_rank == r ? msgs[k]->send() : msgs[k]->recv());
+      if (j < s.actions[r].size()) row.push_back(s.actions[r][j]);
     }
   }
   return out;
@@ -289,9 +635,13 @@ void validate(const Schedule& s) {
         }
     }
   }
-  // Deadlock: run with blocking receives (sends never block).
+  // Batch order (NOTE [Batch order]): no cycle of ranks waiting on each
+  // other when operations run in posting order.
+  if (s.lowered) check_batch_order(s);
+  // Deadlock: run with posts that never block and computes that wait for
+  // their inputs (a message is there once its producer ran: its SEND follows
+  // right after it, and the order of posts is checked above).
   std::vector<char> f_done(n, 0), g_done(n, 0), i_done(n, 0);
-  std::map<std::tuple<Op, int, int>, char> sent_done;  // (F/B, consumer stage, mb)
   std::vector<size_t> pc(p, 0);
   size_t remaining = 0;
   for (const auto& row : s.actions)
@@ -326,17 +676,7 @@ void validate(const Schedule& s) {
           case Op::FB:
             ok = f_ok(a.stage, a.microbatch) && g_ok(a.stage2, a.microbatch2);
             break;
-          case Op::RECV_F:
-            ok = sent_done.count({Op::F, a.stage, a.microbatch}) > 0;
-            break;
-          case Op::RECV_B:
-            ok = sent_done.count({Op::B, a.stage, a.microbatch}) > 0;
-            break;
-          case Op::SEND_F:
-            sent_done[{Op::F, s.next_stage(a.stage, a.microbatch), a.microbatch}] = 1;
-            break;
-          case Op::SEND_B:
-            sent_done[{Op::B, s.prev_stage(a.stage, a.microbatch), a.microbatch}] = 1;
+          default:  // SEND and RECV are posted and never block here
             break;
         }
         if (!ok) break;

@@ -300,6 +300,7 @@ SimResult timeline_stats(const Timeline& t) {
   r.rank_busy.assign(p, 0.0);
   r.rank_idle.assign(p, 0.0);
   r.rank_span.assign(p, 0.0);
+  r.peak_memory.assign(p, 0.0);  // a measured timeline carries no memory: zeros, never absent
   std::vector<double> first_f(p, std::numeric_limits<double>::infinity()), last_end(p, 0.0);
   for (const Event& e : t.events) {
     if (e.rank < 0 || e.rank >= p || !is_compute(e.action.op)) continue;

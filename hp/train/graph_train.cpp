@@ -12,6 +12,7 @@
 #include "hp/compile/graph_trainer.h"
 #include "hp/core/memory.h"
 #include "hp/models/data.h"
+#include "hp/distributed/collectives.h"
 #include "hp/train/progress.h"
 #include "hp/train/report.h"
 
@@ -19,9 +20,6 @@ namespace hp::train {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-// Above the graph replay's collective tags (1 << 20 + node tags).
-constexpr int kTagBase = 1 << 28;
 
 // NOTE [Graph mode trace]
 // The Chrome trace of `hp train --graph` shows per rank two lanes: "compute"
@@ -83,7 +81,7 @@ std::vector<double> pack(const compile::ReplayTrace& t) {
 
 }  // namespace
 
-TrainResult run_graph_rank(const TrainConfig& config, std::shared_ptr<dist::Comm> comm) {
+TrainResult run_graph_rank(const TrainConfig& config, std::shared_ptr<distributed::Comm> comm) {
   config.validate();
   TORCH_CHECK(config.graph, "run_graph_rank needs a config with graph set");
   const int rank = comm->rank(), world = comm->world_size();
@@ -188,15 +186,9 @@ TrainResult run_graph_rank(const TrainConfig& config, std::shared_ptr<dist::Comm
   std::vector<double> packed = pack(t);
   std::vector<std::vector<double>> by_rank{packed};
   if (!config.trace.empty() && world > 1) {
-    if (rank != 0) {
-      comm->send(torch::tensor(packed, torch::kFloat64), 0, kTagBase);
-    } else {
-      for (int r = 1; r < world; ++r) {
-        auto buf = torch::empty({int64_t(packed.size())}, torch::kFloat64);
-        comm->recv(buf, r, kTagBase);
-        by_rank.emplace_back(buf.data_ptr<double>(), buf.data_ptr<double>() + buf.numel());
-      }
-    }
+    auto rows = distributed::gather_rows(*comm, torch::tensor(packed, torch::kFloat64), 0);
+    for (int r = 1; r < int(rows.size()); ++r)
+      by_rank.emplace_back(rows[r].data_ptr<double>(), rows[r].data_ptr<double>() + rows[r].numel());
   }
   if (rank != 0) return result;
   for (auto& a : all) {

@@ -6,7 +6,7 @@
 
 #include <memory>
 
-#include "hp/dist/comm.h"
+#include "hp/distributed/comm.h"
 #include "hp/train/trainer.h"
 
 namespace hp::train {
@@ -18,6 +18,6 @@ namespace hp::train {
 /// stay replicated, their gradients all-reduced), unless config.shard is off
 /// (plain data parallel). Equals train_reference with the same config.
 /// Rank 0 prints progress and writes the report and trace.
-TrainResult run_graph_rank(const TrainConfig& config, std::shared_ptr<dist::Comm> comm);
+TrainResult run_graph_rank(const TrainConfig& config, std::shared_ptr<distributed::Comm> comm);
 
 }  // namespace hp::train

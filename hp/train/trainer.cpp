@@ -18,6 +18,7 @@
 #include <stdexcept>
 
 #include "hp/core/memory.h"
+#include "hp/distributed/collectives.h"
 #include "hp/models/data.h"
 #include "hp/pipeline/executor.h"
 #include "hp/pipeline/stage.h"
@@ -34,9 +35,6 @@ namespace {
 
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
-
-// Tags above every executor tag (those are < 2 * stages * microbatches).
-constexpr int kTagBase = 1 << 28;
 
 std::string c10_message(const c10::Error& e) {
   return e.what_without_backtrace();
@@ -172,12 +170,13 @@ schedule::CostModel measured_costs(const schedule::Schedule& s,
 
 // Replicas (DualPipe copies, a tied head): every copy's gradient becomes the
 // sum over all copies, added in rank order so the copies get the same bits
-// and stay identical. Everything shared with one peer travels in one message.
-void sum_replica_gradients(int rank, dist::Comm& comm,
+// and stay identical (distributed::sum_among_holders).
+void sum_replica_gradients(int rank, distributed::Comm& comm,
                            const std::map<std::string, std::set<int>>& holders,
                            std::map<std::string, std::vector<torch::Tensor>>& local_by_name) {
-  std::map<std::string, torch::Tensor> mine;            // this rank's sum per replicated name
-  std::map<int, std::vector<std::string>> shared_with;  // peer -> names, in name order
+  std::vector<std::string> names;
+  std::vector<torch::Tensor> sums;
+  std::vector<std::vector<int>> holder_lists;
   for (const auto& [name, ranks] : holders) {
     auto local = local_by_name.find(name);
     if (local == local_by_name.end()) continue;
@@ -186,41 +185,14 @@ void sum_replica_gradients(int rank, dist::Comm& comm,
     torch::Tensor sum = copies[0].grad().clone();
     for (size_t k = 1; k < copies.size(); ++k)
       sum += copies[k].grad();
-    mine[name] = sum;
-    for (int r : ranks)
-      if (r != rank) shared_with[r].push_back(name);
+    names.push_back(name);
+    sums.push_back(sum);
+    holder_lists.emplace_back(ranks.begin(), ranks.end());
   }
-  if (mine.empty()) return;
-  std::map<int, torch::Tensor> received;
-  std::vector<dist::Work> works;
-  for (const auto& [peer, names] : shared_with) {
-    std::vector<torch::Tensor> flat;
-    for (const auto& n : names)
-      flat.push_back(mine.at(n).reshape({-1}));
-    torch::Tensor out = torch::cat(flat);
-    received[peer] = torch::empty_like(out);
-    works.push_back(comm.isend(out, peer, kTagBase + 16 + rank));
-    works.push_back(comm.irecv(received[peer], peer, kTagBase + 16 + peer));
-  }
-  dist::wait_all(works);
-  std::map<std::string, std::map<int, torch::Tensor>> parts;
-  for (auto& [name, sum] : mine)
-    parts[name][rank] = sum;
-  for (const auto& [peer, names] : shared_with) {
-    int64_t offset = 0;
-    for (const auto& n : names) {
-      const auto& like = mine.at(n);
-      parts[n][peer] = received[peer].narrow(0, offset, like.numel()).view(like.sizes());
-      offset += like.numel();
-    }
-  }
-  for (auto& [name, by_rank] : parts) {
-    torch::Tensor total;
-    for (auto& [r, t] : by_rank)
-      total = total.defined() ? total + t : t.clone();
-    for (auto& t : local_by_name.at(name))
-      t.mutable_grad() = total.clone();
-  }
+  distributed::sum_among_holders(comm, sums, holder_lists);
+  for (size_t i = 0; i < names.size(); ++i)
+    for (auto& t : local_by_name.at(names[i]))
+      t.mutable_grad() = sums[i].clone();
 }
 
 // NOTE [Recompute in the pipeline]
@@ -333,7 +305,7 @@ schedule::Schedule TrainConfig::build_schedule() const {
   return s;
 }
 
-TrainResult run_rank(const TrainConfig& config, std::shared_ptr<dist::Comm> comm) {
+TrainResult run_rank(const TrainConfig& config, std::shared_ptr<distributed::Comm> comm) {
   config.validate();
   const int rank = comm->rank();
   TORCH_CHECK(comm->world_size() == config.nproc, "the Comm has ", comm->world_size(),
@@ -417,23 +389,10 @@ TrainResult run_rank(const TrainConfig& config, std::shared_ptr<dist::Comm> comm
   // Round trips of an activation between ranks 0 and 1 estimate the
   // communication cost: half the median round trip (the first connects).
   double comm_cost = 0.0;
-  if (config.nproc > 1 && rank <= 1) {
+  if (config.nproc > 1) {
     auto probe = torch::zeros(models::activation_shape(config.model, config.microbatch_size),
                               config.model.dtype);
-    std::vector<double> trips;
-    for (int k = 0; k < 9; ++k) {
-      auto t0 = Clock::now();
-      if (rank == 0) {
-        comm->send(probe, 1, kTagBase + 1);
-        comm->recv(probe, 1, kTagBase + 2);
-      } else {
-        comm->recv(probe, 0, kTagBase + 1);
-        comm->send(probe, 0, kTagBase + 2);
-      }
-      if (k > 0) trips.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
-    }
-    std::sort(trips.begin(), trips.end());
-    comm_cost = trips[trips.size() / 2] / 2;
+    comm_cost = distributed::one_way_latency(*comm, 0, 1, probe);
   }
 
   Progress progress(config.progress && rank == 0, first, config.steps);
@@ -507,13 +466,8 @@ TrainResult run_rank(const TrainConfig& config, std::shared_ptr<dist::Comm> comm
   for (auto& t : all)
     t = torch::empty_like(mine);
   comm->all_gather(all, mine);
-  auto events = pack_events(last.events);
-  auto count = torch::tensor({double(events.size(0))}, torch::kFloat64);
-  if (rank != 0) {
-    comm->send(count, 0, kTagBase + 3);
-    if (events.size(0) > 0) comm->send(events, 0, kTagBase + 4);
-    return result;
-  }
+  auto events = distributed::gather_rows(*comm, pack_events(last.events), 0);
+  if (rank != 0) return result;
   for (auto& t : all) {
     result.rank_compute.push_back(t[0].item<double>());
     result.rank_comm_wait.push_back(t[1].item<double>());
@@ -522,15 +476,8 @@ TrainResult run_rank(const TrainConfig& config, std::shared_ptr<dist::Comm> comm
   }
   result.timeline.num_ranks = config.nproc;
   result.timeline.title = config.schedule + " (measured, last step)";
-  unpack_events(events, 0, result.timeline.events);
-  for (int r = 1; r < config.nproc; ++r) {
-    comm->recv(count, r, kTagBase + 3);
-    int64_t n = static_cast<int64_t>(count.item<double>());
-    if (n == 0) continue;
-    auto buf = torch::empty({n, 7}, torch::kFloat64);
-    comm->recv(buf, r, kTagBase + 4);
-    unpack_events(buf, r, result.timeline.events);
-  }
+  for (int r = 0; r < config.nproc; ++r)
+    unpack_events(events[r], r, result.timeline.events);
   auto measured = schedule::timeline_stats(result.timeline);
   result.measured_bubble = measured.bubble_rate;
   result.measured_makespan = measured.makespan;

@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "hp/dist/comm.h"
+#include "hp/distributed/comm.h"
 #include "hp/models/models.h"
 #include "hp/schedule/schedule.h"
 #include "hp/schedule/simulate.h"
@@ -79,7 +79,7 @@ struct TrainResult {
 /// Runs the pipeline on this process's rank of `comm` (comm's world size must
 /// equal config.nproc). Rank 0 prints progress and writes the report, trace
 /// and summary.
-TrainResult run_rank(const TrainConfig& config, std::shared_ptr<dist::Comm> comm);
+TrainResult run_rank(const TrainConfig& config, std::shared_ptr<distributed::Comm> comm);
 
 /// The same training in one process with plain torch::autograd: the whole
 /// model, the same microbatches, gradient accumulation, the same optimizer.

@@ -14,12 +14,13 @@
 #include <thread>
 #include <vector>
 
-#include "hp/dist/comm.h"
+#include "hp/distributed/comm.h"
 
 namespace hp::testing {
 
 inline void run_ranks_as_threads(
-    int world, const std::function<void(int, std::shared_ptr<dist::Comm>)>& body) {
+    int world, const std::function<void(int, std::shared_ptr<distributed::Comm>)>& body,
+    std::chrono::milliseconds timeout = std::chrono::seconds(60)) {
   static int counter = 0;
   const auto store =
       std::filesystem::temp_directory_path() /
@@ -30,9 +31,9 @@ inline void run_ranks_as_threads(
   for (int r = 0; r < world; ++r) {
     threads.emplace_back([&, r] {
       try {
-        dist::CommOptions opts;
-        opts.timeout = std::chrono::seconds(60);
-        body(r, dist::Comm::from_file_store(store.string(), r, world, opts));
+        distributed::CommOptions opts;
+        opts.timeout = timeout;
+        body(r, distributed::Comm::from_file_store(store.string(), r, world, opts));
       } catch (...) {
         errors[r] = std::current_exception();
       }

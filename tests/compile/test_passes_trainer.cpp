@@ -13,7 +13,7 @@
 
 #include "hp/compile/graph_trainer.h"
 #include "hp/compile/passes.h"
-#include "hp/dist/comm.h"
+#include "hp/distributed/comm.h"
 #include "test_models.h"
 
 using namespace hp::compile;
@@ -83,7 +83,7 @@ TEST(Passes, FsdpOnWorldOfOneLeavesGraphUnsharded) {
   auto x = torch::randn({5, 4}, kF64), y = torch::randn({5, 3}, kF64);
   Graph g = capture_train_step(*mlp, hp_test::mse_fn<hp_test::MlpImpl>(), x, y);
   const std::string text = g.str();
-  auto comm = hp::dist::Comm::from_file_store(temp_path("one"), 0, 1);
+  auto comm = hp::distributed::Comm::from_file_store(temp_path("one"), 0, 1);
   PassContext ctx;
   ctx.model = mlp.get();
   ctx.comm = comm.get();
@@ -196,7 +196,7 @@ std::vector<RankResult> run_fsdp(const PassConfig& config, const std::optional<P
     models.emplace_back(6, 16, out_features);
   }
   std::vector<RankResult> results(world);
-  hp::testing::run_ranks_as_threads(world, [&](int r, std::shared_ptr<hp::dist::Comm> comm) {
+  hp::testing::run_ranks_as_threads(world, [&](int r, std::shared_ptr<hp::distributed::Comm> comm) {
     GraphTrainer trainer(models[r].ptr(), hp_test::mse_fn<hp_test::MlpImpl>(), config, plan, opt,
                          comm);
     for (const auto& [x, y] : data) {

@@ -22,20 +22,6 @@ TEST(Compat, VersionMatchesMacros) {
   EXPECT_FALSE(HP_TORCH_AT_LEAST(99, 0));
 }
 
-// NOTE [TCPStore and libuv]: with the shim, this LibTorch hosts a store.
-TEST(Compat, ClassicTcpStoreHostsAndServes) {
-  c10d::TCPStoreOptions o;
-  o.port = 0;  // any free port
-  o.isServer = true;
-  o.numWorkers = 1;
-  o.waitWorkers = false;
-  o.timeout = std::chrono::seconds(10);
-  hp::compat::use_classic_tcpstore(o);
-  auto store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", o);
-  store->set("k", std::vector<uint8_t>{1, 2});
-  EXPECT_EQ(store->get("k"), (std::vector<uint8_t>{1, 2}));
-}
-
 TEST(Logging, LevelFiltersAndRankPrefix) {
   hp::set_log_level(hp::LogLevel::Warn);
   hp::set_log_rank(3);

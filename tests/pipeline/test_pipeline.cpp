@@ -8,7 +8,7 @@
 #include <filesystem>
 #include <thread>
 
-#include "hp/dist/comm.h"
+#include "hp/distributed/comm.h"
 #include "hp/recompute/session.h"
 #include "hp/schedule/generators.h"
 #include "hp/train/trainer.h"
@@ -22,7 +22,7 @@ namespace {
 // Runs every rank of `config` on its own thread; rethrows a rank's error.
 std::vector<TrainResult> run_threads(const TrainConfig& config) {
   std::vector<TrainResult> results(config.nproc);
-  hp::testing::run_ranks_as_threads(config.nproc, [&](int r, std::shared_ptr<hp::dist::Comm> comm) {
+  hp::testing::run_ranks_as_threads(config.nproc, [&](int r, std::shared_ptr<hp::distributed::Comm> comm) {
     results[r] = hp::train::run_rank(config, comm);
   });
   return results;
@@ -124,6 +124,36 @@ INSTANTIATE_TEST_SUITE_P(AllSchedules, PipelineMatchesReference, ::testing::Valu
                            return n;
                          });
 
+// The same training with point-to-point run as NCCL runs it (NOTE
+// [Stream-ordered point-to-point]): each rank's batches one after the other
+// in posting order, messages matched by order alone, a send finishing only
+// with its receive. A schedule whose ranks post in inconsistent orders would
+// deadlock here (and fail after the timeout) as it would on NCCL.
+class StreamOrderedMatchesReference : public ::testing::TestWithParam<Case> {};
+
+TEST_P(StreamOrderedMatchesReference, Gpt) {
+  const Case& k = GetParam();
+  TrainConfig c = tiny(k.schedule, k.p, k.m, "gpt");
+  std::vector<TrainResult> ranks(c.nproc);
+  hp::testing::run_ranks_as_threads(c.nproc, [&](int r, std::shared_ptr<hp::distributed::Comm> comm) {
+    auto ordered = hp::distributed::with_stream_ordered_p2p(comm);
+    EXPECT_EQ(ordered->backend_name(), "gloo+ordered");
+    ranks[r] = hp::train::run_rank(c, ordered);
+  }, std::chrono::seconds(20));
+  expect_matches_reference(c, ranks);
+  expect_runs_its_action_list(c, ranks);
+}
+
+INSTANTIATE_TEST_SUITE_P(AllSchedules, StreamOrderedMatchesReference,
+                         ::testing::ValuesIn(all_cases()),
+                         [](const ::testing::TestParamInfo<Case>& info) {
+                           std::string n =
+                               info.param.schedule + "_p" + std::to_string(info.param.p);
+                           for (char& ch : n)
+                             if (!isalnum(static_cast<unsigned char>(ch))) ch = '_';
+                           return n;
+                         });
+
 // The measured timeline feeds the simulator and the measured bubble: a
 // compute event must hold only compute, a receive's event its wait (NOTE
 // [Compute events exclude waits]). Rank 1's first F always waits for rank 0's.
@@ -154,14 +184,21 @@ TEST(Pipeline, TimelineSeparatesComputeFromWaiting) {
       EXPECT_LE(spans[k - 1].second, spans[k].first + 1e-9) << "rank " << r << " overlaps";
     if (r == 1) {
       EXPECT_GT(waits, 0.0);
-      // F0 of stage 1 starts only once its input is there, after rank 0's F0
-      // began (the ranks' clocks start at a barrier, within a millisecond).
-      double producer = -1;
-      for (const auto& e : tl.events)
+      // Stage 1's F0 waits for its input: its receive's wait ends when its
+      // compute starts (same clock), and across ranks it starts after rank
+      // 0's F0 ended, up to how far apart the ranks' clocks start (each rank
+      // starts its clock when it leaves a barrier: within a few milliseconds
+      // on a loaded machine).
+      double recv_end = -1, producer = -1;
+      for (const auto& e : tl.events) {
+        if (e.rank == 1 && e.action.op == hp::schedule::Op::RECV_F && e.action.microbatch == 0)
+          recv_end = e.end;
         if (e.rank == 0 && e.action.op == hp::schedule::Op::F && e.action.microbatch == 0)
           producer = e.end;
+      }
       EXPECT_GT(first_f_start, 0.0);
-      EXPECT_GT(first_f_start + 1e-3, producer);
+      EXPECT_GE(first_f_start + 1e-5, recv_end);  // the compute start is derived: microseconds apart
+      EXPECT_GT(first_f_start + 10e-3, producer);
     }
   }
 }
@@ -173,8 +210,8 @@ TEST(Pipeline, SharedMemoryPointToPointTrainsTheSame) {
                              std::make_pair(std::string("dualpipev"), 2)}) {
     TrainConfig c = tiny(schedule, p, schedule == "dualpipev" ? 6 : 8, "gpt");
     std::vector<TrainResult> results(p);
-    hp::testing::run_ranks_as_threads(p, [&](int r, std::shared_ptr<hp::dist::Comm> comm) {
-      auto shm = hp::dist::with_shared_memory_p2p(comm);
+    hp::testing::run_ranks_as_threads(p, [&](int r, std::shared_ptr<hp::distributed::Comm> comm) {
+      auto shm = hp::distributed::with_shared_memory_p2p(comm);
       EXPECT_EQ(shm->backend_name(), "gloo+shm");
       results[r] = hp::train::run_rank(c, shm);
     });

@@ -16,7 +16,7 @@
 #include <regex>
 #include <set>
 
-#include "hp/dist/launcher.h"
+#include "hp/launch/launcher.h"
 #include "hp/train/trainer.h"
 #include "tests/common/netns.h"
 
@@ -220,7 +220,7 @@ TEST(TrainEndToEnd, TwoRanksOnTwoHostsRendezvousOverTcp) {
   auto dir = fresh_dir("netns");
   // Rank r runs `hp train --worker` in namespace r, as on two hosts; both
   // rendezvous at rank 0's address over TCP.
-  hp::dist::LaunchOptions o;
+  hp::launch::LaunchOptions o;
   o.nproc = 2;
   o.command = {"sh", "-c",
                "if [ \"$RANK\" = 0 ]; then NS=" + net.ns[0] + "; else NS=" + net.ns[1] +
@@ -230,7 +230,7 @@ TEST(TrainEndToEnd, TwoRanksOnTwoHostsRendezvousOverTcp) {
   o.timeout = std::chrono::seconds(20);
   o.run_timeout = std::chrono::seconds(120);
   o.output_dir = dir.string();
-  auto r = hp::dist::launch_local(o);
+  auto r = hp::launch::launch_local(o);
   std::ifstream log0(dir / "rank_0.log"), log1(dir / "rank_1.log");
   std::stringstream logs;
   logs << log0.rdbuf() << log1.rdbuf();

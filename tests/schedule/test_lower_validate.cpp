@@ -3,6 +3,8 @@
 // of broken schedule and names rank and action.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include <map>
 #include <stdexcept>
 #include <string>
@@ -24,12 +26,36 @@ std::string error_of(const hs::Schedule& s) {
 }
 }  // namespace
 
+// 1F1B, p = 2, m = 2, in the nominal run lower() places by (F = 1, B = 2):
+// rank 0 runs F0 [0,1], F1 [1,2], B0 [4,6], B1 [7,9]; rank 1 runs F0 [1,2],
+// B0 [2,4], F1 [4,5], B1 [5,7]. A RECV goes before the first compute of its
+// rank that ends at or after the message is sent: rank 1 posts RECV_F1 (sent
+// at 2) before F0, which ends at 2; rank 0 posts RECV_B0 (sent at 4) with
+// F1's SEND, as F1 ends at 2, and RECV_B1 (sent at 7) after B0 (ends at 6).
 TEST(Lower, OneFOneBPlacesSendAfterProducerRecvBeforeConsumer) {
   hs::Schedule low = hs::lower(hs::build("1f1b", 2, 2));
   EXPECT_EQ(hs::format_actions(low.actions[0]),
             "0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1");
   EXPECT_EQ(hs::format_actions(low.actions[1]),
-            "1RECV_F0 1F0 1B0 1SEND_B0 1RECV_F1 1F1 1B1 1SEND_B1");
+            "1RECV_F0 1RECV_F1 1F0 1B0 1SEND_B0 1F1 1B1 1SEND_B1");
+}
+
+// At m = 4 the steady state has both ranks wanting a receive early across
+// the other's send: rank 0 would post RECV_B1 (sent at 7) before F2 [6,7],
+// whose F2 rank 1 would receive before B1 [5,7]; run in posting order (NCCL)
+// each would wait for the other (NOTE [Batch order]). lower() posts one of
+// them later (both are sent at 7; the tie goes to the message numbered
+// first): rank 1's RECV_F2 joins B1's SEND batch (and RECV_F3 B2's, the same
+// case one step on); rank 0 keeps receiving each B one compute action ahead.
+TEST(Lower, ReceivesEarlyWithoutACycle) {
+  hs::Schedule low = hs::lower(hs::build("1f1b", 2, 4));
+  EXPECT_EQ(hs::format_actions(low.actions[1]),
+            "1RECV_F0 1RECV_F1 1F0 1B0 1SEND_B0 1F1 1B1 1RECV_F2 1SEND_B1 1F2 1B2 1RECV_F3 "
+            "1SEND_B2 1F3 1B3 1SEND_B3");
+  EXPECT_EQ(hs::format_actions(low.actions[0]),
+            "0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0F2 0SEND_F2 0B1 0RECV_B2 0F3 "
+            "0SEND_F3 0B2 0RECV_B3 0B3");
+  hs::validate(low);
 }
 
 TEST(Lower, VPlacementTurnIsLocal) {
@@ -149,8 +175,29 @@ TEST(Validate, CatchesBrokenMessages) {
   {
     hs::Schedule t = low;
     // Receive 1RECV_F1 after its consumer 1F1.
-    std::swap(t.actions[1][4], t.actions[1][5]);
+    auto& row = t.actions[1];
+    auto recv = std::find(row.begin(), row.end(), hs::Action::make(hs::Op::RECV_F, 1, 1));
+    ASSERT_NE(recv, row.end());
+    row.erase(recv);
+    row.insert(std::find(row.begin(), row.end(), hs::Action::make(hs::Op::F, 1, 1)) + 1,
+               hs::Action::make(hs::Op::RECV_F, 1, 1));
     EXPECT_NE(error_of(t).find("received after its consumer"), std::string::npos) << error_of(t);
+  }
+  {
+    hs::Schedule t = low;
+    // Every message is sent before it is needed and each channel keeps its
+    // order, so with sends that never block this runs; but rank 0 posts B0's
+    // receive in a batch before F1's send, and rank 1 posts F1's receive in a
+    // batch before B0's send: run in posting order (NCCL), each waits on the
+    // other.
+    t.actions[0] = {hs::Action::make(hs::Op::F, 0, 0),      hs::Action::make(hs::Op::SEND_F, 0, 0),
+                    hs::Action::make(hs::Op::RECV_B, 0, 0), hs::Action::make(hs::Op::F, 0, 1),
+                    hs::Action::make(hs::Op::SEND_F, 0, 1), hs::Action::make(hs::Op::B, 0, 0),
+                    hs::Action::make(hs::Op::RECV_B, 0, 1), hs::Action::make(hs::Op::B, 0, 1)};
+    std::string e = error_of(t);
+    EXPECT_NE(e.find("message order"), std::string::npos) << e;
+    EXPECT_NE(e.find("1RECV_F1"), std::string::npos) << e;
+    EXPECT_NE(e.find("0RECV_B0"), std::string::npos) << e;
   }
   {
     hs::Schedule t = low;

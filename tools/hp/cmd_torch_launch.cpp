@@ -1,5 +1,5 @@
 // `hp launch -n N [--timeout S] [--pin] [--port P] -- CMD ARGS...`: runs N
-// ranks of CMD on this machine with torchrun's variables (hp/dist/launcher.h)
+// ranks of CMD on this machine with torchrun's variables (hp/launch/launcher.h)
 // and exits non-zero with a per-rank summary when any rank failed.
 #include <c10/util/Exception.h>
 
@@ -8,7 +8,7 @@
 #include <memory>
 #include <stdexcept>
 
-#include "hp/dist/launcher.h"
+#include "hp/launch/launcher.h"
 #include "tools/hp/commands.h"
 
 namespace hp::cli {
@@ -25,7 +25,7 @@ struct LaunchArgs {
 };
 
 void run_launch(const LaunchArgs& a) {
-  dist::LaunchOptions o;
+  launch::LaunchOptions o;
   o.nproc = a.nproc;
   o.command = a.command;
   o.timeout = std::chrono::milliseconds(int64_t(a.timeout_s * 1000));
@@ -35,9 +35,9 @@ void run_launch(const LaunchArgs& a) {
   o.output_dir = a.output_dir;
   // The ranks' Comm uses the same timeout as the launcher's grace period.
   o.env.push_back({"HP_DIST_TIMEOUT_MS", std::to_string(int64_t(a.timeout_s * 1000))});
-  dist::LaunchResult r;
+  launch::LaunchResult r;
   try {
-    r = dist::launch_local(o);
+    r = launch::launch_local(o);
   } catch (const c10::Error& e) {
     throw std::runtime_error(e.what_without_backtrace());
   }

@@ -9,8 +9,8 @@
 #include <memory>
 
 #include "hp/core/memory.h"
-#include "hp/dist/comm.h"
-#include "hp/dist/launcher.h"
+#include "hp/distributed/comm.h"
+#include "hp/launch/launcher.h"
 #include "hp/schedule/generators.h"
 #include "hp/train/graph_train.h"
 #include "hp/train/report.h"
@@ -58,12 +58,12 @@ int run_worker(const TrainArgs& a) {
   // waiting for up to the timeout; a rank that failed has nothing left to
   // save, so it reports and leaves without unwinding.
   try {
-    dist::apply_rank_pinning();
+    launch::apply_rank_pinning();
     keep_freed_memory_mapped();
-    dist::CommOptions opts;
+    distributed::CommOptions opts;
     opts.timeout = std::chrono::seconds(a.config.timeout_s);
-    auto comm = dist::Comm::from_env(opts);
-    if (a.p2p == "shm") comm = dist::with_shared_memory_p2p(comm);
+    auto comm = distributed::Comm::from_env(opts);
+    if (a.p2p == "shm") comm = distributed::with_shared_memory_p2p(comm);
     auto result =
         a.config.graph ? train::run_graph_rank(a.config, comm) : train::run_rank(a.config, comm);
     if (comm->rank() == 0) std::cout << train::summary_text(a.config, result) << std::flush;
@@ -88,14 +88,14 @@ int run_launcher(const TrainArgs& a) {
                c.model.kind.c_str(), c.nproc,
                c.graph ? "graph mode" : ("schedule " + c.schedule).c_str(), c.microbatches,
                (long long)c.microbatch_size, c.steps);
-  dist::LaunchOptions lo;
+  launch::LaunchOptions lo;
   lo.nproc = c.nproc;
   lo.command = {self_executable()};
   lo.command.insert(lo.command.end(), a.argv.begin() + 1, a.argv.end());
   lo.command.push_back("--worker");
   lo.timeout = std::chrono::seconds(c.timeout_s);
   lo.pin_cores = a.pin;
-  auto result = dist::launch_local(lo);
+  auto result = launch::launch_local(lo);
   if (!result.ok()) {
     std::cerr << "hp train: a rank failed:\n" << result.summary();
     return result.exit_code() == 0 ? 1 : result.exit_code();

@@ -2,7 +2,7 @@
 // by `ip netns exec`), it rendezvouses from the environment and runs one
 // scenario. Prints "dist_worker rank R: ..." and exits 0 when every check holds.
 //
-//   dist_worker ops              p2p (tags, out of order, irecv first) and all
+//   dist_worker ops              p2p (in order, irecv first, a batch) and all
 //                                collectives, checked against float64 references
 //   dist_worker exit F CODE      rank F exits with CODE after a barrier
 //   dist_worker kill F p2p|coll  rank F SIGKILLs itself after a barrier; the others
@@ -23,14 +23,14 @@
 #include <stdexcept>
 #include <string>
 
-#include "hp/dist/comm.h"
-#include "hp/dist/launcher.h"
+#include "hp/distributed/comm.h"
+#include "hp/launch/launcher.h"
 
 namespace {
 
-using hp::dist::Comm;
-using hp::dist::ReduceOp;
-using hp::dist::Work;
+using hp::distributed::Comm;
+using hp::distributed::ReduceOp;
+using hp::distributed::Work;
 
 int g_rank = -1;
 
@@ -57,41 +57,47 @@ void run_ops(Comm& c) {
   const int r = c.rank(), n = c.world_size();
   const int next = (r + 1) % n, prev = (r - 1 + n) % n;
 
-  // p2p: several tags, receives posted before the sends and in reverse tag
-  // order; the matching is by (peer, tag), so the order of posting does not matter.
+  // p2p without tags: receives posted before the sends (a barrier between),
+  // matched in posting order; waited for in reverse order.
   std::vector<at::Tensor> in;
   std::vector<Work> recvs;
-  for (int tag = 3; tag >= 0; --tag) {
+  for (int k = 0; k < 4; ++k) {
     in.push_back(at::zeros({5}, at::kDouble));
-    recvs.push_back(c.irecv(in.back(), prev, tag));
+    recvs.push_back(c.irecv(in.back(), prev));
   }
   c.barrier();  // every irecv is now posted before any isend
   std::vector<at::Tensor> out;
   std::vector<Work> sends;
-  for (int tag = 0; tag < 4; ++tag) {
-    out.push_back(at::full({5}, 100.0 * r + tag, at::kDouble));
-    sends.push_back(c.isend(out.back(), next, tag));
+  for (int k = 0; k < 4; ++k) {
+    out.push_back(at::full({5}, 100.0 * r + k, at::kDouble));
+    sends.push_back(c.isend(out.back(), next));
   }
-  // Wait in yet another order: the later tags first.
-  for (size_t i = 0; i < recvs.size(); ++i)
+  for (size_t i = recvs.size(); i-- > 0;)
     recvs[i].wait();
-  hp::dist::wait_all(sends);
-  for (int i = 0; i < 4; ++i) {
-    int tag = 3 - i;
-    check_close(in[i], at::full({5}, 100.0 * prev + tag, at::kDouble),
-                "irecv tag " + std::to_string(tag));
-  }
-  // Blocking forms, float32, two messages with the same tag stay in order.
+  hp::distributed::wait_all(sends);
+  for (int k = 0; k < 4; ++k)
+    check_close(in[k], at::full({5}, 100.0 * prev + k, at::kDouble),
+                "irecv #" + std::to_string(k));
+  // Blocking forms, float32, two messages stay in order; then a batch that
+  // sends and receives between the same two ranks at once.
   if (n >= 2) {
     if (r == 0) {
-      c.send(at::full({3}, 7.0f), 1, 9);
-      c.send(at::full({3}, 8.0f), 1, 9);
+      c.send(at::full({3}, 7.0f), 1);
+      c.send(at::full({3}, 8.0f), 1);
     } else if (r == 1) {
       auto a = at::zeros({3}), b = at::zeros({3});
-      c.recv(a, 0, 9);
-      c.recv(b, 0, 9);
-      check_close(a, at::full({3}, 7.0f), "first message of tag 9");
-      check_close(b, at::full({3}, 8.0f), "second message of tag 9");
+      c.recv(a, 0);
+      c.recv(b, 0);
+      check_close(a, at::full({3}, 7.0f), "first message");
+      check_close(b, at::full({3}, 8.0f), "second message");
+    }
+    if (r <= 1) {
+      auto got = at::zeros({2}, at::kDouble);
+      auto mine = at::full({2}, 10.0 + r, at::kDouble);
+      auto works = c.batch({hp::distributed::P2POp::send(mine, 1 - r),
+                            hp::distributed::P2POp::recv(got, 1 - r)});
+      hp::distributed::wait_all(works);
+      check_close(got, at::full({2}, 11.0 - r, at::kDouble), "batch exchange");
     }
   }
 
@@ -158,9 +164,9 @@ void run_ops(Comm& c) {
     check_close(s, data_of(0) + data_of(n - 1), "subgroup all_reduce");
     auto p = at::zeros({2}, at::kDouble);
     if (sub->rank() == 0)
-      sub->send(at::full({2}, 42.0, at::kDouble), 1, 1);
+      sub->send(at::full({2}, 42.0, at::kDouble), 1);
     else
-      sub->recv(p, 0, 1);
+      sub->recv(p, 0);
     if (sub->rank() == 1) check_close(p, at::full({2}, 42.0, at::kDouble), "subgroup p2p");
   }
   c.barrier();
@@ -171,8 +177,8 @@ void run_ops(Comm& c) {
 int main(int argc, char** argv) {
   std::string mode = argc > 1 ? argv[1] : "";
   try {
-    hp::dist::apply_rank_pinning();
-    hp::dist::CommOptions o;
+    hp::launch::apply_rank_pinning();
+    hp::distributed::CommOptions o;
     if (const char* t = std::getenv("HP_DIST_TIMEOUT_MS"))
       o.timeout = std::chrono::milliseconds(std::atoi(t));
     else
@@ -192,7 +198,7 @@ int main(int argc, char** argv) {
       const bool p2p = std::string(argv[3]) == "p2p";
       auto buf = at::zeros({4}, at::kDouble);
       Work pending;
-      if (p2p && comm->rank() != f) pending = comm->irecv(buf, f, 7);
+      if (p2p && comm->rank() != f) pending = comm->irecv(buf, f);
       comm->barrier();
       if (comm->rank() == f) raise(SIGKILL);
       if (p2p) {

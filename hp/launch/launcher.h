@@ -8,7 +8,7 @@
 #include <utility>
 #include <vector>
 
-namespace hp::dist {
+namespace hp::launch {
 
 /// What `launch_local` starts and how long it waits.
 struct LaunchOptions {
@@ -72,7 +72,8 @@ struct LaunchResult {
 };
 
 /// Starts `nproc` processes of `command` with RANK, WORLD_SIZE, LOCAL_RANK,
-/// LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1 and MASTER_PORT set, waits for all
+/// LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1 and MASTER_PORT set (and, for more
+/// than one rank, OMP_NUM_THREADS=1 unless it is set), waits for all
 /// of them, and returns how each ended. When a rank fails the others get
 /// `timeout` to end by themselves, then SIGTERM, then SIGKILL. SIGINT and
 /// SIGTERM sent to the launcher are forwarded to the ranks. Each rank runs in
@@ -91,4 +92,4 @@ int apply_rank_pinning();
 /// "SIGKILL" for SIGKILL, "signal 42" for an unnamed one.
 std::string signal_name(int sig);
 
-}  // namespace hp::dist
+}  // namespace hp::launch

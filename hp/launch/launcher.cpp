@@ -1,6 +1,6 @@
 // launch_local: fork/exec of N ranks, the wait loop that reports, grants a
 // grace period after a failure and terminates; signal forwarding; pinning.
-#include "hp/dist/launcher.h"
+#include "hp/launch/launcher.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
@@ -23,7 +23,7 @@
 
 extern char** environ;
 
-namespace hp::dist {
+namespace hp::launch {
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -222,6 +222,13 @@ LaunchResult launch_local(const LaunchOptions& o) {
     env.push_back("MASTER_ADDR=127.0.0.1");
     env.push_back("MASTER_PORT=" + std::to_string(result.master_port));
     if (o.pin_cores) env.push_back("HP_PIN_CORES=1");
+    // NOTE [One intra-op thread per rank by default]
+    // As torchrun does: N ranks on one machine, each with one OpenMP thread
+    // per core, oversubscribe the cores, and the wheel's OpenMP threads spin
+    // while they wait (measured: a 2-rank GPT step went from about 50 ms to
+    // seconds on two cores). A value the user set is kept.
+    if (std::getenv("OMP_NUM_THREADS") == nullptr && o.nproc > 1)
+      env.push_back("OMP_NUM_THREADS=1");
     for (const auto& kv : o.env)
       env.push_back(kv.first + "=" + kv.second);
     std::vector<char*> envp;
@@ -345,4 +352,4 @@ LaunchResult launch_local(const LaunchOptions& o) {
   return result;
 }
 
-}  // namespace hp::dist
+}  // namespace hp::launch

@@ -24,9 +24,9 @@
 #include <sstream>
 #include <thread>
 
-#include "hp/dist/comm.h"
+#include "hp/distributed/comm.h"
 
-namespace hp::dist {
+namespace hp::distributed {
 namespace {
 
 // NOTE [Shared-memory point-to-point]
@@ -43,16 +43,17 @@ namespace {
 // * isend never blocks: a message above a quarter of the ring, or one that
 //   does not fit in the ring's free space, leaves only a header ("comes over
 //   Gloo") in the ring and goes through a second Gloo group (a split of the
-//   wrapped Comm over all its ranks, so its tags are the user's own). A
+//   wrapped Comm over all its ranks, whose own order is kept). A
 //   blocking sender could
 //   deadlock against a receiver blocked in a Gloo operation, which does not
 //   drain rings. Headers keep the ring's order, so matching stays FIFO.
-// * The receiver copies records out in order: straight into the tensor of a
-//   posted irecv with that tag, or into a mailbox when none is posted yet; a
+// * The receiver copies records out in order: straight into the tensor of the
+//   oldest posted irecv, or into a mailbox when none is posted yet; a
 //   redirect header becomes a Gloo irecv into the same tensor. Waiting spins
 //   briefly (the next message is usually close), then sleeps on a futex in
 //   the ring that the sender wakes.
-// * Matching is by (source, tag) in posting order, as on Gloo. Peers on other
+// * Matching is by source in posting order (NOTE [Point-to-point without
+//   tags]), as on the wrapped Comm. Peers on other
 //   hosts go through the wrapped Comm directly.
 // * A peer that dies is noticed by its process id (kill(pid, 0)) while
 //   waiting; the error names it like the Gloo path does.
@@ -61,7 +62,7 @@ namespace {
 constexpr uint64_t kRecord = 64;             // header size and record alignment
 constexpr uint64_t kCapacity = 32ull << 20;  // bytes of data per direction
 constexpr uint64_t kMaxMessage = kCapacity / 4;
-constexpr uint64_t kWrapTag = ~0ull;
+constexpr uint64_t kWrapMark = ~0ull;  // header flags: the rest of the ring is empty
 constexpr uint64_t kRedirect = 1ull << 62;  // header flag: the data comes over the wrapped Comm
 constexpr uint64_t kReserve = 1ull << 20;   // ring space kept for redirect headers
 constexpr auto kSpin = std::chrono::microseconds(50);
@@ -73,7 +74,7 @@ struct RingControl {
   std::atomic<uint32_t> sleepers;
 };
 struct RecordHeader {
-  uint64_t tag;
+  uint64_t flags;  // 0, kRedirect or kWrapMark
   uint64_t bytes;
 };
 constexpr size_t kMapBytes = sizeof(RingControl) + kCapacity;
@@ -148,10 +149,6 @@ struct PendingRecv {
   Work redirected;  // valid when the data comes over the wrapped Comm
 };
 
-struct DoneWork : Work::Impl {
-  void wait() override {}
-};
-
 class ShmComm : public Comm, public std::enable_shared_from_this<ShmComm> {
  public:
   explicit ShmComm(std::shared_ptr<Comm> inner) : inner_(std::move(inner)) {
@@ -206,36 +203,33 @@ class ShmComm : public Comm, public std::enable_shared_from_this<ShmComm> {
   std::chrono::milliseconds timeout() const override { return inner_->timeout(); }
   std::string backend_name() const override { return inner_->backend_name() + "+shm"; }
 
-  Work isend(const at::Tensor& tensor, int dst, int tag) override {
-    if (!shm_route(tensor, dst, tag, "isend")) return inner_->isend(tensor, dst, tag);
-    if (write(dst, static_cast<uint64_t>(tag), tensor)) return Work(std::make_shared<DoneWork>());
-    return overflow_->isend(tensor, dst, tag);
+  Work isend(const at::Tensor& tensor, int dst) override {
+    if (!shm_route(tensor, dst, "isend")) return inner_->isend(tensor, dst);
+    if (write(dst, tensor)) return Work::done();
+    return overflow_->isend(tensor, dst);
   }
 
-  Work irecv(const at::Tensor& tensor, int src, int tag) override {
-    if (!shm_route(tensor, src, tag, "irecv")) return inner_->irecv(tensor, src, tag);
+  Work irecv(const at::Tensor& tensor, int src) override {
+    if (!shm_route(tensor, src, "irecv")) return inner_->irecv(tensor, src);
     std::lock_guard<std::mutex> lock(mu_);
-    auto& box = mailbox_[{src, tag}];
+    auto& box = mailbox_[src];
     if (!box.empty()) {
       Mail mail = std::move(box.front());
       box.pop_front();
-      if (mail.redirected) return overflow_->irecv(tensor, src, tag);
-      check_size(src, tag, mail.bytes.size(), tensor);
+      if (mail.redirected) return overflow_->irecv(tensor, src);
+      check_size(src, mail.bytes.size(), tensor);
       std::memcpy(tensor.data_ptr(), mail.bytes.data(), mail.bytes.size());
-      return Work(std::make_shared<DoneWork>());
+      return Work::done();
     }
     auto p = std::make_shared<PendingRecv>();
     p->tensor = tensor;
-    posted_[{src, tag}].push_back(p);
-    return Work(std::make_shared<RecvWork>(shared_from_this(), p, src, tag));
+    posted_[src].push_back(p);
+    return Work(std::make_shared<RecvWork>(shared_from_this(), p, src));
   }
 
   void all_reduce(const at::Tensor& t, ReduceOp op) override { inner_->all_reduce(t, op); }
   void all_gather(std::vector<at::Tensor>& out, const at::Tensor& in) override {
     inner_->all_gather(out, in);
-  }
-  void reduce_scatter(const at::Tensor& out, const at::Tensor& in, ReduceOp op) override {
-    inner_->reduce_scatter(out, in, op);
   }
   void broadcast(const at::Tensor& t, int root) override { inner_->broadcast(t, root); }
   void barrier() override { inner_->barrier(); }
@@ -245,28 +239,26 @@ class ShmComm : public Comm, public std::enable_shared_from_this<ShmComm> {
 
  private:
   struct RecvWork : Work::Impl {
-    RecvWork(std::shared_ptr<ShmComm> c, std::shared_ptr<PendingRecv> p, int s, int t)
-        : comm(std::move(c)), pending(std::move(p)), src(s), tag(t) {}
-    void wait() override { comm->wait_for(*pending, src, tag); }
+    RecvWork(std::shared_ptr<ShmComm> c, std::shared_ptr<PendingRecv> p, int s)
+        : comm(std::move(c)), pending(std::move(p)), src(s) {}
+    void wait() override { comm->wait_for(*pending, src); }
     std::shared_ptr<ShmComm> comm;
     std::shared_ptr<PendingRecv> pending;
-    int src, tag;
+    int src;
   };
 
-  bool shm_route(const at::Tensor& t, int peer, int tag, const char* op) const {
+  bool shm_route(const at::Tensor& t, int peer, const char* op) const {
     TORCH_CHECK(peer >= 0 && peer < world_size(), op, ": rank ", peer, " is not in a group of ",
                 world_size());
-    TORCH_CHECK(tag >= 0 && tag < (1 << 30), op, ": tag ", tag,
-                " is out of range; use 0 <= tag < 2^30");
     TORCH_CHECK(t.is_contiguous() && t.device().is_cpu(), op,
                 ": tensors must be contiguous CPU tensors");
     return local_[peer];
   }
 
-  void check_size(int src, int tag, uint64_t got, const at::Tensor& t) const {
+  void check_size(int src, uint64_t got, const at::Tensor& t) const {
     if (got != static_cast<uint64_t>(t.nbytes()))
       throw CommError("rank " + std::to_string(rank()) + ": receiving from rank " +
-                          std::to_string(src) + " with tag " + std::to_string(tag) + ": " +
+                          std::to_string(src) + ": " +
                           std::to_string(got) + " bytes arrived for a tensor of " +
                           std::to_string(t.nbytes()) + " bytes",
                       {}, false);
@@ -285,22 +277,21 @@ class ShmComm : public Comm, public std::enable_shared_from_this<ShmComm> {
         const uint64_t pos = tail % kCapacity;
         RecordHeader h;
         std::memcpy(&h, r.data + pos, sizeof h);
-        if (h.tag == kWrapTag) {
+        if (h.flags == kWrapMark) {
           tail += kCapacity - pos;
           continue;
         }
         const char* payload = r.data + pos + kRecord;
-        const bool redirected = (h.tag & kRedirect) != 0;
-        const int tag = static_cast<int>(h.tag & ~kRedirect);
+        const bool redirected = (h.flags & kRedirect) != 0;
         const uint64_t bytes = redirected ? 0 : h.bytes;
-        auto pit = posted_.find({q, tag});
+        auto pit = posted_.find(q);
         if (pit != posted_.end() && !pit->second.empty()) {
           auto p = pit->second.front();
           pit->second.pop_front();
           if (redirected) {
-            p->redirected = overflow_->irecv(p->tensor, q, tag);
+            p->redirected = overflow_->irecv(p->tensor, q);
           } else {
-            check_size(q, tag, bytes, p->tensor);
+            check_size(q, bytes, p->tensor);
             std::memcpy(p->tensor.data_ptr(), payload, bytes);
           }
           p->done = true;
@@ -308,7 +299,7 @@ class ShmComm : public Comm, public std::enable_shared_from_this<ShmComm> {
           Mail mail;
           mail.redirected = redirected;
           mail.bytes.assign(payload, payload + bytes);
-          mailbox_[{q, tag}].push_back(std::move(mail));
+          mailbox_[q].push_back(std::move(mail));
         }
         tail += kRecord + round_up(bytes);
       }
@@ -323,14 +314,14 @@ class ShmComm : public Comm, public std::enable_shared_from_this<ShmComm> {
       os << "lost connection to rank " << peer << " (its process is gone) while " << what;
     else
       os << "timed out after " << timeout().count() / 1000.0 << " s while " << what
-         << "; the peer is alive but did not take part (a mismatched schedule or tag?) or is "
+         << "; the peer is alive but did not take part (a mismatched schedule or message order?) or is "
             "too slow (raise the timeout)";
     throw CommError(os.str(), lost ? std::vector<int>{peer} : std::vector<int>{}, !lost);
   }
 
   bool peer_alive(int q) const { return ::kill(pid_[q], 0) == 0 || errno != ESRCH; }
 
-  void wait_for(PendingRecv& p, int src, int tag) {
+  void wait_for(PendingRecv& p, int src) {
     const auto start = std::chrono::steady_clock::now();
     const auto deadline = start + timeout();
     auto last_check = start;
@@ -352,9 +343,7 @@ class ShmComm : public Comm, public std::enable_shared_from_this<ShmComm> {
         continue;
       }
       if (now > deadline)
-        fail_waiting(
-            src, "receiving from rank " + std::to_string(src) + " with tag " + std::to_string(tag),
-            false);
+        fail_waiting(src, "receiving from rank " + std::to_string(src), false);
       if (now - last_check > std::chrono::milliseconds(100)) {
         last_check = now;
         if (!peer_alive(src)) fail_waiting(src, "receiving from rank " + std::to_string(src), true);
@@ -370,7 +359,7 @@ class ShmComm : public Comm, public std::enable_shared_from_this<ShmComm> {
   // does not fit, puts a redirect header there and returns false: the caller
   // then sends the data over the wrapped Comm. Never waits for the receiver,
   // unless even the space kept for redirect headers is used up.
-  bool write(int dst, uint64_t tag, const at::Tensor& t) {
+  bool write(int dst, const at::Tensor& t) {
     std::lock_guard<std::mutex> sending(send_mu_);  // one writer per ring, whatever the threads
     Ring& r = out_[dst];
     const uint64_t bytes = static_cast<uint64_t>(t.nbytes());
@@ -390,12 +379,12 @@ class ShmComm : public Comm, public std::enable_shared_from_this<ShmComm> {
         const uint64_t len = data ? need : kRecord;
         const uint64_t pos = head % kCapacity;
         if (len > kCapacity - pos) {
-          RecordHeader wrap{kWrapTag, 0};
+          RecordHeader wrap{kWrapMark, 0};
           std::memcpy(r.data + pos, &wrap, sizeof wrap);
           head += kCapacity - pos;
         }
         char* rec = r.data + head % kCapacity;
-        RecordHeader h{data ? tag : (tag | kRedirect), data ? bytes : 0};
+        RecordHeader h{data ? 0 : kRedirect, data ? bytes : 0};
         std::memcpy(rec, &h, sizeof h);
         if (data) std::memcpy(rec + kRecord, t.data_ptr(), bytes);
         r.ctl->head.store(head + len, std::memory_order_release);
@@ -435,12 +424,12 @@ class ShmComm : public Comm, public std::enable_shared_from_this<ShmComm> {
   std::vector<Ring> in_, out_;  // by peer: rings from it / to it
   std::mutex mu_;               // the incoming rings' tails, posted_ and mailbox_
   std::mutex send_mu_;          // the outgoing rings' heads
-  std::map<std::pair<int, int>, std::deque<std::shared_ptr<PendingRecv>>> posted_;
+  std::map<int, std::deque<std::shared_ptr<PendingRecv>>> posted_;  // by source
   struct Mail {
     bool redirected = false;
     std::vector<char> bytes;
   };
-  std::map<std::pair<int, int>, std::deque<Mail>> mailbox_;
+  std::map<int, std::deque<Mail>> mailbox_;  // by source
 };
 
 }  // namespace
@@ -450,4 +439,4 @@ std::shared_ptr<Comm> with_shared_memory_p2p(std::shared_ptr<Comm> inner) {
   return std::make_shared<ShmComm>(std::move(inner));
 }
 
-}  // namespace hp::dist
+}  // namespace hp::distributed

@@ -14,17 +14,15 @@
 #include <cstring>
 #include <string>
 
-#include "hp/dist/comm_internal.h"
+#include "hp/distributed/comm_internal.h"
 
-namespace hp::dist::detail {
+namespace hp::distributed::detail {
 
 void check_tensor(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.defined(), what, ": the tensor is undefined");
-  TORCH_CHECK(t.device().is_cpu(), what, ": Gloo needs CPU tensors, got one on ", t.device(),
-              "; move it with .cpu() first");
-  TORCH_CHECK(t.layout() == at::kStrided, what, ": Gloo needs dense tensors");
+  TORCH_CHECK(t.layout() == at::kStrided, what, ": communication needs dense tensors");
   TORCH_CHECK(t.is_contiguous(), what,
-              ": Gloo needs a contiguous tensor; call .contiguous() first (and copy the "
+              ": communication needs a contiguous tensor; call .contiguous() first (and copy the "
               "result back for a receive)");
 }
 
@@ -122,4 +120,4 @@ std::vector<int> PeerMonitor::lost_ranks(std::chrono::milliseconds wait_up_to) c
   }
 }
 
-}  // namespace hp::dist::detail
+}  // namespace hp::distributed::detail

@@ -1,0 +1,231 @@
+// hp/distributed's public face: `Comm`, a narrow communication interface over
+// any c10d ProcessGroup (tag-free point-to-point matched in posting order,
+// batches, collectives, subgroups, one timeout on everything), its `Work`
+// handle, and rendezvous (torchrun's variables, a TCPStore or a FileStore).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <chrono>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace c10d {
+class ProcessGroup;
+}
+
+namespace hp::distributed {
+
+/// Reductions offered by `all_reduce` and `reduce_scatter`.
+enum class ReduceOp { Sum, Avg, Max, Min };
+
+/// How a `Comm` is made and how long it waits.
+struct CommOptions {
+  /// Applied to every operation (each wait, each collective, the rendezvous).
+  std::chrono::milliseconds timeout{std::chrono::seconds(60)};
+  /// The local address Gloo binds to; empty picks one (see NOTE [Gloo device
+  /// address]). Overridden by the HP_GLOO_ADDR environment variable.
+  std::string bind_address;
+  /// The network interface Gloo binds to (like GLOO_SOCKET_IFNAME, which is
+  /// also honoured); wins over bind_address when set.
+  std::string interface_name;
+};
+
+/// A failed or timed-out communication. `what()` names this rank, the
+/// operation, the peer (for point-to-point) and, when a peer process is gone,
+/// "lost connection to rank R while ...".
+class CommError : public std::runtime_error {
+ public:
+  CommError(const std::string& message, std::vector<int> lost_ranks, bool timed_out)
+      : std::runtime_error(message), lost_ranks_(std::move(lost_ranks)), timed_out_(timed_out) {}
+  /// Ranks (of the Comm that failed) whose process is gone; empty if unknown or none.
+  const std::vector<int>& lost_ranks() const { return lost_ranks_; }
+  /// True when the operation ran into the timeout rather than a closed connection.
+  bool timed_out() const { return timed_out_; }
+  /// The same error with `context` put in front of the message (lost ranks and
+  /// timeout kept): how a layer above says where the error reached it.
+  CommError with_context(const std::string& context) const {
+    return CommError(context + what(), lost_ranks_, timed_out_);
+  }
+
+ private:
+  std::vector<int> lost_ranks_;
+  bool timed_out_;
+};
+
+/// A pending asynchronous operation. `wait()` blocks until it completes, for
+/// at most the Comm's timeout, and throws `CommError` on failure. Waiting
+/// twice is allowed (the second returns at once or rethrows). The tensors
+/// given to the operation must stay untouched until `wait()` returns.
+class Work {
+ public:
+  /// The backend's side of a Work.
+  struct Impl {
+    virtual ~Impl() = default;
+    virtual void wait() = 0;
+  };
+  Work() = default;
+  explicit Work(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
+  /// Blocks until done; throws CommError (naming the peer and the operation).
+  void wait();
+  /// False for a default-constructed Work.
+  bool valid() const { return impl_ != nullptr; }
+  /// A Work that is already complete.
+  static Work done();
+
+ private:
+  std::shared_ptr<Impl> impl_;
+  bool done_ = false;
+};
+
+/// Waits for every Work in order (all of them, even after one throws; the
+/// first error is rethrown at the end).
+void wait_all(std::vector<Work>& works);
+
+/// One point-to-point operation of a batch (`Comm::batch`).
+struct P2POp {
+  enum class Kind { Send, Recv };
+  Kind kind = Kind::Send;
+  at::Tensor tensor;
+  int peer = 0;
+  static P2POp send(at::Tensor t, int dst) { return {Kind::Send, std::move(t), dst}; }
+  static P2POp recv(at::Tensor t, int src) { return {Kind::Recv, std::move(t), src}; }
+};
+
+/// The rendezvous variables torchrun sets.
+struct EnvConfig {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  std::string master_addr;
+  int master_port = 0;
+};
+
+/// Reads RANK, WORLD_SIZE, LOCAL_RANK (optional, default RANK), MASTER_ADDR and
+/// MASTER_PORT; throws naming the missing or invalid variable, with an example.
+EnvConfig read_env();
+
+// NOTE [Point-to-point without tags]
+// NCCL ignores point-to-point tags (pytorch/pytorch#94819), so Comm has none:
+// between two ranks, the k-th isend from A to B is matched with the k-th
+// irecv on B from A, in posting order, whatever the backend. Every caller
+// therefore posts its messages to one peer in an order both sides derive from
+// the same data (the lowered schedule, a collective's fixed pattern), from
+// one thread at a time. On a backend whose operations run in posting order on
+// one stream (NCCL), a rank's sends also wait for the peer's receives: the
+// whole sequence of operations, not only each direction, must be consistent
+// (NOTE [Lowering and message order] in hp/schedule/lower.h says how the
+// pipeline's schedules guarantee it). Operations that must be in flight
+// together go in one `batch` (one coalesced group on NCCL).
+
+/// A group of ranks that communicate. Every operation takes dense, contiguous
+/// tensors on the group's device (CPU for Gloo), the same dtype and shape on
+/// every rank where the operation implies it. Collectives must be called in
+/// the same order on every rank of the group. After a CommError the Comm is
+/// unusable (connections may be broken): let the error end the process.
+class Comm {
+ public:
+  virtual ~Comm() = default;
+
+  /// Rank of this process in the group, in [0, world_size()).
+  virtual int rank() const = 0;
+  virtual int world_size() const = 0;
+  /// The timeout of every operation.
+  virtual std::chrono::milliseconds timeout() const = 0;
+  /// "gloo", "nccl", "gloo+shm", ...
+  virtual std::string backend_name() const = 0;
+
+  /// Sends `tensor` to rank `dst`; matched in posting order with dst's
+  /// irecv from this rank (NOTE [Point-to-point without tags]).
+  virtual Work isend(const at::Tensor& tensor, int dst) = 0;
+  /// Receives into `tensor` (preallocated, right shape and dtype) from `src`.
+  virtual Work irecv(const at::Tensor& tensor, int src) = 0;
+  /// Posts `ops` in order as one batch (NCCL: one coalesced group, so a send
+  /// and a receive between the same ranks cannot block each other) and
+  /// returns one Work per op. The default posts them one by one.
+  virtual std::vector<Work> batch(const std::vector<P2POp>& ops);
+  /// Blocking forms of isend/irecv.
+  void send(const at::Tensor& tensor, int dst) { isend(tensor, dst).wait(); }
+  void recv(const at::Tensor& tensor, int src) { irecv(tensor, src).wait(); }
+
+  /// In place: `tensor` becomes the reduction over all ranks. Avg needs a
+  /// floating dtype (sum, then divide by world_size()).
+  virtual void all_reduce(const at::Tensor& tensor, ReduceOp op = ReduceOp::Sum) = 0;
+  /// `out[r]` becomes rank r's `in`; out.size() == world_size(), each like `in`.
+  virtual void all_gather(std::vector<at::Tensor>& out, const at::Tensor& in) = 0;
+  /// Flat form: `out` (contiguous, numel == world_size() * in.numel()) holds
+  /// rank 0's `in`, then rank 1's, ... (e.g. shape [world * n, ...] for `in` [n, ...]).
+  void all_gather(const at::Tensor& out, const at::Tensor& in);
+  /// `in` (numel == world_size() * out.numel()) is reduced over all ranks and
+  /// rank r keeps the r-th slice in `out`: a ring over point-to-point
+  /// (world-1 steps, each moving one slice), so the bytes moved per rank are
+  /// (world-1)/world of `in`, as NCCL's would be, and the summation order is
+  /// the same on every run.
+  virtual void reduce_scatter(const at::Tensor& out, const at::Tensor& in,
+                              ReduceOp op = ReduceOp::Sum);
+  /// In place: every rank's `tensor` becomes `root`'s.
+  virtual void broadcast(const at::Tensor& tensor, int root) = 0;
+  /// Returns when every rank of the group has entered the barrier.
+  virtual void barrier() = 0;
+
+  /// Asynchronous collectives for overlapping communication with compute
+  /// (graph mode's FSDP). Each is a direct exchange over point-to-point
+  /// (every rank sends its part to every other), posted at once; the
+  /// reduction, in rank order, runs in `wait()`. Same order on every rank.
+  /// all_gather_async: `out` (dim 0 = world * in's dim 0) gets every rank's `in`.
+  Work all_gather_async(const at::Tensor& out, const at::Tensor& in);
+  /// reduce_scatter_async: `out` (in's dim 0 / world rows) gets this rank's
+  /// rows of the reduction of every rank's `in`.
+  Work reduce_scatter_async(const at::Tensor& out, const at::Tensor& in, ReduceOp op);
+  /// all_reduce_async: `tensor` becomes the reduction of every rank's.
+  Work all_reduce_async(const at::Tensor& tensor, ReduceOp op);
+
+  /// A Comm over a subset of this group's `ranks` (ranks of this Comm, sorted,
+  /// without duplicates, including rank()). Only the members call it, with the
+  /// same list; calls with the same list are matched in order. In the subgroup,
+  /// ranks are renumbered 0..ranks.size()-1 in the list's order.
+  virtual std::shared_ptr<Comm> split(const std::vector<int>& ranks) = 0;
+
+  /// Rendezvous from torchrun's variables (see read_env): rank 0 hosts a
+  /// TCPStore at MASTER_ADDR:MASTER_PORT, the others connect to it within the
+  /// timeout (else "could not reach MASTER_ADDR:MASTER_PORT within N s"), and
+  /// the ranks make a Gloo group over it. HP_DIST_TIMEOUT_MS, when set (`hp
+  /// launch --timeout` sets it), replaces options.timeout.
+  static std::shared_ptr<Comm> from_env(const CommOptions& options = {});
+  /// Rendezvous with explicit values over a TCPStore (what from_env calls).
+  static std::shared_ptr<Comm> from_tcp(const std::string& master_addr, int master_port, int rank,
+                                        int world_size, const CommOptions& options = {});
+  /// Rendezvous through a FileStore at `path` (a fresh file per group; same
+  /// path on every rank; ranks may be threads of one process or processes).
+  static std::shared_ptr<Comm> from_file_store(const std::string& path, int rank, int world_size,
+                                               const CommOptions& options = {});
+  /// A Comm over a process group someone else made (Python's
+  /// torch.distributed, with Gloo or NCCL, or our own rendezvous). Uses only
+  /// c10d::ProcessGroup's interface; the group is shared, not copied.
+  /// `options.timeout` bounds each wait. split() needs a backend that can
+  /// split (Gloo and NCCL can).
+  static std::shared_ptr<Comm> from_process_group(c10::intrusive_ptr<c10d::ProcessGroup> group,
+                                                  const CommOptions& options = {});
+};
+
+/// `inner` with its point-to-point between ranks of the same host moved to
+/// shared-memory rings (NOTE [Shared-memory point-to-point]); collectives and
+/// split() stay on `inner`, messages over 8 MiB (or that find a ring full) go
+/// over a group split from it. Every rank of `inner` calls it (it
+/// rendezvouses over `inner`). Same Work and CommError behaviour, including
+/// the timeout and naming a peer whose process is gone.
+std::shared_ptr<Comm> with_shared_memory_p2p(std::shared_ptr<Comm> inner);
+
+/// `inner` with its point-to-point run as a single stream runs NCCL's: each
+/// rank's operations (a batch as one unit) start one after the other in
+/// posting order, and each completes only together with its peer's matching
+/// operation. Messages are matched by order alone. A schedule whose ranks post
+/// in inconsistent orders deadlocks here (and fails with the timeout) as it
+/// would on NCCL: the CPU check of the GPU protocol (NOTE [Point-to-point
+/// without tags]). Collectives and split() stay on `inner`.
+std::shared_ptr<Comm> with_stream_ordered_p2p(std::shared_ptr<Comm> inner);
+
+}  // namespace hp::distributed

@@ -1,0 +1,125 @@
+// make_gloo_group where LibTorch ships no Gloo headers (PyTorch from pip):
+// the Gloo backend is made by torch.distributed's Python binding, in the
+// interpreter that hosts us or in one embedded on first use (NOTE [Making a
+// Gloo group]).
+#include <Python.h>
+#include <pybind11/chrono.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/utils/pybind.h>
+
+#include <mutex>
+#include <stdexcept>
+#include <string>
+
+#include "hp/distributed/comm_internal.h"
+
+namespace py = pybind11;
+
+namespace hp::distributed::detail {
+namespace {
+
+// NOTE [Making a Gloo group]
+// c10d's ProcessGroupGloo.hpp includes Gloo's own headers, which Debian's
+// LibTorch packages ship and PyTorch's pip wheels do not; the wheel has Gloo
+// compiled in, reachable from C++ only through a class we cannot name without
+// those headers. So one file makes Gloo groups, chosen when the project is
+// configured (hp/distributed/CMakeLists.txt):
+// * gloo_group_native.cpp: ProcessGroupGloo constructed directly (Debian);
+// * gloo_group_python.cpp (this file): torch.distributed's Python binding
+//   constructs it. Inside `import hyperparallel` Python is already running;
+//   in the `hp` tool and the C++ tests an interpreter is started on first use
+//   with the virtual environment's Python (HP_PYTHON_EXECUTABLE) and the
+//   site-packages of the very torch we linked (HP_TORCH_SITE) first on
+//   sys.path, so the backend comes from the same libraries. It costs one
+//   `import torch` (about a second) per process, once.
+// Everything after construction is C++ over c10d::ProcessGroup: the backend
+// object is shared with C++ (intrusive refcount) and Python keeps no
+// reference. Python's signal handlers are not installed, so Ctrl-C and
+// SIGTERM keep their C++ behaviour.
+std::once_flag g_init;
+
+void start_interpreter() {
+  PyConfig config;
+  PyConfig_InitPythonConfig(&config);
+  config.install_signal_handlers = 0;
+  config.parse_argv = 0;
+  PyStatus status = PyConfig_SetBytesString(&config, &config.program_name, HP_PYTHON_EXECUTABLE);
+  if (!PyStatus_Exception(status)) status = Py_InitializeFromConfig(&config);
+  PyConfig_Clear(&config);
+  if (PyStatus_Exception(status))
+    throw std::runtime_error(std::string("could not start Python (") + HP_PYTHON_EXECUTABLE +
+                             ") to make a Gloo group: " +
+                             (status.err_msg ? status.err_msg : "unknown error"));
+  // Still holding the GIL from the initialization: put our torch first and
+  // import it now, once. (Threads that imported torch concurrently on first
+  // use deadlocked inside torch's own import: one waited for the GIL that
+  // pybind11 took for it under a second thread state, the others for the
+  // import lock.)
+  std::string error;
+  try {
+    py::module_::import("sys").attr("path").attr("insert")(0, HP_TORCH_SITE);
+    py::module_::import("torch.distributed");
+  } catch (py::error_already_set& e) {
+    error = e.what();
+  }
+  PyEval_SaveThread();  // release the GIL; every use takes it again
+  if (!error.empty())
+    throw std::runtime_error("Python (" + std::string(HP_PYTHON_EXECUTABLE) +
+                             ") could not import torch.distributed from " + HP_TORCH_SITE +
+                             ": " + error);
+}
+
+// Holds the GIL for a scope, through the interpreter's own API (the thread
+// may have no Python thread state yet).
+class GilHolder {
+ public:
+  GilHolder() : state_(PyGILState_Ensure()) {}
+  ~GilHolder() { PyGILState_Release(state_); }
+  GilHolder(const GilHolder&) = delete;
+  GilHolder& operator=(const GilHolder&) = delete;
+
+ private:
+  PyGILState_STATE state_;
+};
+
+void ensure_python() {
+  if (Py_IsInitialized()) return;  // hosted by Python, or started before
+  std::call_once(g_init, start_interpreter);
+}
+
+}  // namespace
+
+c10::intrusive_ptr<c10d::ProcessGroup> make_gloo_group(const c10::intrusive_ptr<c10d::Store>& store,
+                                                       int rank, int world_size,
+                                                       const GlooEndpoint& endpoint,
+                                                       std::chrono::milliseconds timeout) {
+  ensure_python();
+  c10::intrusive_ptr<c10d::Backend> backend;
+  {
+    GilHolder gil;
+    try {
+      py::module_::import("torch.distributed");  // imported already: a dictionary lookup
+      py::object gloo = py::module_::import("torch._C._distributed_c10d").attr("ProcessGroupGloo");
+      py::object options = gloo.attr("_Options")();
+      py::object device = endpoint.interface_name.empty()
+                              ? gloo.attr("create_device")(py::arg("hostname") = endpoint.address)
+                              : gloo.attr("create_device")(py::arg("interface") =
+                                                               endpoint.interface_name);
+      py::list devices;
+      devices.append(device);
+      options.attr("_devices") = devices;
+      options.attr("_timeout") = py::cast(timeout);
+      // The binding releases the GIL while the members connect.
+      py::object made = gloo(py::cast(store), rank, world_size, options);
+      backend = c10::intrusive_ptr<c10d::Backend>::reclaim_copy(made.cast<c10d::Backend*>());
+    } catch (py::error_already_set& e) {
+      throw std::runtime_error(std::string("torch.distributed could not make the Gloo group: ") +
+                               e.what());
+    }
+  }
+  return wrap_gloo_backend(store, rank, world_size, std::move(backend));
+}
+
+}  // namespace hp::distributed::detail

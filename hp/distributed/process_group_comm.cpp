@@ -1,0 +1,381 @@
+// ProcessGroupComm: Comm over any c10d::ProcessGroup (Gloo, NCCL, ...), using
+// ProcessGroup.hpp only: tag-free point-to-point, batches (coalesced where
+// the backend coalesces), collectives, subgroups, and the translation of the
+// backend's errors into CommError (naming a lost peer when we can).
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <map>
+#include <mutex>
+#include <sstream>
+
+#include "hp/core/compat.h"
+#include "hp/distributed/comm.h"
+#include "hp/distributed/comm_internal.h"
+
+namespace hp::distributed {
+namespace {
+
+using detail::check_tensor;
+
+std::string message_of(std::exception_ptr e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const c10::Error& err) {
+    return err.what_without_backtrace();
+  } catch (const std::exception& err) {
+    return err.what();
+  } catch (...) {
+    return "unknown error";
+  }
+}
+
+bool contains(const std::string& s, const char* sub) {
+  return s.find(sub) != std::string::npos;
+}
+
+std::string seconds(std::chrono::milliseconds t) {
+  std::ostringstream os;
+  os << double(t.count()) / 1000.0 << " s";
+  return os.str();
+}
+
+// The point-to-point tag every message carries (NOTE [Point-to-point without
+// tags]): matching is by order alone, as on NCCL.
+constexpr int kTag = 0;
+
+class ProcessGroupComm;
+
+// A pending operation: c10d's Work waited with our timeout; failures become
+// CommError. Ops of one coalesced batch share one c10d Work.
+struct PgWork : Work::Impl {
+  std::shared_ptr<const ProcessGroupComm> comm;
+  c10::intrusive_ptr<c10d::Work> work;
+  std::vector<at::Tensor> tensors;  // keep the buffers alive until the wait
+  std::string what;
+  int peer = -1;
+  void wait() override;
+};
+
+class ProcessGroupComm : public Comm, public std::enable_shared_from_this<ProcessGroupComm> {
+ public:
+  /// What the groups split from one root share.
+  struct Shared {
+    c10::intrusive_ptr<c10d::Store> store;  // the root store; null for a borrowed group
+    detail::GlooEndpoint endpoint;
+    std::shared_ptr<detail::PeerMonitor> monitor;  // over the root's ranks; may be null
+    std::mutex mu;
+    std::map<std::string, int> split_counts;
+  };
+
+  ProcessGroupComm(std::shared_ptr<Shared> shared, c10::intrusive_ptr<c10d::ProcessGroup> pg,
+                   std::vector<int> root_ranks, const CommOptions& options)
+      : shared_(std::move(shared)),
+        pg_(std::move(pg)),
+        rank_(pg_->getRank()),
+        root_ranks_(std::move(root_ranks)),
+        options_(options),
+        backend_(pg_->getBackendName()) {
+    TORCH_CHECK(int(root_ranks_.size()) == pg_->getSize(), "internal: ", root_ranks_.size(),
+                " root ranks for a group of ", pg_->getSize());
+  }
+
+  int rank() const override { return rank_; }
+  int world_size() const override { return int(root_ranks_.size()); }
+  std::chrono::milliseconds timeout() const override { return options_.timeout; }
+  std::string backend_name() const override { return backend_; }
+
+  Work isend(const at::Tensor& tensor, int dst) override {
+    auto w = post(P2POp::send(tensor, dst));
+    return p2p_work(std::move(w), {tensor}, describe(P2POp::send(tensor, dst)), dst);
+  }
+
+  Work irecv(const at::Tensor& tensor, int src) override {
+    auto w = post(P2POp::recv(tensor, src));
+    return p2p_work(std::move(w), {tensor}, describe(P2POp::recv(tensor, src)), src);
+  }
+
+  std::vector<Work> batch(const std::vector<P2POp>& ops) override {
+    if (ops.empty()) return {};
+    const c10::DeviceType device = ops[0].tensor.defined() ? ops[0].tensor.device().type()
+                                                           : c10::DeviceType::CPU;
+    if (!coalesces(device)) return Comm::batch(ops);
+    // One coalesced group: every op is in flight together, and one Work
+    // completes them all.
+    std::vector<at::Tensor> keep;
+    std::string what = "a batch of " + std::to_string(ops.size()) + " operations (";
+    for (size_t i = 0; i < ops.size(); ++i)
+      what += (i ? ", " : "") + describe(ops[i]);
+    what += ")";
+    c10::intrusive_ptr<c10d::Work> work;
+    try {
+      pg_->startCoalescing(device);
+      for (const auto& op : ops) {
+        post(op);
+        keep.push_back(op.tensor);
+      }
+      work = pg_->endCoalescing(device);
+    } catch (const CommError&) {
+      throw;
+    } catch (...) {
+      fail(what, -1, std::current_exception());
+    }
+    auto impl = p2p_impl(work, std::move(keep), what, -1);
+    return std::vector<Work>(ops.size(), Work(impl));
+  }
+
+  void all_reduce(const at::Tensor& tensor, ReduceOp op) override {
+    check_tensor(tensor, "all_reduce");
+    TORCH_CHECK(op != ReduceOp::Avg || at::isFloatingType(tensor.scalar_type()),
+                "all_reduce: Avg needs a floating dtype, got ", tensor.scalar_type());
+    c10d::AllreduceOptions o;
+    o.reduceOp = op == ReduceOp::Max   ? c10d::ReduceOp::MAX
+                 : op == ReduceOp::Min ? c10d::ReduceOp::MIN
+                                       : c10d::ReduceOp::SUM;  // Avg: sum, then divide
+    std::vector<at::Tensor> v{tensor};
+    run("all_reduce of " + std::to_string(tensor.numel()) + " elements",
+        [&] { return pg_->allreduce(v, o); });
+    if (op == ReduceOp::Avg) tensor.div_(world_size());
+  }
+
+  void all_gather(std::vector<at::Tensor>& out, const at::Tensor& in) override {
+    check_tensor(in, "all_gather (input)");
+    TORCH_CHECK(int(out.size()) == world_size(), "all_gather: ", out.size(),
+                " output tensors for a group of ", world_size(), " ranks");
+    for (auto& t : out) {
+      check_tensor(t, "all_gather (output)");
+      TORCH_CHECK(t.numel() == in.numel() && t.scalar_type() == in.scalar_type(),
+                  "all_gather: every output must have the input's numel (", in.numel(),
+                  ") and dtype (", in.scalar_type(), ")");
+    }
+    std::vector<std::vector<at::Tensor>> outputs{out};
+    std::vector<at::Tensor> inputs{in};
+    run("all_gather of " + std::to_string(in.numel()) + " elements",
+        [&] { return pg_->allgather(outputs, inputs); });
+  }
+
+  void broadcast(const at::Tensor& tensor, int root) override {
+    check_tensor(tensor, "broadcast");
+    TORCH_CHECK(root >= 0 && root < world_size(), "broadcast: root ", root,
+                " is not a rank of this group (0..", world_size() - 1, ")");
+    c10d::BroadcastOptions o;
+    o.rootRank = root;
+    std::vector<at::Tensor> v{tensor};
+    run("broadcast from rank " + std::to_string(root), [&] { return pg_->broadcast(v, o); });
+  }
+
+  void barrier() override {
+    run("barrier", [&] { return pg_->barrier(); });
+  }
+
+  std::shared_ptr<Comm> split(const std::vector<int>& ranks) override {
+    TORCH_CHECK(!ranks.empty(), "split: the list of ranks is empty");
+    int my = -1;
+    std::vector<int> roots;
+    std::string name;
+    for (size_t i = 0; i < ranks.size(); ++i) {
+      TORCH_CHECK(ranks[i] >= 0 && ranks[i] < world_size(), "split: rank ", ranks[i],
+                  " is not in this group of ", world_size());
+      TORCH_CHECK(i == 0 || ranks[i] > ranks[i - 1], "split: ranks must be sorted and unique");
+      if (ranks[i] == rank_) my = int(i);
+      roots.push_back(root_ranks_[ranks[i]]);
+      name += (i ? "," : "") + std::to_string(roots.back());
+    }
+    TORCH_CHECK(my >= 0, "split: this rank (", rank_, ") is not in the list; only members call it");
+    int n;
+    {
+      std::lock_guard<std::mutex> lock(shared_->mu);
+      n = shared_->split_counts[name]++;
+    }
+    try {
+      c10::intrusive_ptr<c10d::ProcessGroup> sub;
+      if (shared_->store) {
+        // Our own rendezvous: a fresh Gloo group over a prefix of the root store.
+        auto store = c10::make_intrusive<c10d::PrefixStore>(
+            "hp/group/" + name + "/" + std::to_string(n), shared_->store);
+        sub = detail::make_gloo_group(store, my, int(ranks.size()), shared_->endpoint,
+                                      options_.timeout);
+      } else {
+        sub = compat::split_process_group(*pg_, ranks, options_.timeout,
+                                          "hp/" + name + "/" + std::to_string(n));
+      }
+      return std::make_shared<ProcessGroupComm>(shared_, sub, roots, options_);
+    } catch (const std::exception& e) {
+      throw CommError("rank " + std::to_string(rank_) + ": creating the subgroup {" + name +
+                          "} failed (do all its members call split with the same list?): " +
+                          message_of(std::current_exception()),
+                      {}, false);
+    }
+  }
+
+  /// Builds and throws the CommError for a failed `what` (see NOTE [Naming the lost peer]).
+  [[noreturn]] void fail(const std::string& what, int peer, std::exception_ptr e) const {
+    std::string msg = message_of(e);
+    bool timed_out = contains(msg, "imed out") || contains(msg, "imeout");
+    bool closed = contains(msg, "losed") || contains(msg, "reset") || contains(msg, "EOF") ||
+                  contains(msg, "roken pipe") || contains(msg, "onnection");
+    std::vector<int> lost;
+    if (shared_->monitor) {
+      auto lost_root = shared_->monitor->lost_ranks(closed ? std::chrono::milliseconds(2000)
+                                                           : std::chrono::milliseconds(0));
+      for (int g : lost_root)
+        for (size_t i = 0; i < root_ranks_.size(); ++i)
+          if (root_ranks_[i] == g) lost.push_back(int(i));
+    }
+    // Name the peer of a p2p operation first when it is among the lost.
+    for (size_t i = 0; i < lost.size(); ++i)
+      if (lost[i] == peer) std::swap(lost[0], lost[i]);
+    std::ostringstream os;
+    os << "rank " << rank_ << ": ";
+    if (!lost.empty()) {
+      os << "lost connection to rank " << lost[0] << name_root(lost[0]);
+      for (size_t i = 1; i < lost.size(); ++i)
+        os << (i + 1 == lost.size() ? " and " : ", ") << lost[i];
+      os << " (its process is gone) while " << what;
+    } else if (timed_out) {
+      os << "timed out after " << seconds(options_.timeout) << " while " << what
+         << "; the peer is alive but did not take part (a mismatched schedule or message "
+            "order?) or is too slow (raise the timeout)";
+    } else {
+      os << what << " failed";
+    }
+    os << " [" << backend_ << ": " << msg << "]";
+    throw CommError(os.str(), lost, timed_out && lost.empty());
+  }
+
+ private:
+  std::string name_root(int local) const {
+    if (root_ranks_[local] == local && rank_ == root_ranks_[rank_]) return "";
+    return " (global rank " + std::to_string(root_ranks_[local]) + ")";
+  }
+
+  bool coalesces(c10::DeviceType device) const {
+    // Only NCCL needs (and implements) coalesced point-to-point; Gloo posts
+    // each operation on its own and makes progress on all of them anyway.
+    return backend_ == "nccl" && device == c10::DeviceType::CUDA;
+  }
+
+  void check_peer(int peer, const char* op) const {
+    TORCH_CHECK(peer >= 0 && peer < world_size(), op, ": rank ", peer, " is not in this group of ",
+                world_size(), " ranks");
+    TORCH_CHECK(peer != rank_, op, ": rank ", rank_, " cannot ", op, " to/from itself");
+  }
+
+  static std::string describe(const P2POp& op) {
+    std::ostringstream os;
+    const at::Tensor& t = op.tensor;
+    os << (op.kind == P2POp::Kind::Send ? "sending " : "receiving ")
+       << (t.defined() ? t.numel() : 0) << " "
+       << (t.defined() ? c10::toString(t.scalar_type()) : "undefined") << " elements "
+       << (op.kind == P2POp::Kind::Send ? "to" : "from") << " rank " << op.peer;
+    return os.str();
+  }
+
+  // Posts one operation (inside or outside a coalesced group).
+  c10::intrusive_ptr<c10d::Work> post(const P2POp& op) {
+    const bool send = op.kind == P2POp::Kind::Send;
+    check_peer(op.peer, send ? "isend" : "irecv");
+    check_tensor(op.tensor, send ? "isend" : "irecv");
+    TORCH_CHECK(backend_ != "gloo" || op.tensor.device().is_cpu(), send ? "isend" : "irecv",
+                ": Gloo's point-to-point needs CPU tensors, got one on ", op.tensor.device());
+    std::vector<at::Tensor> v{op.tensor};
+    try {
+      return send ? pg_->send(v, op.peer, kTag) : pg_->recv(v, op.peer, kTag);
+    } catch (...) {
+      fail(describe(op), op.peer, std::current_exception());
+    }
+  }
+
+  std::shared_ptr<PgWork> p2p_impl(c10::intrusive_ptr<c10d::Work> work,
+                                   std::vector<at::Tensor> tensors, std::string what, int peer) {
+    auto impl = std::make_shared<PgWork>();
+    impl->comm = shared_from_this();
+    impl->work = std::move(work);
+    impl->tensors = std::move(tensors);
+    impl->what = std::move(what);
+    impl->peer = peer;
+    return impl;
+  }
+  Work p2p_work(c10::intrusive_ptr<c10d::Work> work, std::vector<at::Tensor> tensors,
+                std::string what, int peer) {
+    return Work(p2p_impl(std::move(work), std::move(tensors), std::move(what), peer));
+  }
+
+  template <typename F>
+  void run(const std::string& what, F&& start) {
+    try {
+      auto work = start();
+      work->wait(options_.timeout);
+    } catch (...) {
+      fail(what, -1, std::current_exception());
+    }
+  }
+
+  std::shared_ptr<Shared> shared_;
+  c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+  int rank_;
+  std::vector<int> root_ranks_;
+  CommOptions options_;
+  std::string backend_;
+};
+
+void PgWork::wait() {
+  try {
+    work->wait(comm->timeout());
+  } catch (...) {
+    comm->fail(what, peer, std::current_exception());
+  }
+  tensors.clear();
+}
+
+std::vector<int> iota(int n) {
+  std::vector<int> v(n);
+  for (int r = 0; r < n; ++r)
+    v[r] = r;
+  return v;
+}
+
+}  // namespace
+
+namespace detail {
+
+std::shared_ptr<Comm> gloo_comm_over_store(c10::intrusive_ptr<c10d::Store> store, int rank,
+                                           int world_size, const GlooEndpoint& endpoint,
+                                           const CommOptions& options) {
+  store->setTimeout(options.timeout);
+  auto shared = std::make_shared<ProcessGroupComm::Shared>();
+  shared->store = store;
+  shared->endpoint = endpoint;
+  std::shared_ptr<Comm> comm;
+  try {
+    auto pg = make_gloo_group(c10::make_intrusive<c10d::PrefixStore>("hp/group/all", store), rank,
+                              world_size, endpoint, options.timeout);
+    comm = std::make_shared<ProcessGroupComm>(shared, pg, iota(world_size), options);
+    shared->monitor = std::make_shared<PeerMonitor>(store, rank, world_size, endpoint.address,
+                                                    options.timeout);
+  } catch (const CommError&) {
+    throw;
+  } catch (...) {
+    throw CommError("rank " + std::to_string(rank) + ": rendezvous of " +
+                        std::to_string(world_size) + " ranks did not complete within " +
+                        seconds(options.timeout) +
+                        " (are all ranks started, with the same WORLD_SIZE and master?): " +
+                        message_of(std::current_exception()),
+                    {}, true);
+  }
+  return comm;
+}
+
+}  // namespace detail
+
+std::shared_ptr<Comm> Comm::from_process_group(c10::intrusive_ptr<c10d::ProcessGroup> group,
+                                               const CommOptions& options) {
+  TORCH_CHECK(group, "from_process_group: the process group is null");
+  const int size = group->getSize();
+  auto shared = std::make_shared<ProcessGroupComm::Shared>();
+  return std::make_shared<ProcessGroupComm>(shared, std::move(group), iota(size), options);
+}
+
+}  // namespace hp::distributed

@@ -1,0 +1,291 @@
+// hyperparallel._C.pipeline: the C++ executor running a user's Python stages
+// (any callables, nn.Modules included) with any schedule, over the
+// torch.distributed ProcessGroup the user made (Gloo on CPU, NCCL on GPU).
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <map>
+#include <memory>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "bindings.h"
+#include "hp/distributed/collectives.h"
+#include "hp/distributed/comm.h"
+#include "hp/pipeline/executor.h"
+#include "hp/pipeline/stage.h"
+#include "hp/schedule/generators.h"
+#include "hp/schedule/lower.h"
+#include "hp/schedule/schedule.h"
+
+namespace hp::python {
+namespace {
+
+// NOTE [Python stages on the C++ executor]
+// The executor walks the rank's action list with the GIL released: the
+// engine's dx/dw calls, every wait and every send run without it. Only the
+// user's Python - a stage's forward, the loss - takes the GIL, for as long as
+// it runs; a Python exception there becomes a RuntimeError naming the rank,
+// action and the exception, raised from step(). The stages' parameters are
+// the Python tensors themselves: weight gradients accumulate into their
+// .grad, as loss.backward() would, and the user's optimizer steps them.
+
+// Calls `fn(args...)` under the GIL; a Python exception becomes a C++ one
+// carrying its type and message (formatted while the GIL is held).
+template <typename... Args>
+py::object call_python(const py::object& fn, const char* what, Args&&... args) {
+  py::gil_scoped_acquire gil;
+  try {
+    return fn(std::forward<Args>(args)...);
+  } catch (py::error_already_set& e) {
+    throw std::runtime_error(std::string(what) + " raised " + e.what());
+  }
+}
+
+torch::Tensor as_tensor(const py::object& o, const char* what) {
+  py::gil_scoped_acquire gil;
+  if (!THPVariable_Check(o.ptr()))
+    throw std::runtime_error(std::string(what) + " must return a torch.Tensor, got " +
+                             std::string(py::str(py::type::of(o))));
+  return THPVariable_Unpack(o.ptr());
+}
+
+c10::intrusive_ptr<c10d::ProcessGroup> process_group_of(const py::object& group) {
+  c10d::ProcessGroup* pg = nullptr;
+  try {
+    pg = group.cast<c10d::ProcessGroup*>();
+  } catch (const py::cast_error&) {
+    throw py::type_error("group must be a torch.distributed.ProcessGroup (e.g. "
+                         "torch.distributed.group.WORLD after init_process_group), got " +
+                         std::string(py::str(py::type::of(group))));
+  }
+  if (pg == nullptr) throw py::value_error("group is None");
+  return c10::intrusive_ptr<c10d::ProcessGroup>::reclaim_copy(pg);
+}
+
+schedule::Schedule schedule_from_csv(const std::string& csv) {
+  schedule::Schedule s = schedule::from_csv(csv);
+  if (!s.lowered) s = schedule::lower(s);
+  schedule::validate(s);
+  return s;
+}
+
+// The ranks holding each model chunk: chunks held by more than one rank are
+// replicas whose weight gradients are summed after each step.
+std::map<int, std::vector<int>> chunk_holders(const schedule::Schedule& s) {
+  std::map<int, std::set<int>> h;
+  for (int st = 0; st < s.num_stages; ++st)
+    h[s.stage_chunk[st]].insert(s.stage_rank[st]);
+  std::map<int, std::vector<int>> out;
+  for (auto& [c, ranks] : h)
+    out[c] = std::vector<int>(ranks.begin(), ranks.end());
+  return out;
+}
+
+/// One rank's pipeline: its stages, the executor and the group.
+class Runtime {
+ public:
+  Runtime(const std::string& schedule_csv, const py::object& group,
+          const std::map<int, py::object>& chunk_forward,
+          const std::map<int, std::vector<torch::Tensor>>& chunk_parameters,
+          py::object loss, py::object activation_shape, py::object dtype, py::object device,
+          double timeout_s)
+      : sched_(schedule_from_csv(schedule_csv)),
+        loss_(std::move(loss)),
+        activation_shape_(std::move(activation_shape)),
+        chunk_forward_(chunk_forward) {
+    distributed::CommOptions options;
+    options.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+    comm_ = distributed::Comm::from_process_group(process_group_of(group), options);
+    rank_ = comm_->rank();
+    if (comm_->world_size() != sched_.num_ranks)
+      throw py::value_error("the group has " + std::to_string(comm_->world_size()) +
+                            " ranks but the schedule has " + std::to_string(sched_.num_ranks));
+    // This rank's stages and their chunks; every chunk must be given.
+    std::map<int, pipeline::StageModule> modules;
+    for (int st : sched_.stages_of_rank(rank_)) {
+      const int c = sched_.stage_chunk[st];
+      auto f = chunk_forward_.find(c);
+      if (f == chunk_forward_.end())
+        throw py::value_error("rank " + std::to_string(rank_) + " runs stage " +
+                              std::to_string(st) + ", which computes model chunk " +
+                              std::to_string(c) + ", but no module was given for chunk " +
+                              std::to_string(c) + " (give one for each of chunks_of_rank())");
+      pipeline::StageModule mod;
+      py::object fn = f->second;
+      mod.forward = [fn](const torch::Tensor& x) {
+        return as_tensor(call_python(fn, "a stage's forward", x), "a stage's forward");
+      };
+      auto p = chunk_parameters.find(c);
+      if (p != chunk_parameters.end()) mod.parameters = p->second;
+      modules.emplace(st, std::move(mod));
+    }
+    for (const auto& [c, fn] : chunk_forward_) {
+      bool used = false;
+      for (int st : sched_.stages_of_rank(rank_))
+        used = used || sched_.stage_chunk[st] == c;
+      if (!used)
+        throw py::value_error("a module was given for chunk " + std::to_string(c) +
+                              ", which no stage of rank " + std::to_string(rank_) + " computes");
+    }
+    // Replicated chunks: their parameters, and who else holds them.
+    for (const auto& [c, ranks] : chunk_holders(sched_)) {
+      if (ranks.size() < 2 || !chunk_forward_.count(c)) continue;
+      auto p = chunk_parameters.find(c);
+      if (p == chunk_parameters.end()) continue;
+      for (const auto& t : p->second) {
+        replica_params_.push_back(t);
+        replica_holders_.push_back(ranks);
+      }
+    }
+    const int m = sched_.num_microbatches;
+    py::object loss_fn = loss_;
+    auto stage_loss = [loss_fn, m](const torch::Tensor& out, int mb) {
+      torch::Tensor l = as_tensor(call_python(loss_fn, "the loss function", out, mb),
+                                  "the loss function");
+      if (l.numel() != 1)
+        throw std::runtime_error("the loss function must return one number (a tensor of one "
+                                 "element), got shape " + c10::str(l.sizes()));
+      return l / m;  // the mean over microbatches, accumulated
+    };
+    stage_ = std::make_unique<pipeline::PipelineStage>(std::move(modules), stage_loss);
+    pipeline::ExecutorOptions eo;
+    eo.input = [this](int mb) {
+      if (mb >= int(inputs_.size()))
+        throw std::runtime_error("step() was given " + std::to_string(inputs_.size()) +
+                                 " microbatch inputs but the schedule has " +
+                                 std::to_string(sched_.num_microbatches) + " microbatches");
+      return inputs_[mb];
+    };
+    py::object shape_fn = activation_shape_;
+    eo.activation_shape = [shape_fn](int stage, int mb) {
+      py::object s = call_python(shape_fn, "activation_shape", stage, mb);
+      py::gil_scoped_acquire gil;
+      return s.cast<std::vector<int64_t>>();
+    };
+    eo.dtype = dtype.cast<c10::ScalarType>();
+    eo.device = device.is_none() ? torch::Device(torch::kCPU) : device.cast<torch::Device>();
+    executor_ = std::make_unique<pipeline::Executor>(sched_, rank_, *stage_, comm_, std::move(eo));
+  }
+
+  /// One step: every action of this rank once. Returns the mean loss over
+  /// the microbatches (the same on every rank) and this rank's timings.
+  py::dict step(std::vector<torch::Tensor> inputs) {
+    pipeline::StepStats stats;
+    double loss = 0;
+    {
+      py::gil_scoped_release release;
+      inputs_ = std::move(inputs);
+      try {
+        stats = executor_->run_step();
+        if (!replica_params_.empty()) sum_replica_gradients();
+        auto l = torch::tensor({stats.loss_sum}, torch::kFloat64);
+        comm_->all_reduce(l);
+        loss = l.item<double>();
+      } catch (...) {
+        inputs_.clear();
+        throw;
+      }
+      inputs_.clear();
+    }
+    py::dict d;
+    d["loss"] = loss;
+    d["wall"] = stats.wall;
+    d["compute"] = stats.compute;
+    d["comm_wait"] = stats.comm_wait;
+    d["overhead"] = stats.overhead;
+    py::list events;
+    for (const auto& e : stats.events)
+      events.append(py::make_tuple(schedule::to_string(e.action), e.start, e.end));
+    d["events"] = events;
+    return d;
+  }
+
+  int rank() const { return rank_; }
+  std::string backend() const { return comm_->backend_name(); }
+
+ private:
+  void sum_replica_gradients() {
+    std::vector<torch::Tensor> grads;
+    for (const auto& p : replica_params_)
+      grads.push_back(p.grad().defined() ? p.grad() : torch::zeros_like(p));
+    distributed::sum_among_holders(*comm_, grads, replica_holders_);
+    for (size_t i = 0; i < grads.size(); ++i) {
+      torch::Tensor p = replica_params_[i];
+      p.mutable_grad() = grads[i];
+    }
+  }
+
+  schedule::Schedule sched_;
+  py::object loss_, activation_shape_;
+  std::map<int, py::object> chunk_forward_;
+  std::shared_ptr<distributed::Comm> comm_;
+  int rank_ = 0;
+  std::unique_ptr<pipeline::PipelineStage> stage_;
+  std::unique_ptr<pipeline::Executor> executor_;
+  std::vector<torch::Tensor> inputs_;
+  std::vector<torch::Tensor> replica_params_;
+  std::vector<std::vector<int>> replica_holders_;
+};
+
+}  // namespace
+
+void bind_pipeline(py::module_& m) {
+  auto sub = m.def_submodule("pipeline", "the pipeline runtime over a torch.distributed group");
+  sub.def(
+      "schedule_csv",
+      [](const std::string& name, int ranks, int microbatches, int chunks) {
+        schedule::BuildOptions o;
+        o.chunks = chunks;
+        try {
+          return schedule::to_csv(schedule::build(name, ranks, microbatches, o));
+        } catch (const std::invalid_argument& e) {
+          throw py::value_error(e.what());
+        }
+      },
+      py::arg("name"), py::arg("ranks"), py::arg("microbatches"), py::arg("chunks") = 2,
+      "The named schedule (any hyperparallel generator) as CSV text.");
+  sub.def(
+      "layout",
+      [](const std::string& csv) {
+        schedule::Schedule s;
+        try {
+          s = schedule::from_csv(csv);
+        } catch (const std::invalid_argument& e) {
+          throw py::value_error(e.what());
+        }
+        py::dict d;
+        d["num_ranks"] = s.num_ranks;
+        d["num_stages"] = s.num_stages;
+        d["num_chunks"] = s.num_chunks;
+        d["num_microbatches"] = s.num_microbatches;
+        d["stage_rank"] = s.stage_rank;
+        d["stage_chunk"] = s.stage_chunk;
+        return d;
+      },
+      py::arg("csv"), "Placement of a schedule given as CSV: ranks, stages and their chunks.");
+  py::class_<Runtime>(sub, "Runtime")
+      .def(py::init([](const std::string& csv, const py::object& group,
+                       const std::map<int, py::object>& forward,
+                       const std::map<int, std::vector<torch::Tensor>>& parameters,
+                       py::object loss, py::object shape, py::object dtype, py::object device,
+                       double timeout_s) {
+             try {
+               return std::make_unique<Runtime>(csv, group, forward, parameters, loss, shape,
+                                                dtype, device, timeout_s);
+             } catch (const std::invalid_argument& e) {
+               throw py::value_error(e.what());
+             }
+           }),
+           py::arg("schedule_csv"), py::arg("group"), py::arg("chunk_forward"),
+           py::arg("chunk_parameters"), py::arg("loss"), py::arg("activation_shape"),
+           py::arg("dtype"), py::arg("device") = py::none(), py::arg("timeout_s") = 300.0)
+      .def("step", &Runtime::step, py::arg("inputs"),
+           "Runs one step of this rank's actions; returns the loss and timings.")
+      .def_property_readonly("rank", &Runtime::rank)
+      .def_property_readonly("backend", &Runtime::backend);
+}
+
+}  // namespace hp::python

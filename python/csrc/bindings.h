@@ -1,0 +1,28 @@
+// The bind_*.cpp files of hyperparallel._C: one function per part of the API,
+// each registering its classes and functions in a submodule of _C.
+#pragma once
+
+#include <torch/csrc/utils/pybind.h>
+
+namespace hp::python {
+
+namespace py = pybind11;
+
+/// The dx/dw split: _C.autograd (bind_autograd.cpp).
+void bind_autograd(py::module_& m);
+/// Recompute sessions and checkpoints: _C.recompute (bind_recompute.cpp).
+void bind_recompute(py::module_& m);
+/// Schedules as data: _C.schedule (bind_schedule.cpp).
+void bind_schedule(py::module_& m);
+/// The pipeline runtime over a torch.distributed group: _C.pipeline (bind_pipeline.cpp).
+void bind_pipeline(py::module_& m);
+
+/// Registers every part in `m`.
+inline void bind_all(py::module_& m) {
+  bind_autograd(m);
+  bind_recompute(m);
+  bind_schedule(m);
+  bind_pipeline(m);
+}
+
+}  // namespace hp::python

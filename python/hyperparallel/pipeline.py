@@ -1,0 +1,235 @@
+"""Train your own ``nn.Module`` stages with any hyperparallel schedule.
+
+The stages run on hyperparallel's C++ executor over the
+``torch.distributed`` process group you made (Gloo on CPU, NCCL on GPU),
+started the usual way (``torchrun``). Each rank builds the model chunks its
+stages compute (``chunks_of_rank``), gives them to :class:`Pipeline`, and
+calls :meth:`Pipeline.step` once per optimizer step; weight gradients land in
+the parameters' ``.grad`` as ``loss.backward()`` would put them, so any
+optimizer steps them.
+
+    import torch.distributed as dist
+    import hyperparallel as hp
+
+    dist.init_process_group("gloo")
+    rank, p = dist.get_rank(), dist.get_world_size()
+    sched = hp.pipeline.schedule("zbv", ranks=p, microbatches=8)
+    chunks = {c: make_chunk(c, sched.num_chunks) for c in sched.chunks_of_rank(rank)}
+    pipe = hp.pipeline.Pipeline(chunks, sched, loss_fn=torch.nn.functional.cross_entropy,
+                                activation_shape=(4, 64, 128))
+    opt = torch.optim.AdamW([q for c in chunks.values() for q in c.parameters()])
+    for inputs, targets in data:
+        opt.zero_grad()
+        loss = pipe.step(inputs, targets)
+        opt.step()
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+
+__all__ = ["PipelineSchedule", "schedule", "Pipeline"]
+
+
+@dataclass(frozen=True)
+class PipelineSchedule:
+    """A schedule's placement, as the runtime needs it: which rank runs each
+    virtual stage and which model chunk each stage computes. ``csv`` is the
+    schedule itself (hyperparallel's CSV form, see docs/schedules.md)."""
+
+    csv: str
+    num_ranks: int
+    num_stages: int
+    num_chunks: int
+    num_microbatches: int
+    stage_rank: Tuple[int, ...]
+    stage_chunk: Tuple[int, ...]
+
+    @staticmethod
+    def from_csv(csv: str) -> "PipelineSchedule":
+        """A schedule from its CSV text (e.g. written by ``hp schedule tune``)."""
+        if not isinstance(csv, str):
+            raise TypeError(f"csv must be a str, got {type(csv).__name__}")
+        lay = _C.pipeline.layout(csv)
+        return PipelineSchedule(
+            csv=csv,
+            num_ranks=lay["num_ranks"],
+            num_stages=lay["num_stages"],
+            num_chunks=lay["num_chunks"],
+            num_microbatches=lay["num_microbatches"],
+            stage_rank=tuple(lay["stage_rank"]),
+            stage_chunk=tuple(lay["stage_chunk"]),
+        )
+
+    def stages_of_rank(self, rank: int) -> List[int]:
+        """The virtual stages ``rank`` runs, in increasing order."""
+        return [s for s, r in enumerate(self.stage_rank) if r == rank]
+
+    def chunks_of_rank(self, rank: int) -> List[int]:
+        """The model chunks ``rank`` must hold (one module each), in increasing order.
+        A chunk held by several ranks (DualPipe's mirrored copies) is a replica:
+        give every holder the same initial weights; their gradients are summed."""
+        return sorted({self.stage_chunk[s] for s in self.stages_of_rank(rank)})
+
+
+def schedule(name: str, ranks: int, microbatches: int, chunks: int = 2) -> PipelineSchedule:
+    """The named hyperparallel schedule (``1f1b``, ``zb-h1``, ``zbv``,
+    ``dualpipev``, ``zb-auto``, ...; ``chunks`` is the virtual stages per rank
+    of the interleaved ones). The model is cut into ``num_chunks`` consecutive
+    chunks."""
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {type(name).__name__}")
+    for arg, value in (("ranks", ranks), ("microbatches", microbatches), ("chunks", chunks)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{arg} must be a positive int, got {value!r}")
+    return PipelineSchedule.from_csv(_C.pipeline.schedule_csv(name, ranks, microbatches, chunks))
+
+
+Shape = Union[Sequence[int], Callable[[int, int], Sequence[int]]]
+
+
+class Pipeline:
+    """One rank's part of a pipeline: its model chunks, run by the C++
+    executor with the schedule's actions (F, I, W, B, sends, receives).
+
+    Args:
+        chunks: ``{chunk: module}`` for every chunk of ``schedule.chunks_of_rank(rank)``;
+            any callable taking and returning one tensor works; its weights are
+            ``module.parameters()`` that require grad (or give ``parameters``).
+        schedule: a :class:`PipelineSchedule` (see :func:`schedule`).
+        loss_fn: ``loss_fn(output, target) -> scalar tensor``, on the last stage
+            of each microbatch; the step's loss is the mean over microbatches.
+        activation_shape: the shape of what one stage hands the next for one
+            microbatch (a tuple), or ``fn(stage, microbatch) -> shape``.
+        group: the process group of the pipeline's ranks (default: the world);
+            rank r of the group runs the schedule's rank r.
+        dtype: dtype of activations and gradients between stages (default:
+            the first parameter's).
+        device: where received activations live (default: the first
+            parameter's device).
+        parameters: ``{chunk: [tensor, ...]}`` weights of callables that are not
+            modules.
+        timeout: seconds any wait may take before it fails naming the peer.
+    """
+
+    def __init__(
+        self,
+        chunks: Mapping[int, Callable[[torch.Tensor], torch.Tensor]],
+        schedule: PipelineSchedule,
+        *,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        activation_shape: Shape,
+        group: Optional[dist.ProcessGroup] = None,
+        dtype: Optional[torch.dtype] = None,
+        device: Optional[Union[torch.device, str]] = None,
+        parameters: Optional[Mapping[int, Sequence[torch.Tensor]]] = None,
+        timeout: float = 300.0,
+    ):
+        if not isinstance(schedule, PipelineSchedule):
+            raise TypeError(
+                "schedule must be a hyperparallel.pipeline.PipelineSchedule "
+                f"(hyperparallel.pipeline.schedule(...)), got {type(schedule).__name__}"
+            )
+        if not isinstance(chunks, Mapping) or not chunks:
+            raise TypeError("chunks must be a non-empty dict {chunk index: module or callable}")
+        if not callable(loss_fn):
+            raise TypeError("loss_fn must be callable: loss_fn(output, target) -> tensor")
+        if group is None:
+            if not dist.is_initialized():
+                raise RuntimeError(
+                    "torch.distributed is not initialized: call "
+                    "torch.distributed.init_process_group first (torchrun sets its variables)"
+                )
+            group = dist.group.WORLD
+        forward: Dict[int, Callable] = {}
+        params: Dict[int, List[torch.Tensor]] = {}
+        for c, mod in chunks.items():
+            if not isinstance(c, int):
+                raise TypeError(f"chunk keys must be ints, got {c!r}")
+            if not callable(mod):
+                raise TypeError(f"chunk {c} is not callable: {type(mod).__name__}")
+            forward[c] = mod
+            if parameters is not None and c in parameters:
+                params[c] = list(parameters[c])
+            elif isinstance(mod, torch.nn.Module):
+                params[c] = [q for q in mod.parameters() if q.requires_grad]
+            else:
+                params[c] = []
+        first = next((q for ps in params.values() for q in ps), None)
+        if dtype is None:
+            dtype = first.dtype if first is not None else torch.get_default_dtype()
+        if device is None:
+            device = first.device if first is not None else torch.device("cpu")
+        device = torch.device(device)
+        if callable(activation_shape):
+            shape_fn = activation_shape
+        else:
+            fixed = tuple(int(d) for d in activation_shape)
+            shape_fn = lambda stage, mb: fixed  # noqa: E731
+        self._targets: List[torch.Tensor] = []
+        self._loss_fn = loss_fn
+        self.schedule = schedule
+        self._runtime = _C.pipeline.Runtime(
+            schedule.csv,
+            group,
+            forward,
+            params,
+            self._loss_of_microbatch,
+            shape_fn,
+            dtype,
+            device,
+            float(timeout),
+        )
+        self.rank = self._runtime.rank
+        self.last_stats: Dict[str, object] = {}
+
+    def _loss_of_microbatch(self, output: torch.Tensor, mb: int) -> torch.Tensor:
+        if not self._targets:
+            raise ValueError(
+                f"rank {self.rank} runs the last stage of microbatch {mb}'s route: give step() "
+                "the targets"
+            )
+        return self._loss_fn(output, self._targets[mb])
+
+    @staticmethod
+    def _split(batch, m: int, what: str) -> List[torch.Tensor]:
+        if batch is None:
+            return []
+        if isinstance(batch, torch.Tensor):
+            if batch.shape[0] % m != 0:
+                raise ValueError(
+                    f"{what}: the batch's first dimension ({batch.shape[0]}) is not divisible by "
+                    f"the {m} microbatches"
+                )
+            return list(batch.chunk(m))
+        parts = list(batch)
+        if len(parts) != m:
+            raise ValueError(f"{what}: {len(parts)} microbatches given, the schedule has {m}")
+        for k, t in enumerate(parts):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{what}[{k}] is a {type(t).__name__}, not a tensor")
+        return parts
+
+    def step(self, inputs=None, targets=None) -> float:
+        """Runs one step: forward and backward of every microbatch of this
+        rank's stages, weight gradients accumulated into ``.grad``. ``inputs``
+        (needed on the ranks running a route's first stage) and ``targets``
+        (on those running a last stage) are a batch tensor split into the
+        schedule's microbatches along dim 0, or a list of one tensor per
+        microbatch. Returns the mean loss over the microbatches, on every rank."""
+        m = self.schedule.num_microbatches
+        ins = self._split(inputs, m, "inputs")
+        self._targets = self._split(targets, m, "targets")
+        try:
+            stats = self._runtime.step(ins)
+        finally:
+            self._targets = []
+        self.last_stats = stats
+        return stats["loss"]
