@@ -2,16 +2,27 @@
 
 bench/bench_split.cpp times, on a GPT-style transformer block and a wide MLP,
 a fused backward and a split one (dx, then dw) of hp::autograd::GradFunction
-in C++. This runs the same shapes through the Python API
+driven from C++. This file runs the same shapes through the Python API
 (hyperparallel.forward_and_gradfn: forward in Python, then
-GradFunction.compute_input_grad / compute_weight_grad, or grad_fn() fused) and
-alternates, round after round, a run of the C++ binary and a run of this file's
-worker, each a fresh process pinned to the same core with one thread and the
-same malloc settings (NOTE [glibc malloc and page faults]). It prints, per
-model, the medians and the ratios Python / C++ (the goal: the split from
-Python costs at most 3 % more than from C++).
+GradFunction.compute_input_grad / compute_weight_grad, or grad_fn() fused) in
+two comparisons, pinned to one core with one thread and the same malloc
+settings (NOTE [glibc malloc and page faults]):
 
-    python bench/python/bench_split.py [--rounds 3] [--core 1] [--nice -10]
+1. In one process, iteration by iteration: the split (and the fused backward)
+   through the Python API, and the same split of an identical graph driven
+   from C++ (`_C.autograd._time_split_from_cpp`, timed inside C++ as
+   bench_split.cpp times it), in rotating order. The per-iteration ratios
+   Python / C++ are paired in time, so a shared machine's noise hits both.
+2. Across processes, round after round: a run of the C++ binary
+   build/bench/bench_split (a C++ forward, LibTorch's C++ engine) and a run of
+   this file's worker (a Python forward, the engine torch's Python module
+   installs), in alternating order. Noisier on a loaded machine (each side's
+   run takes tens of seconds), but it includes everything that differs.
+
+It prints the medians and the ratios (the goal: the split from Python costs at
+most 3 % more than from C++).
+
+    python bench/python/bench_split.py [--iterations 40] [--rounds 2] [--core 1] [--nice -10]
                                        [--models TransformerBlock,WideMlp] [--json out.json]
 """
 
@@ -128,8 +139,54 @@ def worker(model: str, min_time: float) -> dict:
             "split_ms": statistics.median(split) * 1e3}
 
 
+def inprocess(model: str, iterations: int) -> dict:
+    """Comparison 1: the Python API and C++ on identical graphs, iteration by iteration, in
+    wall-clock and in this thread's CPU time."""
+    import torch
+
+    import hyperparallel as hp
+    from hyperparallel import _C
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    weights, inp, forward = (transformer_block if model == "TransformerBlock" else wide_mlp)(torch)
+    wall, cpu = time.perf_counter, time.thread_time
+    kinds = ["py_fused", "py_split", "cpp_fused", "cpp_split"]
+    # per kind: one (wall, cpu) of the whole backward per iteration
+    t = {k: [] for k in kinds}
+    for it in range(iterations + 1):  # iteration 0 warms up
+        for kind in kinds[it % 4:] + kinds[: it % 4]:
+            x = inp.detach().requires_grad_(True)
+            if kind.startswith("py"):
+                gf = hp.forward_and_gradfn(forward, x, weights=weights)[1]
+                w0, c0 = wall(), cpu()
+                if kind == "py_fused":
+                    gf()
+                else:
+                    gf.compute_input_grad()
+                    gf.compute_weight_grad()
+                sample = (wall() - w0, cpu() - c0)
+                del gf
+            else:
+                y = forward(x)
+                s = _C.autograd._time_split_from_cpp([y], [x], weights, kind == "cpp_fused")
+                sample = (s[0], s[1]) if kind == "cpp_fused" else (s[0] + s[1], s[2] + s[3])
+                del y
+            if it:
+                t[kind].append(sample)
+    med = statistics.median
+    out = {"iterations": iterations}
+    for clock, c in (("wall", 0), ("cpu", 1)):
+        for k in kinds:
+            out[f"{k}_{clock}_ms"] = med(v[c] for v in t[k]) * 1e3
+        for what in ("split", "fused"):
+            py, cc = t[f"py_{what}"], t[f"cpp_{what}"]
+            out[f"{what}_{clock}_ratio"] = med(p[c] / q[c] for p, q in zip(py, cc))
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
-# The driver: alternating fresh processes, pinned.
+# The driver: fresh processes, pinned.
 # ---------------------------------------------------------------------------------------------
 def pinned(core, nice):
     """The command prefix of every run: pinned to `core`, at niceness `nice` when given."""
@@ -147,75 +204,113 @@ def run_cpp(binary, model, core, nice):
             "dw_ms": b["dw_ms"], "split_ms": b["split_over_fused"] * b["fused_ms"]}
 
 
-def run_python(model, core, nice, min_time):
+def run_worker(core, nice, *worker_args):
     env = dict(os.environ, **MALLOC_ENV, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.join(ROOT, "python"),
                                                       env.get("PYTHONPATH")]))
     out = subprocess.run(
-        pinned(core, nice) + [sys.executable, os.path.abspath(__file__), "--worker",
-         model, "--min-time", str(min_time)],
+        pinned(core, nice) + [sys.executable, os.path.abspath(__file__), *worker_args],
         env=env, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--iterations", type=int, default=40,
+                    help="in-process comparison: iterations per model (0: skip it)")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="comparison with the C++ binary: rounds (0: skip it)")
     ap.add_argument("--core", type=int, default=1, help="the core every run is pinned to")
+    ap.add_argument("--nice", type=int, default=0,
+                    help="run everything at this niceness (e.g. -10 as root on a shared machine)")
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--binary", default=os.path.join(ROOT, "build", "bench", "bench_split"))
-    ap.add_argument("--min-time", type=float, default=MIN_TIME)
-    ap.add_argument("--nice", type=int, default=0,
-                    help="run both sides at this niceness (e.g. -10 as root on a shared machine)")
+    ap.add_argument("--min-time", type=float, default=MIN_TIME,
+                    help="seconds of fused backward per worker run (the binary's MinTime)")
     ap.add_argument("--json", help="write every run and the ratios here")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--inprocess", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(worker(args.worker, args.min_time)))
         return
-    if not os.path.exists(args.binary):
+    if args.inprocess:
+        print(json.dumps(inprocess(args.inprocess, args.iterations)))
+        return
+    if args.rounds and not os.path.exists(args.binary):
         sys.exit(f"{args.binary} not found: build it (cmake --build build --target bench_split)")
 
     models = args.models.split(",")
-    runs = {m: [] for m in models}
-    print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, core "
-          f"{args.core}, nice {args.nice}, one thread, {args.rounds} rounds, load average "
+    result = {"core": args.core, "nice": args.nice, "inprocess": {}, "binary": {}}
+    print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, torch "
+          f"{_torch_version()}, core {args.core}, nice {args.nice}, one thread, load average "
           f"{os.getloadavg()[0]:.1f}", flush=True)
-    for r in range(args.rounds):
-        for m in models:
-            # Alternate which side goes first, so slow drift hits both alike.
-            sides = ["cpp", "py"] if (r + models.index(m)) % 2 == 0 else ["py", "cpp"]
-            res = {}
-            for side in sides:
-                res[side] = (run_cpp(args.binary, m, args.core, args.nice) if side == "cpp"
-                             else run_python(m, args.core, args.nice, args.min_time))
-            runs[m].append(res)
-            c, p = res["cpp"], res["py"]
-            print(f"round {r} {m:16s} split C++ {c['split_ms']:8.2f} ms  Python "
-                  f"{p['split_ms']:8.2f} ms  ({p['split_ms'] / c['split_ms']:.3f}x)   fused C++ "
-                  f"{c['fused_ms']:8.2f}  Python {p['fused_ms']:8.2f}", flush=True)
 
-    print()
-    print(f"{'model':16s} {'C++ split ms':>12s} {'Py split ms':>12s} {'Py/C++ split':>13s} "
-          f"{'Py/C++ split/fused':>19s} {'Py/C++ fused':>13s}")
-    summary = {}
-    for m in models:
-        rs = runs[m]
-        split = statistics.median(x["py"]["split_ms"] / x["cpp"]["split_ms"] for x in rs)
-        rel = statistics.median((x["py"]["split_ms"] / x["py"]["fused_ms"])
-                                / (x["cpp"]["split_ms"] / x["cpp"]["fused_ms"]) for x in rs)
-        fused = statistics.median(x["py"]["fused_ms"] / x["cpp"]["fused_ms"] for x in rs)
-        cs = statistics.median(x["cpp"]["split_ms"] for x in rs)
-        ps = statistics.median(x["py"]["split_ms"] for x in rs)
-        summary[m] = {"split_ratio": split, "split_over_fused_ratio": rel, "fused_ratio": fused,
-                      "cpp_split_ms": cs, "py_split_ms": ps}
-        print(f"{m:16s} {cs:12.2f} {ps:12.2f} {split:13.3f} {rel:19.3f} {fused:13.3f}")
-    print("\n(ratios: medians over rounds of Python / C++ from adjacent runs; "
-          "'split/fused' divides each side by its own fused backward first)")
+    if args.iterations:
+        print(f"\n1. One process, {args.iterations} iterations, the Python API against C++ on "
+              "identical graphs (ratios: medians of per-iteration Python / C++)")
+        print(f"{'model':16s} {'clock':5s} {'C++ split ms':>12s} {'Py split ms':>12s} "
+              f"{'Py/C++ split':>13s} {'C++ fused ms':>13s} {'Py fused ms':>12s} "
+              f"{'Py/C++ fused':>13s}")
+        for m in models:
+            r = run_worker(args.core, args.nice, "--inprocess", m, "--iterations",
+                           str(args.iterations))
+            result["inprocess"][m] = r
+            for clock in ("wall", "cpu"):
+                print(f"{m:16s} {clock:5s} {r[f'cpp_split_{clock}_ms']:12.2f} "
+                      f"{r[f'py_split_{clock}_ms']:12.2f} {r[f'split_{clock}_ratio']:13.3f} "
+                      f"{r[f'cpp_fused_{clock}_ms']:13.2f} {r[f'py_fused_{clock}_ms']:12.2f} "
+                      f"{r[f'fused_{clock}_ratio']:13.3f}", flush=True)
+        print("(cpu: this thread's CPU time, which leaves out the time other processes hold "
+              "the core)")
+
+    if args.rounds:
+        print(f"\n2. Fresh processes, {args.rounds} rounds: build/bench/bench_split against "
+              "this file's worker")
+        runs = {m: [] for m in models}
+        for r in range(args.rounds):
+            for m in models:
+                # Alternate which side goes first, so slow drift hits both alike.
+                sides = ["cpp", "py"] if (r + models.index(m)) % 2 == 0 else ["py", "cpp"]
+                res = {}
+                for side in sides:
+                    res[side] = (run_cpp(args.binary, m, args.core, args.nice) if side == "cpp"
+                                 else run_worker(args.core, args.nice, "--worker", m,
+                                                 "--min-time", str(args.min_time)))
+                runs[m].append(res)
+                c, p = res["cpp"], res["py"]
+                print(f"round {r} {m:16s} split C++ {c['split_ms']:8.2f} ms  Python "
+                      f"{p['split_ms']:8.2f} ms  ({p['split_ms'] / c['split_ms']:.3f}x)   fused "
+                      f"C++ {c['fused_ms']:8.2f}  Python {p['fused_ms']:8.2f}", flush=True)
+        print(f"{'model':16s} {'C++ split ms':>12s} {'Py split ms':>12s} {'Py/C++ split':>13s} "
+              f"{'Py/C++ split/fused':>19s} {'Py/C++ fused':>13s}")
+        for m in models:
+            rs = runs[m]
+            med = statistics.median
+            summary = {
+                "cpp_split_ms": med(x["cpp"]["split_ms"] for x in rs),
+                "py_split_ms": med(x["py"]["split_ms"] for x in rs),
+                "split_ratio": med(x["py"]["split_ms"] / x["cpp"]["split_ms"] for x in rs),
+                "split_over_fused_ratio": med((x["py"]["split_ms"] / x["py"]["fused_ms"])
+                                              / (x["cpp"]["split_ms"] / x["cpp"]["fused_ms"])
+                                              for x in rs),
+                "fused_ratio": med(x["py"]["fused_ms"] / x["cpp"]["fused_ms"] for x in rs),
+            }
+            result["binary"][m] = {"runs": rs, "summary": summary}
+            print(f"{m:16s} {summary['cpp_split_ms']:12.2f} {summary['py_split_ms']:12.2f} "
+                  f"{summary['split_ratio']:13.3f} {summary['split_over_fused_ratio']:19.3f} "
+                  f"{summary['fused_ratio']:13.3f}")
+        print("(ratios: medians over rounds of Python / C++ from adjacent runs; 'split/fused' "
+              "divides each side by its own fused backward first)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"runs": runs, "summary": summary, "core": args.core,
-                       "rounds": args.rounds}, f, indent=1)
+            json.dump(result, f, indent=1)
+
+
+def _torch_version():
+    out = subprocess.run([sys.executable, "-c", "import torch; print(torch.__version__)"],
+                         capture_output=True, text=True)
+    return out.stdout.strip() or "?"
 
 
 if __name__ == "__main__":

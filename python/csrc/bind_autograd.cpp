@@ -3,6 +3,10 @@
 // see hyperparallel/split.py), its dx, dw and fused backward, and its stats.
 #include <torch/csrc/Exceptions.h>
 
+#include <chrono>
+#include <ctime>
+#include <vector>
+
 #include "bindings.h"
 #include "hp/autograd/grad_function.h"
 
@@ -96,12 +100,55 @@ void bind_autograd(py::module_& m) {
           py::arg("sens") = TensorList{}, py::arg("keep_graph") = false,
           "(dx, dw) of one fused backward; dw is accumulated into .grad too.")
       .def(
-          "separate_dw_calls",
-          [](GradFunction& self, bool on) { self.separate_dw_calls(on); }, py::arg("on"),
-          "Run dw as one engine call per weight group (identical results).")
+          "separate_dw_calls", [](GradFunction& self, bool on) { self.separate_dw_calls(on); },
+          py::arg("on"), "Run dw as one engine call per weight group (identical results).")
       .def_property_readonly("num_inputs", &GradFunction::num_inputs)
       .def_property_readonly("num_weights", &GradFunction::num_weights)
       .def_property_readonly("stats", &GradFunction::stats);
+
+  // For bench/python/bench_split.py: the split of an already-run forward driven
+  // from C++ as bench/bench_split.cpp drives it (GradFunction built untimed,
+  // then dx and dw, or the fused backward, timed), so that the same process can
+  // alternate it with the split driven through the Python API on identical
+  // graphs. Returns wall-clock seconds, then this thread's CPU seconds (with
+  // one intra-op thread on the CPU the engine runs all the work on this
+  // thread; CPU time does not count the time other processes hold the core).
+  sub.def(
+      "_time_split_from_cpp",
+      [](TensorList outputs, TensorList inputs, TensorList weights, bool fused) {
+        HANDLE_TH_ERRORS
+        using Clock = std::chrono::steady_clock;
+        auto wall = [] {
+          return std::chrono::duration<double>(Clock::now().time_since_epoch()).count();
+        };
+        auto cpu = [] {
+          timespec ts{};
+          clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+          return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
+        };
+        std::vector<double> times;
+        {
+          py::gil_scoped_release no_gil;
+          GradFunction gf(std::move(outputs), std::move(inputs), std::move(weights));
+          double w0 = wall(), c0 = cpu();
+          if (fused) {
+            gf();
+            double w1 = wall(), c1 = cpu();
+            times = {w1 - w0, c1 - c0};
+          } else {
+            gf.compute_input_grad();
+            double w1 = wall(), c1 = cpu();
+            gf.compute_weight_grad();
+            double w2 = wall(), c2 = cpu();
+            times = {w1 - w0, w2 - w1, c1 - c0, c2 - c1};
+          }
+        }
+        return times;
+        END_HANDLE_TH_ERRORS_PYBIND
+      },
+      py::arg("outputs"), py::arg("inputs"), py::arg("weights"), py::arg("fused"),
+      "Benchmark helper: [wall, cpu] seconds of the fused backward, or [dx wall, dw wall, dx "
+      "cpu, dw cpu] of the split, of a GradFunction driven from C++.");
 }
 
 }  // namespace hp::python
