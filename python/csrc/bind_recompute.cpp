@@ -226,13 +226,14 @@ void bind_recompute(py::module_& m) {
       .def_readonly("id", &PySession::id)
       .def_property_readonly("retain_on_unpack",
                              [](const PySession& s) { return s.options.retain_on_unpack(); })
-      .def("__enter__",
-           [](PySession& s) {
-             HANDLE_TH_ERRORS
-             return s.enter();
-             END_HANDLE_TH_ERRORS_PYBIND
-           },
-           py::return_value_policy::reference)
+      .def(
+          "__enter__",
+          [](PySession& s) {
+            HANDLE_TH_ERRORS
+            return s.enter();
+            END_HANDLE_TH_ERRORS_PYBIND
+          },
+          py::return_value_policy::reference)
       .def("__exit__", [](PySession& s, const py::args&) {
         HANDLE_TH_ERRORS
         s.exit();
@@ -251,8 +252,7 @@ void bind_recompute(py::module_& m) {
           },
           "Recompute the block now (prefetch) unless a recompute already waits.")
       .def("is_recomputed", &RecomputeHandle::is_recomputed)
-      .def("release", &RecomputeHandle::release,
-           "Drop a result prefetched outside any session.")
+      .def("release", &RecomputeHandle::release, "Drop a result prefetched outside any session.")
       .def("alive", &RecomputeHandle::alive, "False once the block's graph is gone.")
       .def_property_readonly("block_id", &RecomputeHandle::block_id)
       .def("__repr__", [](const RecomputeHandle& h) {
@@ -263,13 +263,14 @@ void bind_recompute(py::module_& m) {
   py::class_<PyCollector>(sub, "HandleCollector",
                           "Context manager: gathers one handle per checkpoint made inside it.")
       .def(py::init<>())
-      .def("__enter__",
-           [](PyCollector& c) {
-             HANDLE_TH_ERRORS
-             return c.enter();
-             END_HANDLE_TH_ERRORS_PYBIND
-           },
-           py::return_value_policy::reference)
+      .def(
+          "__enter__",
+          [](PyCollector& c) {
+            HANDLE_TH_ERRORS
+            return c.enter();
+            END_HANDLE_TH_ERRORS_PYBIND
+          },
+          py::return_value_policy::reference)
       .def("__exit__",
            [](PyCollector& c, const py::args&) {
              HANDLE_TH_ERRORS
@@ -288,9 +289,9 @@ void bind_recompute(py::module_& m) {
         HANDLE_TH_ERRORS
         TORCH_CHECK_TYPE(PyCallable_Check(fn.ptr()), "checkpoint: fn must be callable, not ",
                          Py_TYPE(fn.ptr())->tp_name);
-        auto options =
-            CheckpointOptions().preserve_rng_state(preserve_rng_state).check_versions(
-                check_versions);
+        auto options = CheckpointOptions()
+                           .preserve_rng_state(preserve_rng_state)
+                           .check_versions(check_versions);
         return hp::recompute::checkpoint(python_block(hold(std::move(fn))), inputs, weights,
                                          options);
         END_HANDLE_TH_ERRORS_PYBIND

@@ -171,9 +171,9 @@ class GradFunction:
             if isinstance(skel, int):
                 if s is not None and not isinstance(s, torch.Tensor):
                     raise TypeError(
-                    f"sens{path} is {_describe(s)} but the output there is a Tensor; pass a "
-                    "Tensor (or None)"
-                )
+                        f"sens{path} is {_describe(s)} but the output there is a Tensor; "
+                        "pass a Tensor (or None)"
+                    )
                 given[skel] = s
             elif isinstance(skel, (list, tuple)):
                 if not isinstance(s, (list, tuple)) or len(s) != len(skel):
@@ -305,7 +305,9 @@ def forward_and_gradfn(fn, *inputs, weights=None, has_aux=False, grad_position=0
     tensors that do not require grad are left out, and `sens` takes its shape.
     """
     if not callable(fn):
-        raise TypeError(f"fn must be callable (a function or an nn.Module), not {type(fn).__name__}")
+        raise TypeError(
+            f"fn must be callable (a function or an nn.Module), not {type(fn).__name__}"
+        )
     if not isinstance(has_aux, bool):
         raise TypeError(f"has_aux must be a bool, not {type(has_aux).__name__}")
     positions, single = _resolve_grad_position(grad_position, len(inputs))
