@@ -44,7 +44,9 @@ using torch::autograd::variable_list;
 // an ordinary checkpoint under two backward calls; a retaining session makes it
 // once, and the FLOPs of dx + dw are one forward plus one fused backward.
 // Reentrancy: the inner GradFunction runs LibTorch's engine from inside this
-// node's apply (a reentrant backward, supported on the CPU engine's thread).
+// node's apply (a reentrant backward, supported on the CPU engine's thread
+// and on a device thread alike). The current session is found on whichever
+// thread runs the node (NOTE [Sessions reach the engine's threads]).
 
 // NOTE [Weight gradients are accumulated once]
 // GradFunction accumulates the dw it computes into each weight's .grad (as
@@ -56,8 +58,9 @@ using torch::autograd::variable_list;
 // the recompute on detached weight aliases, would need `fn` to take its
 // weights as arguments; blocks usually capture their parameters.) The shield
 // assumes nothing else writes these weights' .grad while the node runs, which
-// holds on the CPU engine: the backward runs its nodes one at a time on the
-// calling thread.
+// holds while one thread runs the block's part of the graph: the engine runs
+// the nodes of CPU tensors one at a time on the calling thread, and those of
+// a device's tensors one at a time on that device's thread.
 
 namespace detail {
 

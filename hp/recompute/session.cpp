@@ -1,13 +1,14 @@
 // The recompute session registry: sessions keyed by id behind one mutex, the
-// thread-local stack of open guards, explicit clear and the counters.
+// open guards carried in LibTorch's thread-local state (so that they reach
+// the engine's device threads), explicit clear and the counters.
 #include "hp/recompute/session.h"
 
 #include <c10/util/Exception.h>
+#include <c10/util/ThreadLocalDebugInfo.h>
 
 #include <atomic>
 #include <mutex>
 #include <unordered_map>
-#include <vector>
 
 #include "hp/recompute/session_registry.h"
 
@@ -21,9 +22,37 @@ namespace {
 // a backward runs: a block's backward may recompute nested checkpoints that
 // use the registry again (reentrant backward on the same thread). A block in
 // use is therefore out of the map, so two threads never use one recomputed
-// graph at once. Which session a backward belongs to is thread-local (the
-// guard stack below): LibTorch's CPU engine runs a backward's nodes on the
-// thread that called it. Recomputed blocks are destroyed outside the lock.
+// graph at once. Which session a backward belongs to travels with the
+// thread's state (NOTE [Sessions reach the engine's threads]). Recomputed
+// blocks are destroyed outside the lock.
+
+// NOTE [Sessions reach the engine's threads]
+// The session must be known where a backward's nodes run. LibTorch's engine
+// runs the nodes of CPU tensors on the thread that called it, but those of
+// CUDA (or other device) tensors on its worker thread for that device. Every
+// graph task captures the caller's at::ThreadLocalState when it starts, and
+// a worker installs it around each node it runs (ThreadLocalStateGuard in
+// Engine::thread_main); a reentrant backward started inside a node captures
+// it again. A C++ thread_local is not part of that state (a session kept in
+// one was invisible on the device thread, so dx and dw recomputed every
+// block twice on CUDA); c10::ThreadLocalDebugInfo is, and is meant for
+// exactly this (c10/util/ThreadLocalDebugInfo.h: "propagated across the
+// forward ... and backward passes"). So a guard pushes its session as debug
+// info of our own kind, kSessionInfo, a value LibTorch's DebugInfoKind does
+// not name (lookups compare kinds; nothing indexes by them), and
+// current_session() reads it on whatever thread runs the node. One caveat of
+// c10's stack: a profiler enabled outside a session guard and disabled inside
+// it (DebugInfoKind::PROFILER_STATE is popped, not scoped) fails; enable and
+// disable profilers on one side of a guard. Tested on the CPU by running dx
+// and dw on another thread under the state captured on the caller, as the
+// device threads do (RecomputeTest.SessionReachesTheThreadThatRunsTheBackward),
+// and on CUDA by scripts/gpu_check.sh.
+constexpr auto kSessionInfo = static_cast<c10::DebugInfoKind>(0x68);
+
+struct SessionInfo : c10::DebugInfoBase {
+  explicit SessionInfo(detail::CurrentSession c) : current(c) {}
+  detail::CurrentSession current;
+};
 
 struct SessionRecord {
   std::unordered_map<uint64_t, detail::RecomputedPtr> cache;
@@ -45,11 +74,6 @@ struct GlobalCounters {
 GlobalCounters& global() {
   static GlobalCounters g;
   return g;
-}
-
-std::vector<detail::CurrentSession>& guard_stack() {
-  static thread_local std::vector<detail::CurrentSession> stack;
-  return stack;
 }
 
 void bump(RecomputeCounters& c, detail::Event event) {
@@ -77,8 +101,8 @@ void bump(RecomputeCounters& c, detail::Event event) {
 namespace detail {
 
 const CurrentSession* current_session() {
-  auto& stack = guard_stack();
-  return stack.empty() ? nullptr : &stack.back();
+  auto* info = static_cast<SessionInfo*>(c10::ThreadLocalDebugInfo::get(kSessionInfo));
+  return info == nullptr ? nullptr : &info->current;
 }
 
 RecomputedPtr take_cached(SessionId id, uint64_t block_id) {
@@ -132,20 +156,27 @@ void record(const SessionId* session, Event event) {
 
 }  // namespace detail
 
+struct RecomputeSession::Scope {
+  explicit Scope(std::shared_ptr<SessionInfo> i) : info(i), guard(kSessionInfo, i) {}
+  std::shared_ptr<SessionInfo> info;
+  c10::DebugInfoGuard guard;  // restores the thread's previous debug info when destroyed
+};
+
 RecomputeSession::RecomputeSession(SessionId id, SessionOptions options)
     : id_(id), options_(options) {
   {
     std::lock_guard<std::mutex> lock(registry_mutex());
     registry()[id];  // opens the session
   }
-  guard_stack().push_back({id, options});
+  scope_ =
+      std::make_unique<Scope>(std::make_shared<SessionInfo>(detail::CurrentSession{id, options}));
 }
 
 RecomputeSession::~RecomputeSession() {
-  auto& stack = guard_stack();
-  TORCH_INTERNAL_ASSERT(!stack.empty() && stack.back().id == id_,
-                        "RecomputeSession guards must close in reverse order of opening");
-  stack.pop_back();
+  TORCH_INTERNAL_ASSERT(c10::ThreadLocalDebugInfo::get(kSessionInfo) == scope_->info.get(),
+                        "RecomputeSession guards must close on the thread that opened them, in "
+                        "reverse order of opening");
+  scope_.reset();
 }
 
 size_t clear_session(SessionId id) {

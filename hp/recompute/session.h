@@ -1,13 +1,15 @@
 // Recompute sessions: the per-process registry (keyed by a caller-chosen id)
 // of recomputed checkpoint blocks waiting for their next consumer, the RAII
-// guard that makes a session current for the backwards run on this thread,
-// explicit clear, and the counters tests and users read.
+// guard that makes a session current for the backwards it starts (on this
+// thread and on the autograd engine's device threads), explicit clear, and
+// the counters tests and users read.
 #pragma once
 
 #include <torch/arg.h>
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 
 namespace hp::recompute {
 
@@ -40,11 +42,14 @@ struct SessionStats {
 };
 
 /// Makes session `id` current on this thread for its lifetime: every backward
-/// (and every `RecomputeHandle::recompute`) run on this thread inside it
-/// shares the session's recomputed blocks. Opens the session if it does not
-/// exist. Closing the guard keeps what the session holds (dx and dw may run
-/// under two guards at different times); `clear_session` drops it.
-/// Guards nest; the innermost one is current.
+/// started on this thread inside it (wherever the engine runs its nodes: on
+/// this thread for CPU tensors, on its device threads for CUDA ones; NOTE
+/// [Sessions reach the engine's threads]) and every
+/// `RecomputeHandle::recompute` called here share the session's recomputed
+/// blocks. Opens the session if it does not exist. Closing the guard keeps
+/// what the session holds (dx and dw may run under two guards at different
+/// times); `clear_session` drops it. Guards nest; the innermost one is
+/// current. A guard must close on the thread that opened it.
 class RecomputeSession {
  public:
   explicit RecomputeSession(SessionId id, SessionOptions options = {});
@@ -56,8 +61,10 @@ class RecomputeSession {
   const SessionOptions& options() const { return options_; }
 
  private:
+  struct Scope;  // the thread-local state that carries the session (session.cpp)
   SessionId id_;
   SessionOptions options_;
+  std::unique_ptr<Scope> scope_;
 };
 
 /// Drops everything session `id` holds: recomputed tensors and graphs,

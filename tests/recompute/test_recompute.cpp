@@ -2,6 +2,7 @@
 // against plain torch::autograd on the same data in float64, and every
 // promise (one recompute for dx + dw, prefetch, retain/clear, nothing left
 // behind, FLOPs, memory) is measured, not assumed.
+#include <ATen/ThreadLocalState.h>
 #include <ATen/record_function.h>
 #include <gtest/gtest.h>
 
@@ -672,6 +673,74 @@ TEST_F(RecomputeTest, SessionsAreThreadLocalAndIndependent) {
   EXPECT_EQ(session_stats(201).counters.recomputes, 2);
   EXPECT_EQ(session_stats(202).counters.recomputes, 2);
   EXPECT_EQ(global().recomputes, 4);
+}
+
+// Runs `f` on a new thread under the thread-local state captured here, as
+// LibTorch's engine runs a CUDA backward's nodes on its device thread (each
+// graph task captures the caller's at::ThreadLocalState; the device thread
+// installs it around every node). `propagate` false: a bare thread.
+void on_another_thread(const std::function<void()>& f, bool propagate = true) {
+  at::ThreadLocalState state;
+  std::exception_ptr error;
+  std::thread t([&] {
+    try {
+      if (propagate) {
+        at::ThreadLocalStateGuard guard(state);
+        f();
+      } else {
+        f();
+      }
+    } catch (...) {
+      error = std::current_exception();
+    }
+  });
+  t.join();
+  if (error) std::rethrow_exception(error);
+}
+
+TEST_F(RecomputeTest, SessionReachesTheThreadThatRunsTheBackward) {
+  // NOTE [Sessions reach the engine's threads]: dx and dw run on other threads
+  // than the one that opened the session, as on CUDA; the retaining session
+  // still recomputes each block once for both.
+  Model m(3, 8, 16);
+  Microbatch mb(torch::randn({4, 8}, kF64).requires_grad_(true));
+  mb.sens = torch::randn({4, 8}, kF64);
+  auto ref = reference(m, mb.x, mb.sens);
+  m.calls = 0;
+  mb.forward(m, true);
+  TensorList dx, dw;
+  {
+    RecomputeSession session(301, kRetain);
+    on_another_thread([&] { dx = mb.gf->compute_input_grad({mb.sens}); });
+  }
+  EXPECT_EQ(session_stats(301).counters.recomputes, 3) << "dx recomputes each block once";
+  EXPECT_EQ(session_stats(301).cached_blocks, 3u) << "and retains them for dw";
+  {
+    RecomputeSession session(301, kRetain);
+    on_another_thread([&] { dw = mb.gf->compute_weight_grad(); });
+  }
+  EXPECT_EQ(session_stats(301).counters.recomputes, 3) << "dw reuses dx's recomputes";
+  EXPECT_EQ(session_stats(301).counters.reused, 3);
+  EXPECT_EQ(global().recomputes, 3);
+  EXPECT_EQ(m.calls, 6) << "one forward and one recompute per block";
+  expect_close(dx[0], ref.dx, "dx on another thread");
+  expect_weight_grads(m, dw, ref, "dw on another thread");
+  EXPECT_EQ(clear_session(301), 0u) << "dw consumed every retained block";
+
+  // The control: a thread that does not carry the caller's state sees no
+  // session, and the split recomputes every block twice (what a session kept
+  // in a plain thread_local did on CUDA).
+  m.zero_grad();
+  hp::recompute::reset_counters();
+  Microbatch mb2(torch::randn({4, 8}, kF64).requires_grad_(true));
+  mb2.forward(m, true);
+  {
+    RecomputeSession session(302, kRetain);
+    on_another_thread([&] { mb2.gf->compute_input_grad({mb.sens}); }, /*propagate=*/false);
+    on_another_thread([&] { mb2.gf->compute_weight_grad(); }, /*propagate=*/false);
+  }
+  EXPECT_EQ(global().recomputes, 6);
+  EXPECT_EQ(session_stats(302).counters.recomputes, 0);
 }
 
 TEST_F(RecomputeTest, MisuseIsAClearError) {
