@@ -10,14 +10,17 @@ torch's PipelineStage with that split replaced by hyperparallel's
 `GradFunction`: I is `compute_input_grad`, W is `compute_weight_grad`, exact
 in every graph and together the FLOPs of one backward (hp/autograd, NOTE [The
 dx/dw split]). `use_split(stage)` does the same to a stage made another way
-(e.g. `pipe.build_stage`). Everything else is torch's own: schedules,
-communication, full backward (B), the first stage (whose W is a full
-backward), and stages wrapped for data parallelism (DDP, FSDP), which keep
-torch's split.
+(e.g. `pipe.build_stage`). Blocks checkpointed with
+hyperparallel.recompute.checkpoint are recomputed once per microbatch across
+I and W (NOTE [Recompute sessions of a stage's I and W]). Everything else is
+torch's own: schedules, communication, full backward (B), the first stage
+(whose W is a full backward), and stages wrapped for data parallelism (DDP,
+FSDP), which keep torch's split.
 """
 
 from __future__ import annotations
 
+import itertools
 import types
 from typing import Any
 
@@ -26,6 +29,7 @@ from torch.distributed import pipelining as _pp
 from torch.distributed.pipelining import stage as _stage
 
 from . import _C
+from . import recompute as _rc
 
 __all__ = ["PipelineStage", "use_split"]
 
@@ -43,8 +47,38 @@ def _data_parallel(module: torch.nn.Module) -> bool:
     return bool(kinds) and isinstance(module, kinds)
 
 
+# NOTE [Recompute sessions of a stage's I and W]
+# Checkpointed blocks (hyperparallel.recompute.checkpoint) in a stage's module
+# are recomputed once per microbatch only when the microbatch's I and W run in
+# the same retaining recompute session. torch's schedules know nothing of
+# sessions, so the stage opens one per I (a fresh id in a range of its own)
+# and hands it with the GradFunction to W, which reuses and then clears it.
+# Without checkpointed blocks a session is an empty record, opened and
+# cleared. Sessions whose W never ran are cleared with the stage's runtime
+# states (clear_runtime_states, at the start of every schedule step).
+_SESSION_IDS = itertools.count(1)
+_SESSION_BASE = 0xB0 << 56  # far from the ids users choose (stage << 32 | microbatch)
+
+
+class _WeightPass:
+    """What I hands to W (torch keeps it as the stage's "param_groups")."""
+
+    __slots__ = ("grad_fn", "session")
+
+    def __init__(self, grad_fn, session):
+        self.grad_fn = grad_fn
+        self.session = session
+
+    def run(self):
+        try:
+            with _rc.RecomputeSession(self.session, retain_on_unpack=True):
+                self.grad_fn.compute_weight_grad(False)  # accumulates into each .grad
+        finally:
+            _rc.clear_session(self.session)
+
+
 def _backward_input(stage_outputs, output_grads, input_values, params):
-    """I of one microbatch: dx for the stage's inputs; returns (grads per input, GradFunction)."""
+    """I of one microbatch: dx for the stage's inputs; returns (grads per input, _WeightPass)."""
     if isinstance(stage_outputs, torch.Tensor):
         stage_outputs = (stage_outputs,)
     outputs, sens = [], []
@@ -65,21 +99,38 @@ def _backward_input(stage_outputs, output_grads, input_values, params):
     if not outputs or (not inputs and not weights):
         return tuple(None for _ in input_values), None
     grad_fn = _C.autograd.GradFunction(outputs, inputs, weights)
-    dx = iter(grad_fn.compute_input_grad(sens))
-    return tuple(next(dx) if want else None for want in wants_dx), grad_fn
+    session = _SESSION_BASE | next(_SESSION_IDS)
+    try:
+        with _rc.RecomputeSession(session, retain_on_unpack=True):
+            dx = iter(grad_fn.compute_input_grad(sens))
+    except BaseException:
+        _rc.clear_session(session)
+        raise
+    return tuple(next(dx) if want else None for want in wants_dx), _WeightPass(grad_fn, session)
 
 
 def _split_backward(stage, base, backward_type, bwd_kwargs, last_backward):
     if backward_type not in ("input", "weight") or _data_parallel(stage.submod):
         return base(backward_type, bwd_kwargs, last_backward=last_backward)
+    pending = stage.__dict__.setdefault("_hp_pending_sessions", set())
     if backward_type == "input":
         # torch keeps the second value as "param_groups" and hands it back to W.
-        return _backward_input(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"],
-                               bwd_kwargs["input_values"], stage.submod.parameters())
-    grad_fn = bwd_kwargs["param_groups"]
-    if grad_fn is not None:
-        grad_fn.compute_weight_grad(False)  # accumulates into each parameter's .grad
+        grads, weight_pass = _backward_input(bwd_kwargs["stage_output"],
+                                             bwd_kwargs["output_grads"],
+                                             bwd_kwargs["input_values"], stage.submod.parameters())
+        if weight_pass is not None:
+            pending.add(weight_pass.session)
+        return grads, weight_pass
+    weight_pass = bwd_kwargs["param_groups"]
+    if weight_pass is not None:
+        pending.discard(weight_pass.session)
+        weight_pass.run()
     return (), None
+
+
+def _clear_pending(stage):
+    for session in stage.__dict__.pop("_hp_pending_sessions", ()):
+        _rc.clear_session(session)
 
 
 class PipelineStage(_pp.PipelineStage):
@@ -91,6 +142,10 @@ class PipelineStage(_pp.PipelineStage):
                                    last_backward: bool = False) -> tuple[Any, Any]:
         return _split_backward(self, super().backward_maybe_with_nosync, backward_type,
                                bwd_kwargs, last_backward)
+
+    def clear_runtime_states(self) -> None:
+        _clear_pending(self)  # NOTE [Recompute sessions of a stage's I and W]
+        super().clear_runtime_states()
 
     # NOTE [No warm-up message to oneself]
     # A schedule's first step sends one warm-up message between every pair of
@@ -118,10 +173,16 @@ def use_split(stage):
     if isinstance(stage, PipelineStage) or getattr(stage, "_hp_split", False):
         return stage
     base = stage.backward_maybe_with_nosync
+    base_clear = stage.clear_runtime_states
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
         return _split_backward(self, base, backward_type, bwd_kwargs, last_backward)
 
+    def clear_runtime_states(self):
+        _clear_pending(self)
+        base_clear()
+
     stage.backward_maybe_with_nosync = types.MethodType(backward_maybe_with_nosync, stage)
+    stage.clear_runtime_states = types.MethodType(clear_runtime_states, stage)
     stage._hp_split = True
     return stage
