@@ -173,6 +173,11 @@ class Runtime {
   /// One step: every action of this rank once. Returns the mean loss over
   /// the microbatches (the same on every rank) and this rank's timings.
   py::dict step(std::vector<torch::Tensor> inputs) {
+    if (broken_)
+      throw std::runtime_error(
+          "a previous step failed on this rank (" + broken_reason_ +
+          "); its microbatches are half done and the group may be broken: make a new Pipeline "
+          "(and, after a communication error, a new process group)");
     pipeline::StepStats stats;
     double loss = 0;
     {
@@ -184,8 +189,11 @@ class Runtime {
         auto l = torch::tensor({stats.loss_sum}, torch::kFloat64);
         comm_->all_reduce(l);
         loss = l.item<double>();
-      } catch (...) {
+      } catch (const std::exception& e) {
         inputs_.clear();
+        broken_ = true;
+        broken_reason_ = e.what();
+        if (broken_reason_.size() > 200) broken_reason_ = broken_reason_.substr(0, 200) + "...";
         throw;
       }
       inputs_.clear();
@@ -228,6 +236,8 @@ class Runtime {
   std::vector<torch::Tensor> inputs_;
   std::vector<torch::Tensor> replica_params_;
   std::vector<std::vector<int>> replica_holders_;
+  bool broken_ = false;
+  std::string broken_reason_;
 };
 
 }  // namespace
@@ -263,6 +273,13 @@ void bind_pipeline(py::module_& m) {
         d["num_microbatches"] = s.num_microbatches;
         d["stage_rank"] = s.stage_rank;
         d["stage_chunk"] = s.stage_chunk;
+        std::vector<int> first, last;
+        for (const auto& r : s.routes) {
+          first.push_back(r.front());
+          last.push_back(r.back());
+        }
+        d["first_stages"] = first;
+        d["last_stages"] = last;
         return d;
       },
       py::arg("csv"), "Placement of a schedule given as CSV: ranks, stages and their chunks.");

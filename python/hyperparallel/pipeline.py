@@ -51,6 +51,8 @@ class PipelineSchedule:
     num_microbatches: int
     stage_rank: Tuple[int, ...]
     stage_chunk: Tuple[int, ...]
+    first_stages: Tuple[int, ...] = ()  # the first stage of each route (reads the inputs)
+    last_stages: Tuple[int, ...] = ()  # the last stage of each route (computes the loss)
 
     @staticmethod
     def from_csv(csv: str) -> "PipelineSchedule":
@@ -66,11 +68,21 @@ class PipelineSchedule:
             num_microbatches=lay["num_microbatches"],
             stage_rank=tuple(lay["stage_rank"]),
             stage_chunk=tuple(lay["stage_chunk"]),
+            first_stages=tuple(lay["first_stages"]),
+            last_stages=tuple(lay["last_stages"]),
         )
 
     def stages_of_rank(self, rank: int) -> List[int]:
         """The virtual stages ``rank`` runs, in increasing order."""
         return [s for s, r in enumerate(self.stage_rank) if r == rank]
+
+    def needs_inputs(self, rank: int) -> bool:
+        """Whether ``rank`` runs the first stage of a route (reads microbatch inputs)."""
+        return any(self.stage_rank[s] == rank for s in self.first_stages)
+
+    def needs_targets(self, rank: int) -> bool:
+        """Whether ``rank`` runs the last stage of a route (computes losses)."""
+        return any(self.stage_rank[s] == rank for s in self.last_stages)
 
     def chunks_of_rank(self, rank: int) -> List[int]:
         """The model chunks ``rank`` must hold (one module each), in increasing order.
@@ -226,7 +238,12 @@ class Pipeline:
         microbatch. Returns the mean loss over the microbatches, on every rank."""
         m = self.schedule.num_microbatches
         ins = self._split(inputs, m, "inputs")
-        self._targets = self._split(targets, m, "targets")
+        tgts = self._split(targets, m, "targets")
+        if not ins and self.schedule.needs_inputs(self.rank):
+            raise ValueError(f"rank {self.rank} runs a route's first stage: give step() the inputs")
+        if not tgts and self.schedule.needs_targets(self.rank):
+            raise ValueError(f"rank {self.rank} runs a route's last stage: give step() the targets")
+        self._targets = tgts
         try:
             stats = self._runtime.step(ins)
         finally:

@@ -1,0 +1,123 @@
+"""Bad input to the Python runtime is a Python exception naming the problem
+(TypeError, ValueError, RuntimeError), never a crash or a hang: wrong types,
+chunks that do not match the schedule, a group of the wrong size, a
+schedule that cannot run with the given p and m, a forward or loss that
+raises, targets missing where a last stage runs."""
+
+import datetime
+import os
+import socket
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import hyperparallel as hp
+
+
+@pytest.fixture(scope="module")
+def one_rank_group():
+    """A one-rank Gloo group of this process (a FileStore rendezvous)."""
+    path = tempfile.mktemp()
+    store = dist.FileStore(path, 1)
+    from torch._C._distributed_c10d import ProcessGroupGloo
+
+    opts = ProcessGroupGloo._Options()
+    opts._devices = [ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    opts._timeout = datetime.timedelta(seconds=20)
+    backend = ProcessGroupGloo(store, 0, 1, opts)
+    pg = dist.ProcessGroup(store, 0, 1)
+    pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+    yield pg
+    if os.path.exists(path):
+        os.remove(path)
+
+
+def lin():
+    return torch.nn.Linear(4, 4, dtype=torch.float64)
+
+
+def mse(out, target):
+    return torch.nn.functional.mse_loss(out, target)
+
+
+def test_schedule_arguments():
+    with pytest.raises(TypeError):
+        hp.pipeline.schedule(3, ranks=2, microbatches=4)
+    with pytest.raises(ValueError, match="ranks"):
+        hp.pipeline.schedule("1f1b", ranks=0, microbatches=4)
+    with pytest.raises(ValueError, match="microbatches"):
+        hp.pipeline.schedule("1f1b", ranks=2, microbatches=-1)
+    # A schedule that cannot run with this p and m says which constraint.
+    with pytest.raises(ValueError, match="(?i)microbatch"):
+        hp.pipeline.schedule("dualpipe", ranks=4, microbatches=2)
+    with pytest.raises(ValueError):
+        hp.pipeline.PipelineSchedule.from_csv("not,a,schedule\n\x00")
+    with pytest.raises(TypeError):
+        hp.pipeline.PipelineSchedule.from_csv(b"bytes")
+
+
+def test_pipeline_arguments(one_rank_group):
+    s1 = hp.pipeline.schedule("1f1b", ranks=1, microbatches=2)
+    good = dict(loss_fn=mse, activation_shape=(2, 4), group=one_rank_group)
+    with pytest.raises(TypeError, match="PipelineSchedule"):
+        hp.pipeline.Pipeline({0: lin()}, "1f1b", **good)
+    with pytest.raises(TypeError, match="chunks"):
+        hp.pipeline.Pipeline([lin()], s1, **good)
+    with pytest.raises(TypeError, match="callable"):
+        hp.pipeline.Pipeline({0: 3}, s1, **good)
+    with pytest.raises(TypeError, match="loss_fn"):
+        hp.pipeline.Pipeline({0: lin()}, s1, loss_fn=None, activation_shape=(2, 4),
+                             group=one_rank_group)
+    with pytest.raises(ValueError, match="no module was given for chunk 0"):
+        hp.pipeline.Pipeline({1: lin()}, s1, **good)
+    with pytest.raises(TypeError, match="ProcessGroup"):
+        hp.pipeline.Pipeline({0: lin()}, s1, loss_fn=mse, activation_shape=(2, 4), group=42)
+    # The group has 1 rank, the schedule 2.
+    s2 = hp.pipeline.schedule("1f1b", ranks=2, microbatches=2)
+    with pytest.raises(ValueError, match="1 ranks but the schedule has 2"):
+        hp.pipeline.Pipeline({0: lin()}, s2, **good)
+
+
+def test_step_errors_are_python_exceptions(one_rank_group):
+    s1 = hp.pipeline.schedule("1f1b", ranks=1, microbatches=2)
+    x = torch.randn(4, 4, dtype=torch.float64)
+    y = torch.randn(4, 4, dtype=torch.float64)
+    model = lin()
+    pipe = hp.pipeline.Pipeline({0: model}, s1, loss_fn=mse, activation_shape=(2, 4),
+                                group=one_rank_group)
+    with pytest.raises(ValueError, match="not divisible"):
+        pipe.step(torch.randn(3, 4, dtype=torch.float64), y)
+    with pytest.raises(ValueError, match="3 microbatches given"):
+        pipe.step([x[:2]] * 3, y)
+    with pytest.raises(ValueError, match="targets"):
+        pipe.step(x, None)
+    # Arguments refused before the step started leave the runtime usable; the
+    # loss is the mean over the microbatches (equal sizes: the batch's mean).
+    with torch.no_grad():
+        expected = mse(model(x), y).item()
+    assert pipe.step(x, y) == pytest.approx(expected, rel=1e-12)
+
+    def bad_forward(t):
+        raise KeyError("boom in forward")
+
+    pipe2 = hp.pipeline.Pipeline({0: bad_forward}, s1, loss_fn=mse, activation_shape=(2, 4),
+                                 group=one_rank_group, parameters={0: [torch.zeros(1, requires_grad=True)]},
+                                 dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="boom in forward"):
+        pipe2.step(x, y)
+    # A step that failed inside leaves the runtime unusable, and says so.
+    with pytest.raises(RuntimeError, match="a previous step failed"):
+        pipe2.step(x, y)
+
+    pipe3 = hp.pipeline.Pipeline({0: lambda t: "not a tensor"}, s1, loss_fn=mse,
+                                 activation_shape=(2, 4), group=one_rank_group, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="must return a torch.Tensor"):
+        pipe3.step(x, y)
+
+    pipe4 = hp.pipeline.Pipeline({0: lin()}, s1, loss_fn=lambda o, t: (o - t) ** 2,
+                                 activation_shape=(2, 4), group=one_rank_group)
+    with pytest.raises(RuntimeError, match="one number"):
+        pipe4.step(x, y)
