@@ -2,6 +2,7 @@
 // that every rank follows; validate() checks a schedule end to end.
 #include "hp/schedule/lower.h"
 
+#include "hp/schedule/progress.h"
 #include "hp/schedule/simulate.h"
 
 #include <algorithm>
@@ -51,43 +52,23 @@ std::string at(int rank, size_t idx, const Action& a) {
 // same order. Throws if the compute-only schedule cannot run at all.
 std::map<std::tuple<bool, int, int>, long> message_order(
     const Schedule& s, const std::vector<std::vector<std::vector<Msg>>>& sends) {
-  const int p = s.num_ranks, m = s.num_microbatches;
-  auto key = [m](int st, int mb) { return static_cast<size_t>(st) * m + mb; };
-  const size_t n = static_cast<size_t>(s.num_stages) * m;
-  std::vector<char> f_done(n, 0), g_done(n, 0), i_done(n, 0);
-  auto f_ok = [&](int st, int mb) {
-    int prev = s.prev_stage(st, mb);
-    return prev < 0 || f_done[key(prev, mb)];
-  };
-  auto g_ok = [&](int st, int mb) {
-    if (!f_done[key(st, mb)]) return false;
-    int next = s.next_stage(st, mb);
-    return next < 0 || g_done[key(next, mb)];
-  };
+  const int p = s.num_ranks;
+  Progress progress(s);
   std::map<std::tuple<bool, int, int>, long> order;
   std::vector<size_t> pc(p, 0);
   long counter = 0;
-  bool progress = true;
-  while (progress) {
-    progress = false;
+  bool moved = true;
+  while (moved) {
+    moved = false;
     for (int r = 0; r < p; ++r) {
       while (pc[r] < s.actions[r].size()) {
         const Action& a = s.actions[r][pc[r]];
-        bool ok = a.op == Op::F    ? f_ok(a.stage, a.microbatch)
-                  : a.op == Op::W  ? i_done[key(a.stage, a.microbatch)] != 0
-                  : a.op == Op::FB ? f_ok(a.stage, a.microbatch) && g_ok(a.stage2, a.microbatch2)
-                                   : g_ok(a.stage, a.microbatch);  // I, B
-        if (!ok) break;
-        for (const Half& h : halves(a)) {
-          size_t k = key(h.stage, h.mb);
-          if (h.op == Op::F) f_done[k] = 1;
-          if (h.op == Op::I) i_done[k] = 1;
-          if (h.op == Op::I || h.op == Op::B) g_done[k] = 1;
-        }
+        if (!progress.ready(a)) break;
+        progress.finish(a);
         for (const auto& msg : sends[r][pc[r]])
           order[{msg.grad, msg.dst_stage, msg.mb}] = counter++;
         ++pc[r];
-        progress = true;
+        moved = true;
       }
     }
   }
@@ -639,56 +620,25 @@ void validate(const Schedule& s) {
   // other when operations run in posting order.
   if (s.lowered) check_batch_order(s);
   // Deadlock: run with posts that never block and computes that wait for
-  // their inputs (a message is there once its producer ran: its SEND follows
-  // right after it, and the order of posts is checked above).
-  std::vector<char> f_done(n, 0), g_done(n, 0), i_done(n, 0);
+  // their inputs (NOTE [What an action waits for]; a message is there once
+  // its producer ran: its SEND follows right after it, and the order of
+  // posts is checked above).
+  Progress progress(s);
   std::vector<size_t> pc(p, 0);
   size_t remaining = 0;
   for (const auto& row : s.actions)
     remaining += row.size();
-  auto f_ok = [&](int st, int mb) {
-    int prev = s.prev_stage(st, mb);
-    return prev < 0 || f_done[key(prev, mb)];
-  };
-  auto g_ok = [&](int st, int mb) {
-    if (!f_done[key(st, mb)]) return false;
-    int next = s.next_stage(st, mb);
-    return next < 0 || g_done[key(next, mb)];
-  };
-  bool progress = true;
-  while (remaining > 0 && progress) {
-    progress = false;
+  bool moved = true;
+  while (remaining > 0 && moved) {
+    moved = false;
     for (int r = 0; r < p; ++r) {
       while (pc[r] < s.actions[r].size()) {
         const Action& a = s.actions[r][pc[r]];
-        bool ok = true;
-        switch (a.op) {
-          case Op::F:
-            ok = f_ok(a.stage, a.microbatch);
-            break;
-          case Op::I:
-          case Op::B:
-            ok = g_ok(a.stage, a.microbatch);
-            break;
-          case Op::W:
-            ok = i_done[key(a.stage, a.microbatch)];
-            break;
-          case Op::FB:
-            ok = f_ok(a.stage, a.microbatch) && g_ok(a.stage2, a.microbatch2);
-            break;
-          default:  // SEND and RECV are posted and never block here
-            break;
-        }
-        if (!ok) break;
-        for (const Half& h : is_compute(a.op) ? halves(a) : std::vector<Half>{}) {
-          size_t k = key(h.stage, h.mb);
-          if (h.op == Op::F) f_done[k] = 1;
-          if (h.op == Op::I) i_done[k] = 1;
-          if (h.op == Op::I || h.op == Op::B) g_done[k] = 1;
-        }
+        if (!progress.ready(a)) break;
+        progress.finish(a);
         ++pc[r];
         --remaining;
-        progress = true;
+        moved = true;
       }
     }
   }

@@ -2,6 +2,8 @@
 // model (timings, bubble rate, idle time, peak memory, timeline).
 #include "hp/schedule/simulate.h"
 
+#include "hp/schedule/progress.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -125,32 +127,10 @@ int comm_volume(const Schedule& s) {
 
 SimResult simulate(const Schedule& s, const CostModel& costs, const SimOptions& opts) {
   costs.check(s.num_stages);
-  const int p = s.num_ranks, S = s.num_stages, m = s.num_microbatches;
-  const double kNotDone = -1.0;
-  // Completion times per (stage, microbatch).
-  std::vector<double> f_done(static_cast<size_t>(S) * m, kNotDone);
-  std::vector<double> g_done(static_cast<size_t>(S) * m, kNotDone);  // I or B
-  auto key = [m](int st, int mb) { return static_cast<size_t>(st) * m + mb; };
-  auto in_range = [&](int st, int mb) { return st >= 0 && st < S && mb >= 0 && mb < m; };
-
-  // Earliest start of a forward half, or <0 if its input has not arrived.
-  auto f_ready = [&](int st, int mb) -> double {
-    if (!in_range(st, mb)) return kNotDone;
-    int prev = s.prev_stage(st, mb);
-    if (s.route_position(st, mb) < 0) return kNotDone;
-    if (prev < 0) return 0.0;
-    double t = f_done[key(prev, mb)];
-    return t < 0 ? kNotDone : t + costs.boundary_cost(s, prev, st);
-  };
-  auto g_ready = [&](int st, int mb) -> double {
-    if (!in_range(st, mb)) return kNotDone;
-    double tf = f_done[key(st, mb)];
-    if (tf < 0) return kNotDone;
-    int next = s.next_stage(st, mb);
-    if (next < 0) return tf;
-    double tg = g_done[key(next, mb)];
-    return tg < 0 ? kNotDone : std::max(tf, tg + costs.boundary_cost(s, st, next));
-  };
+  const int p = s.num_ranks;
+  // What has run and when (NOTE [What an action waits for] in progress.h).
+  Progress progress(s);
+  auto transfer = [&](int a, int b) { return costs.boundary_cost(s, a, b); };
 
   SimResult res;
   res.rank_busy.assign(p, 0.0);
@@ -159,7 +139,6 @@ SimResult simulate(const Schedule& s, const CostModel& costs, const SimOptions& 
   res.peak_memory.assign(p, 0.0);
   std::vector<double> first_f(p, -1.0), last_end(p, 0.0), free_at(p, 0.0), mem(p, 0.0);
   std::vector<size_t> pc(p, 0);
-  std::vector<char> i_done(static_cast<size_t>(S) * m, 0);
   if (opts.record_timeline) {
     res.timeline.num_ranks = p;
     res.timeline.title = s.name;
@@ -194,29 +173,7 @@ SimResult simulate(const Schedule& s, const CostModel& costs, const SimOptions& 
       const auto& row = s.actions[r];
       while (pc[r] < row.size()) {
         const Action& a = row[pc[r]];
-        double ready = 0.0;
-        switch (a.op) {
-          case Op::F:
-            ready = f_ready(a.stage, a.microbatch);
-            break;
-          case Op::I:
-          case Op::B:
-            ready = g_ready(a.stage, a.microbatch);
-            break;
-          case Op::W:
-            ready = in_range(a.stage, a.microbatch) && i_done[key(a.stage, a.microbatch)]
-                        ? 0.0
-                        : kNotDone;
-            break;
-          case Op::FB: {
-            double x = f_ready(a.stage, a.microbatch), y = g_ready(a.stage2, a.microbatch2);
-            ready = (x < 0 || y < 0) ? kNotDone : std::max(x, y);
-            break;
-          }
-          default:
-            ready = 0.0;
-            break;  // SEND/RECV: no time, no wait
-        }
+        const double ready = progress.ready_at(a, transfer);
         if (ready < 0) break;
         if (is_compute(a.op)) {
           double start = std::max(ready, free_at[r]);
@@ -225,22 +182,18 @@ SimResult simulate(const Schedule& s, const CostModel& costs, const SimOptions& 
           last_end[r] = end;
           res.rank_busy[r] += end - start;
           if (first_f[r] < 0 && (a.op == Op::F || a.op == Op::FB)) first_f[r] = start;
+          progress.finish(a, end);
           auto on_f = [&](int st, int mb) {
-            f_done[key(st, mb)] = end;
             mem[r] += costs.stage_mem_b_of(s, st);
             wake(s.next_stage(st, mb));
           };
-          auto on_g = [&](int st, int mb) {
-            g_done[key(st, mb)] = end;
-            wake(s.prev_stage(st, mb));
-          };
+          auto on_g = [&](int st, int mb) { wake(s.prev_stage(st, mb)); };
           switch (a.op) {
             case Op::F:
               on_f(a.stage, a.microbatch);
               break;
             case Op::I:
               on_g(a.stage, a.microbatch);
-              i_done[key(a.stage, a.microbatch)] = 1;
               mem[r] -= costs.stage_mem_b_of(s, a.stage) - costs.stage_mem_w_of(s, a.stage);
               break;
             case Op::W:

@@ -7,6 +7,7 @@
 
 #include "hp/schedule/action.h"
 #include "hp/schedule/schedule.h"
+#include "hp/schedule/timeline.h"
 
 namespace hp::schedule {
 
@@ -60,24 +61,6 @@ struct CostModel {
   void check(int num_stages) const;
   /// True when some per-stage vector is set.
   bool per_stage() const;
-};
-
-/// One timed action of one rank: simulated, or measured by a runtime.
-struct Event {
-  int rank = 0;
-  Action action;
-  double start = 0.0;
-  double end = 0.0;
-};
-
-/// A set of timed events over ranks: the common input of every renderer.
-/// The runtime feeds its measured timeline here too.
-struct Timeline {
-  int num_ranks = 0;
-  std::vector<Event> events;  ///< in any order
-  std::string title;          ///< shown by renderers when not empty
-  /// Latest end over all events (0 when empty).
-  double makespan() const;
 };
 
 /// Options of simulate().
