@@ -21,6 +21,7 @@
 #include <thread>
 
 #include "hp/distributed/comm.h"
+#include "hp/distributed/mesh.h"
 #include "hp/launch/launcher.h"
 
 namespace {
@@ -533,3 +534,52 @@ TEST(DistNetns, TwoRanksInTwoNamespacesRendezvousOverTcp) {
 }
 
 }  // namespace
+
+// ---- the device mesh -------------------------------------------------------------
+
+// dp = 2 x pp = 2 on 4 threads-as-ranks: coordinates are row-major (pp
+// fastest), each slice's group sums only its own ranks, and a shape that does
+// not cover the world is refused naming both numbers.
+TEST(DistMesh, SlicesOfATwoByTwoMesh) {
+  TempDir dir;
+  std::vector<std::string> errors(4);
+  std::vector<std::thread> ts;
+  for (int r = 0; r < 4; ++r)
+    ts.emplace_back([&, r] {
+      try {
+        hp::distributed::CommOptions o;
+        o.timeout = std::chrono::seconds(20);
+        auto world = Comm::from_file_store(dir.path + "/s", r, 4, o);
+        hp::distributed::DeviceMesh mesh(world, {{"dp", "pp"}, {2, 2}});
+        if (mesh.coordinate("dp") != r / 2 || mesh.coordinate("pp") != r % 2)
+          errors[r] += "coordinates; ";
+        if (mesh.size("tp") != 1 || mesh.coordinate("tp") != 0) errors[r] += "absent dim; ";
+        auto pp = mesh.slice_ranks("pp"), dp = mesh.slice_ranks("dp");
+        if (pp != std::vector<int>{r / 2 * 2, r / 2 * 2 + 1}) errors[r] += "pp slice; ";
+        if (dp != std::vector<int>{r % 2, r % 2 + 2}) errors[r] += "dp slice; ";
+        if (mesh.group("pp")->rank() != r % 2 || mesh.group("dp")->rank() != r / 2)
+          errors[r] += "group ranks; ";
+        auto t = at::full({1}, double(1 << r), at::kDouble);  // rank r contributes 2^r
+        mesh.group("pp")->all_reduce(t);
+        if (t.item<double>() != double((1 << pp[0]) + (1 << pp[1]))) errors[r] += "pp sum; ";
+        auto u = at::full({1}, double(1 << r), at::kDouble);
+        mesh.group("dp")->all_reduce(u);
+        if (u.item<double>() != double((1 << dp[0]) + (1 << dp[1]))) errors[r] += "dp sum; ";
+        if (mesh.rank_of(mesh.coordinates_of(r)) != r) errors[r] += "round trip; ";
+        try {
+          hp::distributed::DeviceMesh bad(world, {{"dp", "pp"}, {3, 2}});
+          errors[r] += "3 x 2 accepted on 4 ranks; ";
+        } catch (const std::invalid_argument& e) {
+          if (std::string(e.what()).find("holds 6 ranks but there are 4") == std::string::npos)
+            errors[r] += std::string("message: ") + e.what();
+        }
+        world->barrier();
+      } catch (const std::exception& e) {
+        errors[r] += e.what();
+      }
+    });
+  for (auto& t : ts)
+    t.join();
+  for (int r = 0; r < 4; ++r)
+    EXPECT_EQ(errors[r], "") << "rank " << r;
+}
