@@ -304,16 +304,17 @@ def test_two_ranks_train_like_one_process(tmp_path):
 
 def test_four_ranks_train_like_one_process(tmp_path):
     p = 4
+    # Two cases keep both formats and both loading paths at p = 4 (every
+    # exportable schedule runs at p = 2 above); each case costs its share of
+    # four processes' start-up and training on the test machine's two cores.
     scheds = {
-        "zb-h2": hs.build("zb-h2", p, 8),
         "zb-auto": hs.build("zb-auto", p, 8, costs=SKEWED, mem_limit="1.5x"),
         "dualpipev": hs.build("dualpipev", p, 8),
-        "zbv": hs.build("zbv", p, 8),
     }
-    cases = []
-    for i, (name, s) in enumerate(scheds.items()):
-        fmt = "compute_only" if i % 2 == 0 else "compute_comms"
-        cases.append(case(f"{name}/{fmt}", s, fmt, "csv" if i < 2 else "api", tmp_path))
+    cases = [
+        case("zb-auto/compute_only", scheds["zb-auto"], "compute_only", "csv", tmp_path),
+        case("dualpipev/compute_comms", scheds["dualpipev"], "compute_comms", "api", tmp_path),
+    ]
     results = launch(p, cases, tmp_path)
     check_against_reference(results, cases)
 
