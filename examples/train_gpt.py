@@ -1,0 +1,244 @@
+#!/usr/bin/env python3
+"""Train a small GPT with pipeline parallelism: hyperparallel's schedules on
+its C++ executor, your torch.distributed group, PyTorch's optimizer.
+
+    torchrun --nproc-per-node 2 examples/train_gpt.py --schedule zbv
+
+Every rank builds only the model chunks its stages compute
+(hyperparallel.models.GPT, initialised per layer from (seed, layer): the same
+values as the whole model, and as the C++ `hp train --untied`), reads the same
+byte-level batches (Debian's license texts by default, or --data FILE, or
+--random-tokens), and calls Pipeline.step once per optimizer step. Rank 0
+shows a progress bar (on a terminal, unless --no-progress), prints a summary
+and, with --report FILE, writes the losses, step times and the last step's
+measured timings as JSON. See examples/README.md.
+"""
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+
+SCHEDULES = ["naive", "gpipe", "1f1b", "interleaved-1f1b", "interleaved-bfs", "interleaved-zb",
+             "zb-h1", "zb-h2", "zbv", "dualpipe", "dualpipev", "zb-auto"]
+
+
+def positive(what):
+    def parse(text):
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what} must be a whole number, got '{text}'")
+        if v < 1:
+            raise argparse.ArgumentTypeError(f"{what} must be at least 1, got {v}")
+        return v
+    return parse
+
+
+def positive_float(what):
+    def parse(text):
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what} must be a number, got '{text}'")
+        if not (v > 0 and math.isfinite(v)):
+            raise argparse.ArgumentTypeError(f"{what} must be a positive number, got {text}")
+        return v
+    return parse
+
+
+def parser():
+    ap = argparse.ArgumentParser(
+        description="Train a small GPT with a hyperparallel pipeline schedule "
+                    "(start it with torchrun --nproc-per-node N).")
+    ap.add_argument("--schedule", "-s", default="zbv", metavar="NAME",
+                    help="any hyperparallel schedule: " + ", ".join(SCHEDULES) + " (default zbv)")
+    ap.add_argument("--chunks", "-v", type=positive("--chunks"), default=2,
+                    help="virtual stages per rank of the interleaved schedules (default 2)")
+    ap.add_argument("--steps", type=positive("--steps"), default=20,
+                    help="optimizer steps (default 20)")
+    ap.add_argument("--microbatches", "-m", type=positive("--microbatches"), default=8,
+                    help="microbatches per step (default 8)")
+    ap.add_argument("--microbatch-size", type=positive("--microbatch-size"), default=4,
+                    help="sequences per microbatch (default 4)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "float64"],
+                    help="parameters and activations (default float32)")
+    ap.add_argument("--layers", type=positive("--layers"), default=4,
+                    help="transformer blocks (default 4)")
+    ap.add_argument("--d-model", type=positive("--d-model"), default=64, help="width (default 64)")
+    ap.add_argument("--heads", type=positive("--heads"), default=4,
+                    help="attention heads (default 4)")
+    ap.add_argument("--seq-len", type=positive("--seq-len"), default=32,
+                    help="tokens per sequence (default 32)")
+    ap.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"])
+    ap.add_argument("--lr", type=positive_float("--lr"), default=1e-3,
+                    help="learning rate (default 1e-3)")
+    ap.add_argument("--weight-decay", type=float, default=0.0, help="weight decay (default 0)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the data")
+    data = ap.add_mutually_exclusive_group()
+    data.add_argument("--data", default=None, metavar="PATH",
+                      help="a text file or a folder of text files, read as bytes "
+                           "(default: /usr/share/common-licenses)")
+    data.add_argument("--random-tokens", action="store_true",
+                      help="uniformly random tokens instead of text (nothing to learn; for speed)")
+    ap.add_argument("--report", default="", metavar="FILE",
+                    help="write losses, step times and the last step's measurements as JSON")
+    ap.add_argument("--trace", default="", metavar="FILE",
+                    help="write the last step's measured timeline: Chrome trace FILE and FILE.svg")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ap.add_argument("--timeout", type=positive_float("--timeout"), default=300.0,
+                    help="seconds any communication may wait (default 300)")
+    return ap
+
+
+def check_args(ap, a, world):
+    """Everything that can be checked before the ranks talk: the same answer on
+    every rank, so they all stop together with one message."""
+    if a.schedule not in SCHEDULES:
+        ap.error(f"--schedule: unknown schedule '{a.schedule}'; use one of {', '.join(SCHEDULES)}")
+    if a.d_model % a.heads != 0:
+        ap.error(f"--d-model {a.d_model} must be divisible by --heads {a.heads}")
+    if not 0 <= a.seed < 2**64:
+        ap.error(f"--seed must be in [0, 2**64), got {a.seed}")
+    if a.weight_decay < 0:
+        ap.error(f"--weight-decay must be >= 0, got {a.weight_decay}")
+    if a.data is not None and not os.path.exists(a.data):
+        ap.error(f"--data: '{a.data}' does not exist; give a text file or a folder of text files")
+    for flag, path in (("--report", a.report), ("--trace", a.trace)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else ""
+        if path and not os.path.isdir(folder):
+            ap.error(f"{flag}: the folder '{folder}' does not exist")
+    import hyperparallel as hp
+
+    try:
+        sched = hp.pipeline.schedule(a.schedule, ranks=world, microbatches=a.microbatches,
+                                     chunks=a.chunks)
+    except ValueError as e:
+        ap.error(f"--schedule {a.schedule} with {world} ranks and {a.microbatches} "
+                 f"microbatches: {e}")
+    if sched.num_chunks > a.layers:
+        ap.error(f"--schedule {a.schedule} on {world} ranks cuts the model into {sched.num_chunks} "
+                 f"chunks but it has {a.layers} layers: use --layers {sched.num_chunks} or more")
+    return sched
+
+
+def main(argv=None):
+    ap = parser()
+    if os.environ.get("RANK", "0") != "0":
+        ap.error = lambda message: sys.exit(2)  # the same message comes from rank 0
+    a = ap.parse_args(argv)
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        ap.error("start this script with torchrun, one process per pipeline rank: "
+                 "torchrun --nproc-per-node 2 examples/train_gpt.py "
+                 + " ".join(sys.argv[1:] if argv is None else argv))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+    import torch
+    import torch.distributed as dist
+
+    import hyperparallel as hp
+    from hyperparallel import models, train_utils
+
+    sched = check_args(ap, a, world)
+    dtype = getattr(torch, a.dtype)
+    config = models.GPTConfig(layers=a.layers, d_model=a.d_model, heads=a.heads,
+                              seq_len=a.seq_len, dtype=dtype)
+    if a.random_tokens:
+        data = models.RandomTokens(config, a.microbatch_size, a.seed)
+    else:
+        try:
+            data = models.TextDataset(config, a.microbatch_size, a.seed, a.data)
+        except (OSError, ValueError) as e:
+            ap.error(f"--data: {e}")
+
+    dist.init_process_group("gloo")
+    m = sched.num_microbatches
+    chunks = models.gpt_chunks(config, sched.chunks_of_rank(rank), sched.num_chunks, a.seed)
+    pipe = hp.pipeline.Pipeline(chunks, sched, loss_fn=models.gpt_loss,
+                                activation_shape=config.activation_shape(a.microbatch_size),
+                                timeout=a.timeout)
+    params = [q for c in chunks.values() for q in c.parameters()]
+    if a.optimizer == "sgd":
+        opt = torch.optim.SGD(params, lr=a.lr, weight_decay=a.weight_decay)
+    else:
+        opt = torch.optim.AdamW(params, lr=a.lr, weight_decay=a.weight_decay)
+
+    tokens_per_step = m * a.microbatch_size * a.seq_len
+    if rank == 0:
+        print(f"train_gpt: {a.layers} layers, d_model {a.d_model}, {world} ranks, schedule "
+              f"{a.schedule} ({sched.num_chunks} chunks), {m} microbatches of "
+              f"{a.microbatch_size} x {a.seq_len} tokens, {a.dtype}, data: {data.description}",
+              file=sys.stderr)
+    progress = train_utils.Progress(a.steps, enabled=rank == 0 and not a.no_progress)
+    losses, step_seconds = [], []
+    for step in range(a.steps):
+        inputs, targets = data.batch(step, m)
+        opt.zero_grad(set_to_none=True)
+        dist.barrier()  # the ranks start the step together: the timeline's clocks line up
+        t0 = time.perf_counter()
+        loss = pipe.step(inputs, targets)  # forward and backward of every microbatch
+        opt.step()
+        seconds = time.perf_counter() - t0
+        losses.append(loss)
+        step_seconds.append(seconds)
+        progress.update(step, loss, tokens_per_step / seconds)
+    progress.close()
+
+    # The last step's measurements from every rank, and a checksum of the
+    # trained model (each chunk counted once, by the first rank holding it).
+    per_rank = train_utils.gather_step_stats(pipe.last_stats)
+    holders = {}
+    for st, r in enumerate(sched.stage_rank):
+        holders.setdefault(sched.stage_chunk[st], set()).add(r)
+    mine = sum(q.detach().double().sum().item() for c, mod in chunks.items()
+               if min(holders[c]) == rank for q in mod.parameters())
+    checksum = torch.tensor([mine], dtype=torch.float64)
+    dist.all_reduce(checksum)
+    if rank == 0:
+        timed = step_seconds[1:] if len(step_seconds) > 1 else step_seconds
+        median = statistics.median(timed)
+        last = train_utils.step_summary(per_rank)
+        whole = models.GPT(config, a.seed)  # to count the parameters
+        report = {
+            "schedule": a.schedule, "ranks": world, "num_chunks": sched.num_chunks,
+            "microbatches": m, "microbatch_size": a.microbatch_size, "steps": a.steps,
+            "dtype": a.dtype, "seed": a.seed, "data": data.description,
+            "model": {"kind": "gpt", "layers": a.layers, "d_model": a.d_model,
+                      "heads": a.heads, "seq_len": a.seq_len, "vocab": config.vocab,
+                      "parameters": sum(q.numel() for q in whole.parameters())},
+            "optimizer": {"name": a.optimizer, "lr": a.lr, "weight_decay": a.weight_decay},
+            "loss": losses, "step_seconds": step_seconds, "median_step_seconds": median,
+            "tokens_per_second": tokens_per_step / median,
+            "parameter_checksum": checksum.item(),
+            "last_step": last,
+            "torch": torch.__version__, "hyperparallel": hp.__version__,
+        }
+        ranks_text = "\n".join(
+            f"  rank {r['rank']}: compute {1e3 * r['compute']:.1f} ms, waiting "
+            f"{1e3 * r['comm_wait']:.1f} ms, executor overhead {1e3 * r['overhead']:.2f} ms"
+            for r in last["ranks"])
+        print(f"trained the GPT with {a.schedule} on {world} ranks: {a.steps} steps\n"
+              f"  loss {losses[0]:.4f} -> {losses[-1]:.4f}\n"
+              f"  median step {1e3 * median:.1f} ms, {tokens_per_step / median:,.0f} tokens/s; "
+              f"bubble measured {100 * last.get('measured_bubble', 0.0):.1f} % (last step)\n"
+              f"{ranks_text}\n  parameter checksum {checksum.item():.9f}")
+        if a.report:
+            train_utils.write_report(a.report, report)
+            print(f"  report: {a.report}")
+        if a.trace:
+            in_ms = [{**s, "events": [(act, 1e3 * b, 1e3 * e) for act, b, e in s["events"]]}
+                     for s in per_rank]  # the renderers read one time unit as one millisecond
+            timeline = train_utils.measured_timeline(in_ms, f"{a.schedule} (measured, last step)")
+            with open(a.trace, "w") as f:
+                f.write(hp.schedule.render_chrome_trace(timeline))
+            with open(a.trace + ".svg", "w") as f:
+                f.write(hp.schedule.render_svg(timeline))
+            print(f"  trace: {a.trace} (chrome://tracing, ui.perfetto.dev) and {a.trace}.svg")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
