@@ -7,6 +7,7 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <sstream>
@@ -166,8 +167,15 @@ class ProcessGroupComm : public Comm, public std::enable_shared_from_this<Proces
     run("broadcast from rank " + std::to_string(root), [&] { return pg_->broadcast(v, o); });
   }
 
+  // NOTE [ProcessGroup::barrier is not thread-safe]
+  // c10d::ProcessGroup::barrier (torch 2.6 to 2.11 at least) keeps its
+  // one-byte tensor in a function-local `static at::Tensor` and assigns it
+  // on every call without a lock, so two groups' barriers on two threads
+  // (ranks as threads in the tests; a rank's groups on several threads)
+  // race on that tensor's refcount and corrupt the heap: crashes in later,
+  // unrelated allocations. The backend's own barrier keeps no such state.
   void barrier() override {
-    run("barrier", [&] { return pg_->barrier(); });
+    run("barrier", [&] { return pg_->getDefaultBackend()->barrier(c10d::BarrierOptions()); });
   }
 
   std::shared_ptr<Comm> split(const std::vector<int>& ranks) override {
@@ -344,6 +352,16 @@ namespace detail {
 std::shared_ptr<Comm> gloo_comm_over_store(c10::intrusive_ptr<c10d::Store> store, int rank,
                                            int world_size, const GlooEndpoint& endpoint,
                                            const CommOptions& options) {
+  // NOTE [Flight recorder off by default]
+  // torch's flight recorder (a process-wide ring of every collective, for
+  // post-mortem dumps) records each Gloo operation and, in torch 2.11, updates
+  // its map of groups outside its lock: groups used from several threads
+  // at once (ranks as threads) loop forever or corrupt it. Our groups keep
+  // it off unless TORCH_FR_BUFFER_SIZE is set; it must be set before torch
+  // makes its first group, which is why it is set here (the Python binding
+  // and a group handed to hyperparallel.Pipeline keep the user's setting).
+  static const bool fr_default = ::setenv("TORCH_FR_BUFFER_SIZE", "0", /*overwrite=*/0) == 0;
+  (void)fr_default;
   store->setTimeout(options.timeout);
   auto shared = std::make_shared<ProcessGroupComm::Shared>();
   shared->store = store;
