@@ -14,6 +14,7 @@
 #include "bindings.h"
 #include "hp/distributed/collectives.h"
 #include "hp/distributed/comm.h"
+#include "hp/pipeline/data_parallel.h"
 #include "hp/pipeline/executor.h"
 #include "hp/pipeline/stage.h"
 #include "hp/schedule/generators.h"
@@ -91,7 +92,7 @@ class Runtime {
           const std::map<int, py::object>& chunk_forward,
           const std::map<int, std::vector<torch::Tensor>>& chunk_parameters,
           py::object loss, py::object activation_shape, py::object dtype, py::object device,
-          double timeout_s)
+          double timeout_s, const py::object& dp_group)
       : sched_(schedule_from_csv(schedule_csv)),
         loss_(std::move(loss)),
         activation_shape_(std::move(activation_shape)),
@@ -150,7 +151,19 @@ class Runtime {
                                  "element), got shape " + c10::str(l.sizes()));
       return l / m;  // the mean over microbatches, accumulated
     };
-    stage_ = std::make_unique<pipeline::PipelineStage>(std::move(modules), stage_loss);
+    // Data parallelism across pipelines: every replica of this pipeline
+    // averages its stages' gradients over dp_group as soon as each stage has
+    // run its last microbatch (NOTE [Gradient reduction in the cool-down]).
+    pipeline::StageHooks hooks;
+    if (!dp_group.is_none()) {
+      dp_ = distributed::Comm::from_process_group(process_group_of(dp_group), options);
+      std::map<int, std::vector<torch::Tensor>> stage_params;
+      for (const auto& [st, mod] : modules)
+        stage_params[st] = mod.parameters;
+      reducer_ = std::make_unique<pipeline::GradientReducer>(dp_, stage_params, m);
+      hooks.on_done = [r = reducer_.get()](int stage, int mb) { r->on_done(stage, mb); };
+    }
+    stage_ = std::make_unique<pipeline::PipelineStage>(std::move(modules), stage_loss, hooks);
     pipeline::ExecutorOptions eo;
     eo.input = [this](int mb) {
       if (mb >= int(inputs_.size()))
@@ -184,10 +197,13 @@ class Runtime {
       py::gil_scoped_release release;
       inputs_ = std::move(inputs);
       try {
+        if (reducer_) reducer_->begin_step();
         stats = executor_->run_step();
+        if (reducer_) reducer_->finish_step();
         if (!replica_params_.empty()) sum_replica_gradients();
         auto l = torch::tensor({stats.loss_sum}, torch::kFloat64);
         comm_->all_reduce(l);
+        if (dp_) dp_->all_reduce(l, distributed::ReduceOp::Avg);
         loss = l.item<double>();
       } catch (const std::exception& e) {
         inputs_.clear();
@@ -204,6 +220,7 @@ class Runtime {
     d["compute"] = stats.compute;
     d["comm_wait"] = stats.comm_wait;
     d["overhead"] = stats.overhead;
+    d["dp_exposed"] = reducer_ ? reducer_->exposed_seconds() : 0.0;
     py::list events;
     for (const auto& e : stats.events)
       events.append(py::make_tuple(schedule::to_string(e.action), e.start, e.end));
@@ -236,6 +253,8 @@ class Runtime {
   std::vector<torch::Tensor> inputs_;
   std::vector<torch::Tensor> replica_params_;
   std::vector<std::vector<int>> replica_holders_;
+  std::shared_ptr<distributed::Comm> dp_;
+  std::unique_ptr<pipeline::GradientReducer> reducer_;
   bool broken_ = false;
   std::string broken_reason_;
 };
@@ -288,17 +307,18 @@ void bind_pipeline(py::module_& m) {
                        const std::map<int, py::object>& forward,
                        const std::map<int, std::vector<torch::Tensor>>& parameters,
                        py::object loss, py::object shape, py::object dtype, py::object device,
-                       double timeout_s) {
+                       double timeout_s, const py::object& dp_group) {
              try {
                return std::make_unique<Runtime>(csv, group, forward, parameters, loss, shape,
-                                                dtype, device, timeout_s);
+                                                dtype, device, timeout_s, dp_group);
              } catch (const std::invalid_argument& e) {
                throw py::value_error(e.what());
              }
            }),
            py::arg("schedule_csv"), py::arg("group"), py::arg("chunk_forward"),
            py::arg("chunk_parameters"), py::arg("loss"), py::arg("activation_shape"),
-           py::arg("dtype"), py::arg("device") = py::none(), py::arg("timeout_s") = 300.0)
+           py::arg("dtype"), py::arg("device") = py::none(), py::arg("timeout_s") = 300.0,
+           py::arg("dp_group") = py::none())
       .def("step", &Runtime::step, py::arg("inputs"),
            "Runs one step of this rank's actions; returns the loss and timings.")
       .def_property_readonly("rank", &Runtime::rank)

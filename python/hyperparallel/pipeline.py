@@ -129,6 +129,12 @@ class Pipeline:
         parameters: ``{chunk: [tensor, ...]}`` weights of callables that are not
             modules.
         timeout: seconds any wait may take before it fails naming the peer.
+        dp_group: with several copies of this pipeline (data parallel), the
+            group of the ranks that run this rank's stages in the other
+            copies: each stage's gradients are averaged over it as soon as
+            the stage has run its last microbatch, and the step's loss is the
+            mean over the copies. Each copy is given its own part of the
+            global batch.
     """
 
     def __init__(
@@ -143,6 +149,7 @@ class Pipeline:
         device: Optional[Union[torch.device, str]] = None,
         parameters: Optional[Mapping[int, Sequence[torch.Tensor]]] = None,
         timeout: float = 300.0,
+        dp_group: Optional[dist.ProcessGroup] = None,
     ):
         if not isinstance(schedule, PipelineSchedule):
             raise TypeError(
@@ -198,6 +205,7 @@ class Pipeline:
             dtype,
             device,
             float(timeout),
+            dp_group,
         )
         self.rank = self._runtime.rank
         self.last_stats: Dict[str, object] = {}

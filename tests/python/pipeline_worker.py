@@ -18,9 +18,20 @@ import hyperparallel as hp  # noqa: E402
 
 def main():
     out_dir, names = sys.argv[1], sys.argv[2].split(",")
+    dp = int(sys.argv[3]) if len(sys.argv) > 3 else 1
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    rank, p = dist.get_rank(), dist.get_world_size()
+    world_rank, world = dist.get_rank(), dist.get_world_size()
+    if dp > 1:
+        # dp copies of a pipeline of world / dp ranks, as torch's DeviceMesh
+        # lays them out (row-major: the ranks of one pipeline are consecutive).
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (dp, world // dp), mesh_dim_names=("dp", "pp"))
+        group, dp_group = mesh.get_group("pp"), mesh.get_group("dp")
+        rank, p, replica = mesh.get_local_rank("pp"), world // dp, mesh.get_local_rank("dp")
+    else:
+        group, dp_group, rank, p, replica = None, None, world_rank, world, 0
     results = {}
     for name in names:
         m = pm.microbatches(name, p)
@@ -32,12 +43,16 @@ def main():
             loss_fn=pm.loss_fn,
             activation_shape=(pm.MB, pm.D),
             timeout=60,
+            group=group,
+            dp_group=dp_group,
         )
         params = [q for c in chunks.values() for q in c.parameters()]
         opt = torch.optim.SGD(params, lr=pm.LR)
         losses = []
         for step in range(pm.STEPS):
-            x, y = pm.batch(step, m)
+            x, y = pm.batch(step, dp * m)  # the global batch; this copy's share below
+            rows = m * pm.MB
+            x, y = x[replica * rows:(replica + 1) * rows], y[replica * rows:(replica + 1) * rows]
             opt.zero_grad()
             losses.append(pipe.step(x, y))
             opt.step()
@@ -46,7 +61,7 @@ def main():
             "chunks": {c: [q.detach().clone() for q in mod.parameters()] for c, mod in chunks.items()},
             "backend": pipe._runtime.backend,
         }
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.save(results, os.path.join(out_dir, f"rank{world_rank}.pt"))
     dist.destroy_process_group()
 
 

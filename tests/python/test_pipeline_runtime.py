@@ -78,6 +78,29 @@ def test_every_schedule_equals_single_process_training(p, tmp_path):
         assert seen == set(range(sched.num_chunks)), name
 
 
+@pytest.mark.parametrize("names", [["1f1b", "zbv", "dualpipev", "zb-auto"]])
+def test_pipeline_times_data_parallel_equals_single_process_training(names, tmp_path):
+    # pp = 2 x dp = 2 on 4 real processes (torch's DeviceMesh makes the
+    # groups): each copy trains on its half of the global batch; gradients are
+    # averaged over dp. Equal to one process on the whole global batch.
+    p, dp = 2, 2
+    run_ranks(p * dp, [",".join(names), str(dp)], tmp_path)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(p * dp)]
+    for name in names:
+        sched = hp.pipeline.schedule(name, ranks=p, microbatches=pm.microbatches(name, p))
+        ref_losses, ref_chunks = pm.reference(sched.num_chunks, dp * sched.num_microbatches)
+        for world_rank, res in enumerate(ranks):
+            got, r = res[name], world_rank % p
+            for s, (a, b) in enumerate(zip(got["losses"], ref_losses)):
+                assert abs(a - b) <= 1e-9 * max(1.0, abs(b)), f"{name} rank {world_rank} step {s}"
+            assert sorted(got["chunks"]) == sched.chunks_of_rank(r), name
+            for c, tensors in got["chunks"].items():
+                for q, q_ref in zip(tensors, ref_chunks[c]):
+                    err = (q - q_ref).abs().max().item()
+                    assert err <= 1e-9 * max(1.0, q_ref.abs().max().item()), (
+                        f"{name} rank {world_rank} chunk {c}: max error {err}")
+
+
 def test_schedule_names_cover_every_generator():
     # The list above is every generator the library has (afab is gpipe's alias).
     names = set(SCHEDULES) | {"afab"}
