@@ -18,7 +18,7 @@ COMMON=(
   libyaml-cpp-dev nlohmann-json3-dev libcli11-dev
   iproute2 util-linux
 )
-PIP=(python3-venv python3-dev)
+PIP=(python3-venv python3-dev clang)  # clang: the PassPlan YAML fuzzer (libFuzzer)
 DEBIAN=(libtorch-dev libgloo-dev libopenblas0-openmp)
 
 packages_of() {

@@ -1,24 +1,27 @@
 #!/usr/bin/env python3
-"""PyTorch's torch.distributed.pipelining against `hp train`, side by side.
+"""PyTorch's torch.distributed.pipelining against hyperparallel, side by side:
+`hp train` (the C++ trainer) and our Python runtime (hyperparallel.pipeline).
 
-Run inside the Debian 13 root (LibTorch 2.6 for hp, python3-torch 2.6 for
-PyTorch), from the repository root:
+On the pip target (the project's .venv, torch 2.11), from the repository root:
 
-    bash scripts/debian13.sh setup --with-python
-    bash scripts/debian13.sh run -- python3 bench/peers/compare.py --rounds 3
+    .venv/bin/python bench/peers/compare.py --rounds 5
 
-For each setting, `hp peers export` writes the model's initial parameters and
-every (step, microbatch) batch once; then, in each round, every schedule pair
-runs PyTorch's schedule (bench/peers/torch_pipelining.py) and hp's, one after
-the other (which one goes first alternates by round), on 2 ranks pinned to
-cores 0 and 1 with one intra-op thread each. The step time is the median over
-rounds of each run's median step (the first step is excluded as warm-up). The
-losses of every step must agree to a relative 1e-4. See bench/peers/README.md.
+Three sides train the same GPT from the same initial values on the same
+batches: PyTorch's Schedule<NAME> over hyperparallel.models' nn.Module chunks
+(torch_pipelining.py), our Python runtime over the same chunks (hp_python.py),
+and `hp train --untied` (its C++ GPT, bit-identical at the start:
+NOTE [Same values as the C++ GPT] in python/hyperparallel/models.py). In each
+round every schedule row runs each side once, back to back (the order
+rotates by round), on 2 ranks pinned to cores 0 and 1 with one intra-op
+thread each. A row's step time is the median over rounds of each run's
+median step (the first step is warm-up); the ratios are PyTorch's step time
+over ours (above 1: we are faster). The losses of every step must agree to a
+relative 1e-4. See bench/peers/README.md.
 """
 import argparse
 import json
-import shutil
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -26,40 +29,48 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+from common import SETTINGS  # noqa: E402
 
-SETTINGS = {
-    "compute": dict(layers=8, d_model=128, heads=4, seq_len=64, microbatch_size=4,
-                    microbatches=8),
-    "overhead": dict(layers=4, d_model=32, heads=4, seq_len=16, microbatch_size=1,
-                     microbatches=32),
-}
-
-# (PyTorch schedule, hp schedule, hp chunks per rank, note)
+# (PyTorch schedule, hp schedule, hp chunks per rank of the interleaved ones:
+# -v / chunks=; the V schedules place their two stages per rank themselves)
 PAIRS = [
-    ("GPipe", "gpipe", 1, ""),
-    ("1F1B", "1f1b", 1, ""),
-    ("Interleaved1F1B", "interleaved-1f1b", 2, ""),
-    ("LoopedBFS", "interleaved-bfs", 2, ""),
-    ("InterleavedZeroBubble", "interleaved-zb", 2, ""),
-    ("ZBVZeroBubble", "zbv", 2, ""),
+    ("GPipe", "gpipe", 1),
+    ("1F1B", "1f1b", 1),
+    ("Interleaved1F1B", "interleaved-1f1b", 2),
+    ("LoopedBFS", "interleaved-bfs", 2),
+    ("InterleavedZeroBubble", "interleaved-zb", 2),
+    ("ZBVZeroBubble", "zbv", 1),
+    ("DualPipeV", "dualpipev", 1),
 ]
+SIDES = ("torch", "hp", "hp-py")
+SIDE_NAMES = {"torch": "PyTorch", "hp": "hp train", "hp-py": "hp Python"}
+# The goals (issue 12 and 13): hp train >= 1.0x on every row; the Python
+# runtime never slower, and >= 1.2x in the overhead setting.
+GOALS = {("hp", "compute"): 1.0, ("hp", "overhead"): 1.0,
+         ("hp-py", "compute"): 1.0, ("hp-py", "overhead"): 1.2}
 
 
 def median(xs):
+    xs = [x for x in xs if x == x]
     return statistics.median(xs) if xs else float("nan")
 
 
 def run(cmd, timeout):
-    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                       timeout=timeout)
+    try:
+        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        return 124, (e.stdout or "") + f"\ntimed out after {timeout} s"
     return p.returncode, p.stdout
 
 
 def last_error(out):
-    lines = [l for l in out.splitlines() if l.strip()]
-    for l in lines:
-        if "error" in l.lower():
-            return l.strip()[:200]
+    lines = [line for line in out.splitlines() if line.strip()]
+    for line in lines:
+        if "error" in line.lower():
+            return line.strip()[:200]
     return (lines[-1] if lines else "no output")[:200]
 
 
@@ -116,35 +127,48 @@ class AwakeCores:
         self.procs = []
 
 
-def model_args(s):
-    return ["--model", "gpt", "--layers", str(s["layers"]), "--d-model", str(s["d_model"]),
-            "--heads", str(s["heads"]), "--seq-len", str(s["seq_len"]), "--untied"]
+def common_args(a, setting, out):
+    return ["--setting", setting, "--out", out, "--nproc", str(a.nproc), "--steps", str(a.steps),
+            "--seed", str(a.seed), "--lr", str(a.lr), "--weight-decay", str(a.weight_decay),
+            "--timeout", str(a.timeout)]
 
 
-def run_theirs(a, setting, export, name, out):
-    cmd = [sys.executable, os.path.join(HERE, "torch_pipelining.py"), "--export", export,
-           "--schedule", name, "--out", out, "--nproc", str(a.nproc), "--lr", str(a.lr),
-           "--weight-decay", str(a.weight_decay), "--runtime", a.their_runtime,
-           "--timeout", str(a.timeout)]
+def run_torch(a, setting, name, out):
+    cmd = [sys.executable, os.path.join(HERE, "torch_pipelining.py"), "--schedule", name,
+           *common_args(a, setting, out)]
     rc, text = run(cmd, a.timeout + 30)
     if rc != 0:
         return {"error": last_error(text)}
     with open(out) as f:
         j = json.load(f)
-    busy = j["busy_seconds"][-1]
-    return {"steps": j["step_seconds"], "losses": j["losses"], "busy": busy,
-            "kernel": j["kernel_seconds"][-1],
-            "makespan": j["makespan_seconds"][-1], "runtime": j.get("runtime", ""),
-            "pipeline": j["pipeline_seconds"]}
+    return {"steps": j["step_seconds"], "losses": j["losses"], "busy": j["busy_seconds"][-1],
+            "kernel": j["kernel_seconds"][-1], "makespan": j["makespan_seconds"][-1]}
 
 
-def run_ours(a, setting, name, chunks, out):
+def run_hp_python(a, setting, name, chunks, out):
+    cmd = [sys.executable, os.path.join(HERE, "hp_python.py"), "--schedule", name,
+           *common_args(a, setting, out)]
+    if chunks > 1:
+        cmd += ["--chunks", str(chunks)]
+    rc, text = run(cmd, a.timeout + 30)
+    if rc != 0:
+        return {"error": last_error(text)}
+    with open(out) as f:
+        j = json.load(f)
+    return {"steps": j["step_seconds"], "losses": j["losses"], "busy": j["busy_seconds"][-1],
+            "comm_wait": j["comm_wait_seconds"][-1], "overhead": j["overhead_seconds"][-1],
+            "makespan": j["makespan_seconds"][-1]}
+
+
+def run_hp(a, setting, name, chunks, out):
     s = SETTINGS[setting]
-    cmd = [a.hp, "train", "--pin", "--no-progress", *model_args(s), "-p", str(a.nproc),
-           "-s", name, "-m", str(s["microbatches"]), "--microbatch-size",
-           str(s["microbatch_size"]), "--steps", str(a.steps), "--seed", str(a.seed),
-           "--lr", str(a.lr), "--weight-decay", str(a.weight_decay), "--dtype", "float32",
-           "--report", out, "--p2p", a.hp_p2p]
+    cmd = [a.hp, "train", "--pin", "--no-progress", "--model", "gpt", "--untied",
+           "--layers", str(s["layers"]), "--d-model", str(s["d_model"]), "--heads", str(s["heads"]),
+           "--seq-len", str(s["seq_len"]), "-p", str(a.nproc), "-s", name,
+           "-m", str(s["microbatches"]), "--microbatch-size", str(s["microbatch_size"]),
+           "--steps", str(a.steps), "--seed", str(a.seed), "--lr", str(a.lr),
+           "--weight-decay", str(a.weight_decay), "--dtype", "float32", "--report", out,
+           "--p2p", a.hp_p2p, "--timeout", str(int(a.timeout))]
     if chunks > 1:
         cmd += ["-v", str(chunks)]
     rc, text = run(cmd, a.timeout + 30)
@@ -167,9 +191,9 @@ def step_median(r):
 
 def idle_share(r, key="busy"):
     """1 - busiest rank's compute / the step's compute makespan (last step)."""
-    if key not in r:
+    if key not in r or not r["makespan"] > 0:
         return float("nan")
-    return 1.0 - max(r[key]) / r["makespan"] if r["makespan"] > 0 else float("nan")
+    return 1.0 - max(r[key]) / r["makespan"]
 
 
 def max_rel_diff(a, b):
@@ -180,81 +204,109 @@ def fmt_ms(x):
     return f"{x * 1e3:.1f}" if x == x else "-"
 
 
-def render(a, settings, pairs, results, load_before, load_after):
+def fmt_pct(x):
+    return f"{100 * x:.1f}" if x == x else "-"
+
+
+def ok_runs(runs):
+    return [r for r in runs if "error" not in r]
+
+
+def ratio_cell(theirs, ours):
+    """PyTorch / ours: the ratio of the medians and the per-round range."""
+    t, o = ok_runs(theirs), ok_runs(ours)
+    if not t or not o:
+        return float("nan"), [], "-"
+    ratio = median([step_median(r) for r in t]) / median([step_median(r) for r in o])
+    # The machine's speed drifts between rounds; each round's runs went back to back.
+    per_round = [step_median(rt) / step_median(ro) for rt, ro in zip(theirs, ours)
+                 if "error" not in rt and "error" not in ro]
+    spread = f" ({min(per_round):.2f}-{max(per_round):.2f})" if len(per_round) > 1 else ""
+    return ratio, per_round, f"{ratio:.2f}{spread}"
+
+
+def render(a, settings, pairs, sides, results, load_before, load_after):
     """The tables (markdown) and the JSON summary of `results`:
-    {setting: {"theirs": {name: [run]}, "ours": {(name, chunks): [run]}}}."""
+    {setting: {side: {row key: [run per round]}}}, row key = PyTorch name."""
     lines = []
     summary = {"load_before": load_before, "load_after": load_after, "settings": {},
-               "args": {"awake_cores": a.awake_cores, "hp_p2p": a.hp_p2p, "rounds": a.rounds, "steps": a.steps,
-                        "nproc": a.nproc, "lr": a.lr, "weight_decay": a.weight_decay,
-                        "seed": a.seed}}
+               "sides": list(sides),
+               "args": {"awake_cores": a.awake_cores, "hp_p2p": a.hp_p2p, "rounds": a.rounds,
+                        "steps": a.steps, "nproc": a.nproc, "lr": a.lr,
+                        "weight_decay": a.weight_decay, "seed": a.seed}}
+    ours = [s for s in sides if s != "torch"]
+    shm = a.hp_p2p == "shm"
     for setting in settings:
         s = SETTINGS[setting]
         lines.append(f"\n**{setting}**{' (cores kept awake)' if a.awake_cores else ''}"
-                     f"{', hp point-to-point over shared memory' if a.hp_p2p == 'shm' else ''}: "
-                     f"gpt, {s['layers']} layers, d_model {s['d_model']}, "
-                     f"{s['heads']} heads, seq {s['seq_len']}, {s['microbatches']} microbatches of "
+                     f"{', hp train point-to-point over shared memory' if shm else ''}"
+                     f": gpt, {s['layers']} layers, d_model {s['d_model']}, {s['heads']} heads, "
+                     f"seq {s['seq_len']}, {s['microbatches']} microbatches of "
                      f"{s['microbatch_size']}, {a.nproc} ranks, {a.steps} steps x {a.rounds} "
                      "rounds\n")
-        lines.append("| PyTorch schedule | hp schedule | PyTorch step ms | hp step ms | "
-                     "PyTorch / hp (per-round range) | losses agree (max rel. diff) | "
-                     "PyTorch idle (calls / kernels) | hp idle | hp comm wait / overhead |")
-        lines.append("|---|---|---|---|---|---|---|---|---|")
+        head = ["PyTorch schedule", "hp schedule"]
+        head += [f"{SIDE_NAMES[x]} step ms" for x in sides]
+        if "torch" in sides:
+            head += [f"PyTorch / {SIDE_NAMES[x]}" for x in ours]
+        head += ["losses agree (max rel. diff)",
+                 "idle % (" + " / ".join(SIDE_NAMES[x] for x in sides) + ")"]
+        head += [f"{SIDE_NAMES[x]} comm wait / overhead ms" for x in ours]
+        lines.append("| " + " | ".join(head) + " |")
+        lines.append("|" + "---|" * len(head))
         rows = []
-        for theirs, ours, chunks, note in pairs:
-            slot = {"theirs": results[setting]["theirs"][theirs],
-                    "ours": results[setting]["ours"][(ours, chunks)]}
-            ok_t = [r for r in slot["theirs"] if "error" not in r]
-            ok_o = [r for r in slot["ours"] if "error" not in r]
-            ours_name = ours + (f" (v {chunks})" if chunks > 1 and ours != "zbv" else "")
-            if note:
-                ours_name += " \\*"
-            t_ms = median([step_median(r) for r in ok_t])
-            o_ms = median([step_median(r) for r in ok_o])
-            if ok_t and ok_o:
-                diffs = [max_rel_diff(rt["losses"], ro["losses"]) for rt in ok_t for ro in ok_o]
-                worst = max(diffs)
-                agree = ("yes" if worst <= a.tolerance else "**NO**") + f" ({worst:.1e})"
-            else:
-                worst, agree = None, "-"
-            t_idle = median([idle_share(r) for r in ok_t])
-            t_idle_k = median([idle_share(r, "kernel") for r in ok_t])
-            o_idle = median([idle_share(r) for r in ok_o])
-            o_wait = median([max(r["comm_wait"]) for r in ok_o])
-            o_over = median([max(r["overhead"]) for r in ok_o])
-            runtime = ok_t[0]["runtime"] if ok_t else ""
-            label = theirs + (" (action runtime)" if runtime == "ir" else "")
-            err_t = next((r["error"] for r in slot["theirs"] if "error" in r), "")
-            err_o = next((r["error"] for r in slot["ours"] if "error" in r), "")
-            ratio = t_ms / o_ms if ok_t and ok_o else float("nan")
-            # The machine's speed drifts between rounds; each round's pair ran back to back.
-            per_round = [step_median(rt) / step_median(ro)
-                         for rt, ro in zip(slot["theirs"], slot["ours"])
-                         if "error" not in rt and "error" not in ro]
-            spread = f" ({min(per_round):.2f}-{max(per_round):.2f})" if len(per_round) > 1 else ""
-            lines.append(
-                f"| {label} | {ours_name} | {fmt_ms(t_ms) if ok_t else 'failed'} | "
-                f"{fmt_ms(o_ms) if ok_o else 'failed'} | "
-                f"{ratio:.2f}{spread} | {agree} | "
-                f"{100 * t_idle:.1f} / {100 * t_idle_k:.1f} % | {100 * o_idle:.1f} % | "
-                f"{fmt_ms(o_wait)} / {fmt_ms(o_over)} ms |"
-                if ok_t and ok_o else
-                f"| {label} | {ours_name} | {fmt_ms(t_ms) if ok_t else 'failed: ' + err_t} | "
-                f"{fmt_ms(o_ms) if ok_o else 'failed: ' + err_o} | - | - | - | - | - |")
-            rows.append({"theirs": theirs, "ours": ours, "chunks": chunks, "runtime": runtime,
-                         "theirs_step_s": t_ms, "ours_step_s": o_ms, "ratio": ratio,
-                         "max_loss_rel_diff": worst, "per_round_ratios": per_round,
-                         "theirs_idle": t_idle, "theirs_idle_kernels": t_idle_k,
-                         "ours_idle": o_idle,
-                         "theirs_runs": slot["theirs"], "ours_runs": slot["ours"]})
-        summary["settings"][setting] = {"spec": s, "rows": rows}
-    notes = [p[3] for p in pairs if p[3] and p[3] != "see above"]
-    if notes:
-        lines.append("")
-        lines.extend(f"\\* {n}." for n in notes)
+        for theirs, name, chunks in pairs:
+            runs = {x: results[setting][x][theirs] for x in sides}
+            ok = {x: ok_runs(runs[x]) for x in sides}
+            interleaved = chunks > 1 and name.startswith("interleaved")
+            cells = [theirs, name + (f" (v {chunks})" if interleaved else "")]
+            step_s = {x: median([step_median(r) for r in ok[x]]) for x in sides}
+            for x in sides:
+                err = next((r["error"] for r in runs[x] if "error" in r), "")
+                cells.append(fmt_ms(step_s[x]) if ok[x] else f"failed: {err}")
+            ratios = {}
+            if "torch" in sides:
+                for x in ours:
+                    ratio, per_round, text = ratio_cell(runs["torch"], runs[x])
+                    ratios[x] = {"ratio": ratio, "per_round": per_round}
+                    cells.append(text)
+            diffs = [max_rel_diff(r1["losses"], r2["losses"])
+                     for i, x in enumerate(sides) for y in sides[i + 1:]
+                     for r1 in ok[x] for r2 in ok[y]]
+            worst = max(diffs) if diffs else None
+            cells.append("-" if worst is None else
+                         ("yes" if worst <= a.tolerance else "**NO**") + f" ({worst:.1e})")
+            idle = {x: median([idle_share(r) for r in ok[x]]) for x in sides}
+            cells.append(" / ".join(fmt_pct(idle[x]) for x in sides))
+            for x in ours:
+                wait = median([max(r["comm_wait"]) for r in ok[x]])
+                over = median([max(r["overhead"]) for r in ok[x]])
+                cells.append(f"{fmt_ms(wait)} / {fmt_ms(over)}")
+            lines.append("| " + " | ".join(cells) + " |")
+            rows.append({"theirs": theirs, "ours": name, "chunks": chunks,
+                         "step_s": step_s, "ratios": ratios, "max_loss_rel_diff": worst,
+                         "idle": idle,
+                         "idle_torch_kernels": median([idle_share(r, "kernel")
+                                                       for r in ok.get("torch", [])]),
+                         "runs": runs})
+        # The goals, per side of ours: the worst row against its bar.
+        goals = {}
+        if "torch" in sides:
+            for x in ours:
+                bar = GOALS[(x, setting)] if setting in ("compute", "overhead") else 1.0
+                got = [(r["ratios"][x]["ratio"], r["theirs"]) for r in rows
+                       if r["ratios"][x]["ratio"] == r["ratios"][x]["ratio"]]
+                if got:
+                    worst_ratio, worst_row = min(got)
+                    met = worst_ratio >= bar and len(got) == len(rows)
+                    goals[x] = {"bar": bar, "worst": worst_ratio, "worst_row": worst_row,
+                                "met": met}
+                    lines.append(f"\n{SIDE_NAMES[x]}: goal >= {bar:.1f}x on every row: "
+                                 f"{'met' if met else 'NOT met'} (lowest {worst_ratio:.2f}x, "
+                                 f"{worst_row}{'' if len(got) == len(rows) else '; rows failed'})")
+        summary["settings"][setting] = {"spec": s, "rows": rows, "goals": goals}
     all_runs = [r for st in results.values() for side in st.values() for rs in side.values()
                 for r in rs]
-    noisy = sum(1 for r in all_runs if r["busy_before"] > 0.15)
+    noisy = sum(1 for r in all_runs if r.get("busy_before", 0) > 0.15)
     lines.append(f"\nload average before / after: {' '.join(load_before)} / "
                  f"{' '.join(load_after)}; {noisy} of {len(all_runs)} runs started while the "
                  "machine was more than 15 % busy")
@@ -262,26 +314,22 @@ def render(a, settings, pairs, results, load_before, load_after):
 
 
 def results_from_json(path):
-    """Rebuilds (settings, pairs, results, loads, rounds, steps) from --json output."""
+    """(settings, pairs, sides, results, load_before, load_after, args) of a --json file."""
     with open(path) as f:
         summary = json.load(f)
+    sides = tuple(summary["sides"])
     settings, results, seen = [], {}, []
-    rounds = steps = 0
     for setting, st in summary["settings"].items():
         settings.append(setting)
-        runs = {"theirs": {}, "ours": {}}
+        results[setting] = {x: {} for x in sides}
         for row in st["rows"]:
-            runs["theirs"][row["theirs"]] = row["theirs_runs"]
-            runs["ours"][(row["ours"], row["chunks"])] = row["ours_runs"]
-            if (row["theirs"], row["ours"], row["chunks"]) not in seen:
-                seen.append((row["theirs"], row["ours"], row["chunks"]))
-            rounds = max(rounds, len(row["ours_runs"]))
-            for r in row["ours_runs"]:
-                steps = max(steps, len(r.get("steps", [])))
-        results[setting] = runs
-    pairs = [p for p in PAIRS if p[:3] in seen]
-    return (settings, pairs, results, summary["load_before"], summary["load_after"], rounds,
-            steps, summary.get("args", {}).get("awake_cores", False))
+            for x in sides:
+                results[setting][x][row["theirs"]] = row["runs"][x]
+            if row["theirs"] not in seen:
+                seen.append(row["theirs"])
+    pairs = [p for p in PAIRS if p[0] in seen]
+    return (settings, pairs, sides, results, summary["load_before"], summary["load_after"],
+            summary.get("args", {}))
 
 
 def main():
@@ -291,17 +339,19 @@ def main():
     ap.add_argument("--settings", default="compute,overhead",
                     help="comma separated: " + ", ".join(SETTINGS))
     ap.add_argument("--schedules", default="",
-                    help="comma separated PyTorch schedule names (default: all)")
+                    help="comma separated PyTorch schedule names (default: all): "
+                         + ", ".join(p[0] for p in PAIRS))
+    ap.add_argument("--sides", default=",".join(SIDES),
+                    help="comma separated: torch (PyTorch's pipelining), hp (hp train), "
+                         "hp-py (our Python runtime); default all three")
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--weight-decay", type=float, default=0.0)
     ap.add_argument("--tolerance", type=float, default=1e-4,
-                    help="largest relative difference of a step's loss")
-    ap.add_argument("--their-runtime", default="auto", choices=["auto", "class", "ir"],
-                    help="see torch_pipelining.py --runtime")
-    ap.add_argument("--hp", default=os.path.join(os.path.dirname(os.path.dirname(HERE)),
-                                                 "build-debian13", "tools", "hp", "hp"))
+                    help="largest relative difference of a step's loss between any two runs")
+    ap.add_argument("--hp", default=os.path.join(ROOT, "build", "tools", "hp", "hp"),
+                    help="the hp binary (default: build/tools/hp/hp)")
     ap.add_argument("--quiet-wait", type=float, default=0,
                     help="before each run, wait up to this many seconds for the machine's "
                          "cores to be under 15 %% busy (other load disturbs pinned ranks)")
@@ -309,79 +359,74 @@ def main():
                     help="keep the ranks' cores from idling during each run (a SCHED_IDLE busy "
                          "loop per core; see AwakeCores)")
     ap.add_argument("--hp-p2p", default="gloo", choices=["gloo", "shm"],
-                    help="hp's point-to-point transport between the ranks (hp train --p2p); "
-                         "PyTorch's is always Gloo")
+                    help="hp train's point-to-point transport between the ranks (hp train "
+                         "--p2p); PyTorch and the Python runtime use the Gloo group")
     ap.add_argument("--timeout", type=int, default=600)
     ap.add_argument("--json", default="", help="write every measurement here")
     ap.add_argument("--markdown", default="", help="write the tables here too")
-    ap.add_argument("--keep", action="store_true", help="keep the exports and run reports")
+    ap.add_argument("--keep", action="store_true", help="keep each run's report")
     ap.add_argument("--render", default="", help="only print the tables of an earlier --json")
     a = ap.parse_args()
     if a.render:
-        settings, pairs, results, lb, la, a.rounds, a.steps, a.awake_cores = \
-            results_from_json(a.render)
-        with open(a.render) as f:
-            a.hp_p2p = json.load(f).get("args", {}).get("hp_p2p", "gloo")
-        text, _ = render(a, settings, pairs, results, lb, la)
+        settings, pairs, sides, results, lb, la, args = results_from_json(a.render)
+        for k in ("awake_cores", "hp_p2p", "rounds", "steps", "nproc"):
+            if k in args:
+                setattr(a, k, args[k])
+        text, _ = render(a, settings, pairs, sides, results, lb, la)
         print(text)
         return 0
 
     pairs = PAIRS
     if a.schedules:
         want = a.schedules.split(",")
+        unknown = [w for w in want if w not in [p[0] for p in PAIRS]]
+        if unknown:
+            ap.error(f"--schedules: unknown {', '.join(unknown)}; "
+                     f"use {', '.join(p[0] for p in PAIRS)}")
         pairs = [p for p in PAIRS if p[0] in want]
+    sides = tuple(x for x in SIDES if x in a.sides.split(","))
+    if not sides or set(a.sides.split(",")) - set(SIDES):
+        ap.error(f"--sides: a comma separated list of {', '.join(SIDES)}")
     settings = a.settings.split(",")
     for s in settings:
         if s not in SETTINGS:
-            raise SystemExit(f"unknown setting {s}; use {', '.join(SETTINGS)}")
-    if not os.access(a.hp, os.X_OK):
-        raise SystemExit(f"{a.hp}: not built (scripts/debian13.sh run -- bash -c "
-                         "'HP_BUILD_DIR=build-debian13 bash scripts/build.sh')")
+            ap.error(f"--settings: unknown setting {s}; use {', '.join(SETTINGS)}")
+    if "hp" in sides and not os.access(a.hp, os.X_OK):
+        ap.error(f"{a.hp}: not built (flock /tmp/hp-build.lock cmake --build build --target hp, "
+                 "or bash scripts/build.sh)")
     with open("/proc/loadavg") as f:
         load_before = f.read().split()[:3]
 
     tmp = tempfile.mkdtemp(prefix="hp-peers-")
     results = {}
     for setting in settings:
-        s = SETTINGS[setting]
-        export = os.path.join(tmp, setting)
-        rc, text = run([a.hp, "peers", "export", *model_args(s), "-m", str(s["microbatches"]),
-                        "--microbatch-size", str(s["microbatch_size"]), "--steps",
-                        str(a.steps), "--seed", str(a.seed), "--out", export], 600)
-        if rc != 0:
-            raise SystemExit("hp peers export failed:\n" + text)
-        print(f"[{setting}] {text.strip()}", file=sys.stderr)
-        # Runs by side and key: theirs by PyTorch schedule, ours by (schedule, chunks);
-        # a PyTorch schedule compared with two of ours runs once per round.
-        runs = {"theirs": {}, "ours": {}}
+        runs = {x: {p[0]: [] for p in pairs} for x in sides}
         for rnd in range(a.rounds):
-            for theirs, ours, chunks, _ in pairs:
-                jobs = [("theirs", theirs), ("ours", (ours, chunks))]
-                if rnd % 2 == 1:
-                    jobs.reverse()
-                for who, key in jobs:
-                    done = runs[who].setdefault(key, [])
-                    if len(done) > rnd:
-                        continue
-                    name = theirs if who == "theirs" else ours
-                    out = os.path.join(tmp, f"{setting}-{who}-{name}-{chunks}-{rnd}.json")
+            for theirs, name, chunks in pairs:
+                order = list(sides[rnd % len(sides):] + sides[:rnd % len(sides)])
+                for who in order:
+                    out = os.path.join(tmp, f"{setting}-{who}-{theirs}-{rnd}.json")
                     busy = wait_quiet(a.quiet_wait) if a.quiet_wait > 0 else cpu_busy(0.2)
                     t = time.monotonic()
                     with AwakeCores(range(a.nproc) if a.awake_cores else []):
-                        r = (run_theirs(a, setting, export, theirs, out) if who == "theirs"
-                             else run_ours(a, setting, ours, chunks, out))
+                        if who == "torch":
+                            r = run_torch(a, setting, theirs, out)
+                        elif who == "hp":
+                            r = run_hp(a, setting, name, chunks, out)
+                        else:
+                            r = run_hp_python(a, setting, name, chunks, out)
                     r["busy_before"] = busy
-                    done.append(r)
+                    runs[who][theirs].append(r)
                     msg = r.get("error") or f"{fmt_ms(step_median(r))} ms/step"
-                    print(f"[{setting}] round {rnd + 1}/{a.rounds} {name} ({who}): {msg} "
-                          f"({time.monotonic() - t:.0f} s; machine {100 * busy:.0f} % busy "
+                    print(f"[{setting}] round {rnd + 1}/{a.rounds} {theirs} ({SIDE_NAMES[who]}): "
+                          f"{msg} ({time.monotonic() - t:.0f} s; machine {100 * busy:.0f} % busy "
                           "before)", file=sys.stderr)
         results[setting] = runs
 
     with open("/proc/loadavg") as f:
         load_after = f.read().split()[:3]
 
-    text, summary = render(a, settings, pairs, results, load_before, load_after)
+    text, summary = render(a, settings, pairs, sides, results, load_before, load_after)
     print(text)
     if a.markdown:
         with open(a.markdown, "w") as f:
@@ -390,7 +435,7 @@ def main():
         with open(a.json, "w") as f:
             json.dump(summary, f, indent=1)
     if a.keep:
-        print(f"exports and reports kept in {tmp}", file=sys.stderr)
+        print(f"run reports kept in {tmp}", file=sys.stderr)
     else:
         shutil.rmtree(tmp, ignore_errors=True)
     bad = [r for st in summary["settings"].values() for r in st["rows"]

@@ -272,10 +272,12 @@ namespace {
 // (w-1)/w of the full tensor, as a ring would; all_reduce (w-1) times the
 // tensor (fine for the small replicated parameters it serves). Reductions
 // are averages: data-parallel gradients are means over the ranks' batches.
-// The degree must be the Comm's world size.
+// The Comm is the FSDP group (on a mesh, the rank's dp slice: a subgroup of
+// the world) and a collective's degree must be its world size.
 struct Pending {
   hp::distributed::Work work;
   at::Tensor result;
+  at::Tensor input;  // alive until the wait, whatever the graph still reads
 };
 
 Pending issue(const Node& n, const at::Tensor& in_raw, hp::distributed::Comm* comm) {
@@ -284,10 +286,12 @@ Pending issue(const Node& n, const at::Tensor& in_raw, hp::distributed::Comm* co
   const int64_t w = comm->world_size();
   TORCH_CHECK(n.degree == w, "graph replay: collective of degree ", n.degree,
               " on a Comm of world size ", w,
-              "; FSDP subgroups are not supported: use fsdp_degree == world size");
+              "; pass the Comm of the FSDP group the graph was compiled for (on a mesh: its dp "
+              "slice, not the world)");
   at::Tensor in = in_raw.contiguous();
   using hp::distributed::ReduceOp;
   Pending p;
+  p.input = in;
   switch (n.collective) {
     case CollectiveKind::AllGather: {
       std::vector<int64_t> shape = in.sizes().vec();
@@ -378,6 +382,39 @@ std::vector<at::Tensor> replay(const Graph& graph, const std::vector<at::Tensor>
   std::unordered_map<int64_t, size_t> flight_of;  // collective value -> in_flight index
   double started = 0;
   std::vector<at::Tensor> env(graph.num_values());
+  // NOTE [Values die at their last use]
+  // The replay drops its reference to a value right after the last node that
+  // reads it (a value nothing reads: right after its definition), as eager
+  // execution frees what autograd no longer saves. The peak memory of a step
+  // is then the graph's live set, not every value it ever made: what lets a
+  // graph captured with checkpointed blocks (their forward's activations read
+  // by nothing after the forward, their backward reading the recomputed ones)
+  // hold less than one without.
+  const auto& nodes = graph.nodes();
+  constexpr size_t kNever = static_cast<size_t>(-1);
+  std::vector<size_t> last_use(graph.num_values(), kNever);
+  for (size_t i = 0; i < nodes.size(); ++i)
+    for (const Arg& a : nodes[i].args)
+      if (a.kind != Arg::Kind::Constant)
+        for (int64_t v : a.values)
+          if (v >= 0) last_use[v] = i;
+  // Values to drop after node i: free[free_at[i] .. free_at[i + 1]).
+  std::vector<int64_t> free;
+  std::vector<size_t> free_at{0};
+  for (size_t i = 0; i < nodes.size(); ++i) {
+    for (const Arg& a : nodes[i].args)
+      if (a.kind != Arg::Kind::Constant)
+        for (int64_t v : a.values)
+          if (v >= 0 && last_use[v] == i) free.push_back(v);
+    for (const Ret& r : nodes[i].rets)
+      for (int64_t v : r.values)
+        if (v >= 0 && last_use[v] == kNever) free.push_back(v);
+    free_at.push_back(free.size());
+  }
+  auto release = [&](size_t i) {
+    for (size_t k = free_at[i]; k < free_at[i + 1]; ++k)
+      env[free[k]].reset();
+  };
   std::unordered_map<int64_t, Pending> pending;
   size_t next_placeholder = 0;
   std::vector<at::Tensor> result;
@@ -471,6 +508,7 @@ std::vector<at::Tensor> replay(const Graph& graph, const std::vector<at::Tensor>
           result.push_back(env[v]);
         break;
     }
+    release(static_cast<size_t>(&n - nodes.data()));
   }
   TORCH_CHECK(next_placeholder == placeholders.size(), "graph replay: got ", placeholders.size(),
               " placeholder tensors for ", next_placeholder, " placeholders");

@@ -1,6 +1,7 @@
 // `GraphTrainer`: graph mode's training loop. Lazily captures the train step,
 // runs the PassPipeline (FSDP shards the live model), replays the graph each
-// step, accumulates gradients by FQN and steps a built-in Adam.
+// step, accumulates gradients by FQN and steps a built-in Adam; `MeshContext`:
+// the TP group and the FSDP group it runs on (seed 002 §5.1, §9).
 #pragma once
 
 #include <torch/nn/module.h>
@@ -8,6 +9,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <string>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -16,6 +18,10 @@
 #include "hp/compile/graph.h"
 #include "hp/compile/pass_config.h"
 #include "hp/compile/passes.h"
+
+namespace hp::distributed {
+class DeviceMesh;
+}
 
 namespace hp::compile {
 
@@ -36,6 +42,54 @@ struct OptimizerConfig {
   bool sgd = false;
 };
 
+// NOTE [Graph mode on a mesh]
+// A rank of a tp x dp mesh holds its TP shard of the model (made by the layer
+// above; the TP collectives are operators inside its forward, NOTE [TP
+// collectives as operators] in tp_ops.h) and sees its dp share of each batch.
+// Graph mode adds the FSDP dimension only: FSDPPass shards the live TP shards
+// over the rank's dp slice (the seed's group "fsdp": MeshContext::fsdp), never
+// over the world, which would cut along the TP axis too. The trainer
+//   * registers MeshContext::tp as the TP group `tp_group_name` (the name the
+//     model's operators carry) for its lifetime, unless that name already
+//     holds this Comm;
+//   * fills PassConfig::fsdp_degree from the FSDP group (a given value must
+//     match it) and PassConfig::tp_size from the TP group (a value other than
+//     1 must match it); sequence_parallel and loss_parallel stay informational;
+//   * counts the global gradient norm over both: FSDP shards summed over the
+//     FSDP group, parameters split over TP (MeshContext::tp_sharded) summed
+//     over the TP group, replicas once.
+// Everything that can be wrong with the mesh is checked by the constructor,
+// before any capture: dimensions other than TP and FSDP of size > 1 (graph
+// mode has no pipeline), a missing dimension, config values that disagree,
+// planned parameters whose dim 0 the FSDP degree does not divide.
+
+/// The device mesh graph mode runs on: the group the model's TP operators
+/// use and the group FSDP shards over. Default: one process, no TP.
+struct MeshContext {
+  /// This rank's TP group (null: no tensor parallelism).
+  std::shared_ptr<hp::distributed::Comm> tp;
+  /// This rank's FSDP / data-parallel group (null: one replica).
+  std::shared_ptr<hp::distributed::Comm> fsdp;
+  /// The name the model's hp::tp_copy / hp::tp_reduce calls carry; the
+  /// trainer registers `tp` under it (hp/compile/tp_ops.h).
+  std::string tp_group_name = "tp";
+  /// FQNs of the parameters split over the TP group (the others are
+  /// replicated on it): what the global gradient norm sums over `tp`.
+  std::vector<std::string> tp_sharded;
+  /// The mesh `tp` and `fsdp` come from (kept alive), when built from one.
+  std::shared_ptr<hp::distributed::DeviceMesh> mesh;
+
+  /// TP along `tp_dim` and FSDP along `fsdp_dim` of `mesh` ("" for either:
+  /// none). Throws std::invalid_argument for a dimension the mesh lacks, the
+  /// two naming the same dimension, or another dimension of size > 1.
+  static MeshContext from_mesh(std::shared_ptr<hp::distributed::DeviceMesh> mesh,
+                               const std::string& fsdp_dim = "dp", const std::string& tp_dim = "tp",
+                               std::string tp_group_name = "tp");
+  /// Sizes of the two groups (1 when absent).
+  int64_t tp_size() const;
+  int64_t fsdp_degree() const;
+};
+
 /// Trains `model` by replaying the captured graph of `train_fn`.
 class GraphTrainer {
  public:
@@ -43,6 +97,19 @@ class GraphTrainer {
   GraphTrainer(std::shared_ptr<torch::nn::Module> model, TrainFn train_fn, PassConfig config = {},
                std::optional<PassPlan> plan = std::nullopt, OptimizerConfig optimizer = {},
                std::shared_ptr<hp::distributed::Comm> comm = nullptr);
+  /// On a mesh (NOTE [Graph mode on a mesh]): `model` is this rank's TP
+  /// shard, FSDP shards over `mesh.fsdp`. Throws std::invalid_argument (bad
+  /// mesh or config) before anything runs.
+  GraphTrainer(std::shared_ptr<torch::nn::Module> model, TrainFn train_fn, PassConfig config,
+               std::optional<PassPlan> plan, OptimizerConfig optimizer, MeshContext mesh);
+  ~GraphTrainer();
+  GraphTrainer(const GraphTrainer&) = delete;
+  GraphTrainer& operator=(const GraphTrainer&) = delete;
+
+  /// The PassConfig in use (fsdp_degree and tp_size filled from the mesh).
+  const PassConfig& config() const { return config_; }
+  /// The mesh context (the FSDP group is also the one given as `comm`).
+  const MeshContext& mesh() const { return mesh_; }
 
   /// Captures the train step on this batch's shapes and runs the passes
   /// (FSDP shards the live model here). Called by the first train_step.
@@ -84,7 +151,9 @@ class GraphTrainer {
   PassConfig config_;
   std::optional<PassPlan> plan_;
   OptimizerConfig optimizer_;
-  std::shared_ptr<hp::distributed::Comm> comm_;
+  MeshContext mesh_;
+  std::shared_ptr<hp::distributed::Comm> comm_;  // the FSDP group (mesh_.fsdp)
+  bool registered_tp_ = false;
   bool compiled_ = false;
   bool record_trace_ = false;
   ReplayTrace trace_;

@@ -1,11 +1,17 @@
 // PassConfig validation, PassPlan lookup/merge and the YAML reader/writer
-// (yaml-cpp). Torch-free: errors are std::invalid_argument.
+// (yaml-cpp), strict as documented: one document, known keys only, no key
+// twice, bounded input. Torch-free: errors are std::invalid_argument.
 #include "hp/compile/pass_config.h"
 
 #include <fnmatch.h>
+#include <sys/stat.h>
 #include <yaml-cpp/yaml.h>
 
+#include <algorithm>
+#include <cstdio>
 #include <fstream>
+#include <map>
+#include <utility>
 #include <sstream>
 #include <stdexcept>
 
@@ -87,12 +93,86 @@ bool PassPlan::operator==(const PassPlan& other) const {
 
 namespace {
 
+// Untrusted bytes (keys, file names) as printable ASCII for an error
+// message: \n \t \\ and every non-printable byte escaped (\xNN), cut at
+// `max_chars` bytes with the total length; never stops at a NUL byte.
+std::string shown(const std::string& text, size_t max_chars = 60) {
+  std::string out;
+  const size_t n = std::min(text.size(), max_chars);
+  for (size_t i = 0; i < n; ++i) {
+    const auto c = static_cast<unsigned char>(text[i]);
+    if (c == '\n') {
+      out += "\\n";
+    } else if (c == '\t') {
+      out += "\\t";
+    } else if (c == '\\') {
+      out += "\\\\";
+    } else if (c < 0x20 || c > 0x7e) {
+      char buf[8];
+      std::snprintf(buf, sizeof buf, "\\x%02x", c);
+      out += buf;
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  if (text.size() > max_chars) out += "... (" + std::to_string(text.size()) + " bytes)";
+  return out;
+}
+
 [[noreturn]] void fail(const std::string& source, const YAML::Mark& mark, const std::string& what) {
   std::ostringstream os;
-  os << "pass plan " << source;
+  os << "pass plan " << shown(source, 200);
   if (mark.line >= 0) os << " line " << mark.line + 1;
   os << ": " << what;
   throw std::invalid_argument(os.str());
+}
+
+// Every map in the tree has scalar keys, each at most once; at most
+// kMaxNodes nodes are visited (aliases count each time they are used) and
+// at most kMaxDepth levels deep (an alias may refer to its own ancestor).
+constexpr int kMaxNodes = 100000;
+constexpr int kMaxDepth = 32;
+
+void check_keys(const YAML::Node& node, const std::string& source, int depth, int* visited) {
+  if (++*visited > kMaxNodes)
+    fail(source, node.Mark(),
+         "more than " + std::to_string(kMaxNodes) +
+             " YAML nodes (aliases counted each time they are used); a pass plan is a short list");
+  if (depth > kMaxDepth)
+    fail(source, node.Mark(),
+         "nested deeper than " + std::to_string(kMaxDepth) +
+             " levels (or an alias refers to itself); a pass plan is at most four levels deep");
+  if (node.IsSequence()) {
+    for (const auto& item : node)
+      check_keys(item, source, depth + 1, visited);
+  } else if (node.IsMap()) {
+    std::map<std::string, int> seen;  // key -> 1-based line
+    for (const auto& kv : node) {
+      if (!kv.first.IsScalar())
+        fail(source, kv.first.Mark(), "keys must be plain strings, not lists or maps");
+      const auto key = kv.first.Scalar();
+      auto [it, inserted] = seen.emplace(key, kv.first.Mark().line + 1);
+      if (!inserted)
+        fail(source, kv.first.Mark(),
+             "duplicate key '" + shown(key) + "' (first on line " + std::to_string(it->second) +
+                 "); give each key once");
+      check_keys(kv.second, source, depth + 1, visited);
+    }
+  }
+}
+
+// Refuses every key of `map` not in `known`: "unknown key '<prefix><key>'<where>".
+void only_keys(const YAML::Node& map, const std::vector<std::string>& known,
+               const std::string& prefix, const std::string& where, const std::string& source) {
+  for (const auto& kv : map) {
+    const auto key = kv.first.Scalar();
+    if (std::find(known.begin(), known.end(), key) != known.end()) continue;
+    std::string list;
+    for (const auto& k : known)
+      list += (list.empty() ? "" : ", ") + k;
+    fail(source, kv.first.Mark(),
+         "unknown key '" + prefix + shown(key) + "'" + where + " (known: " + list + ")");
+  }
 }
 
 // Reads a list of `{<field>: string}` maps; each entry's key goes to `add`.
@@ -108,36 +188,136 @@ void read_entries(const YAML::Node& list, const char* section, const char* field
       fail(source, entry.Mark(),
            std::string("each fsdp.") + section + " entry needs a string '" + field + "' (e.g. - " +
                field + ": layers.0)");
+    only_keys(entry, {field}, "", std::string(" in an fsdp.") + section + " entry", source);
     const std::string key = entry[field].as<std::string>();
     if (key.empty())
       fail(source, entry[field].Mark(),
            std::string("fsdp.") + section + " entry has an empty " + field);
+    for (char c : key)
+      if (c < 0x20 || c > 0x7e)
+        fail(source, entry[field].Mark(),
+             std::string("fsdp.") + section + " entry '" + shown(key) +
+                 "' holds a byte that is not printable ASCII; module names and patterns are "
+                 "printable ASCII (e.g. layers.0, layers.*)");
     add(key);
   }
+}
+
+// The 0-based (line, column) of the first ',' outside quotes, comments and
+// flow collections ([ ], { }), or (-1, -1) (NOTE [yaml-cpp loops on a stray
+// comma]). A quote opens a quoted scalar only where a token can start.
+std::pair<int, int> stray_comma(const std::string& text) {
+  int line = 0, col = 0, depth = 0;
+  char quote = 0;
+  bool comment = false;
+  char prev = '\n';
+  for (size_t i = 0; i < text.size(); ++i, ++col) {
+    const char c = text[i];
+    if (c == '\n') {
+      comment = false;
+      ++line;
+      col = -1;
+      prev = c;
+      continue;
+    }
+    if (comment) continue;
+    if (quote) {
+      if (quote == '"' && c == '\\') {
+        ++i, ++col;  // an escaped character
+      } else if (c == quote) {
+        if (quote == '\'' && i + 1 < text.size() && text[i + 1] == '\'') {
+          ++i, ++col;  // '' inside single quotes
+        } else {
+          quote = 0;
+        }
+      }
+      prev = c;
+      continue;
+    }
+    const bool token_start = prev == '\n' || prev == ' ' || prev == '\t' || prev == ':' ||
+                             prev == '-' || prev == '[' || prev == '{' || prev == ',';
+    if ((c == '"' || c == '\'') && token_start) {
+      quote = c;
+    } else if (c == '#' && (prev == '\n' || prev == ' ' || prev == '\t')) {
+      comment = true;
+    } else if (c == '[' || c == '{') {
+      ++depth;
+    } else if ((c == ']' || c == '}') && depth > 0) {
+      --depth;
+    } else if (c == ',' && depth == 0) {
+      return {line, col};
+    }
+    prev = c;
+  }
+  return {-1, -1};
+}
+
+// The 0-based line where the second document of `text` starts: its '---'
+// line (a '---' before any content opens the first document), else -1.
+int second_document_line(const std::string& text) {
+  std::istringstream in(text);
+  std::string line;
+  bool content = false;
+  for (int n = 0; std::getline(in, line); ++n) {
+    const bool marker = line.rfind("---", 0) == 0 &&
+                        (line.size() == 3 || line[3] == ' ' || line[3] == '\t' || line[3] == '\r');
+    if (marker && content) return n;
+    if (marker) {
+      content = true;  // the first document's explicit start
+      continue;
+    }
+    const auto first = line.find_first_not_of(" \t\r");
+    if (first != std::string::npos && line[first] != '#') content = true;
+  }
+  return -1;
 }
 
 }  // namespace
 
 PassPlan PassPlan::from_yaml(const std::string& text, const std::string& source) {
-  YAML::Node root;
+  if (text.size() > kMaxYamlBytes)
+    fail(source, YAML::Mark::null_mark(),
+         std::to_string(text.size()) + " bytes, more than the limit of " +
+             std::to_string(kMaxYamlBytes) + " bytes for a pass plan");
+  // NOTE [yaml-cpp loops on a stray comma]
+  // yaml-cpp 0.7 (Debian 12 and 13) never returns from LoadAll when a ','
+  // stands where block context expects a token (",x", "# c\n,x", "!a ,:";
+  // found by the fuzzer in tests/compile). A pass plan needs commas only
+  // inside [ ] or { } or quotes, so any other is refused before yaml-cpp sees
+  // the text.
+  if (auto at = stray_comma(text); at.first >= 0) {
+    YAML::Mark mark = YAML::Mark::null_mark();
+    mark.line = at.first;
+    mark.column = at.second;
+    fail(source, mark,
+         "a ',' outside [ ], { } and quotes; a pass plan has none there (quote the value)");
+  }
+  std::vector<YAML::Node> docs;
   try {
-    root = YAML::Load(text);
-  } catch (const YAML::ParserException& e) {
-    fail(source, e.mark, "malformed YAML: " + e.msg);
+    docs = YAML::LoadAll(text);
+  } catch (const YAML::Exception& e) {
+    fail(source, e.mark, "malformed YAML: " + shown(e.msg, 200));
+  }
+  if (docs.size() > 1) {
+    YAML::Mark mark = docs[1].Mark();
+    if (int line = second_document_line(text); line >= 0) mark.line = line;
+    fail(source, mark,
+         "a second YAML document starts here; a pass plan is one document (remove the '---' "
+         "and what follows, or merge it into the first)");
   }
   PassPlan plan;
+  if (docs.empty()) return plan;
+  const YAML::Node root = docs[0];
   if (!root || root.IsNull()) return plan;
   if (!root.IsMap()) fail(source, root.Mark(), "the top level must be a map with an 'fsdp' key");
+  int visited = 0;
+  check_keys(root, source, 0, &visited);
+  only_keys(root, {"fsdp"}, "", "", source);
   const YAML::Node fsdp = root["fsdp"];
   if (!fsdp || fsdp.IsNull()) return plan;
   if (!fsdp.IsMap())
     fail(source, fsdp.Mark(), "'fsdp' must be a map with enabled / modules / patterns");
-  for (const auto& kv : fsdp) {
-    const auto key = kv.first.as<std::string>();
-    if (key != "enabled" && key != "modules" && key != "patterns")
-      fail(source, kv.first.Mark(),
-           "unknown key fsdp." + key + " (known: enabled, modules, patterns)");
-  }
+  only_keys(fsdp, {"enabled", "modules", "patterns"}, "fsdp.", "", source);
   if (const YAML::Node en = fsdp["enabled"]) {
     bool on = false;
     if (!en.IsScalar() || !YAML::convert<bool>::decode(en, on))
@@ -152,11 +332,23 @@ PassPlan PassPlan::from_yaml(const std::string& text, const std::string& source)
 }
 
 PassPlan PassPlan::load_yaml(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) throw std::invalid_argument("pass plan: cannot open '" + path + "' for reading");
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return from_yaml(ss.str(), path);
+  const std::string where = "'" + shown(path, 200) + "'";
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0)
+    throw std::invalid_argument("pass plan: cannot open " + where + " for reading: no such file");
+  if (!S_ISREG(st.st_mode))
+    throw std::invalid_argument("pass plan: cannot read " + where +
+                                ": not a regular file (a directory, device or pipe); give a file");
+  if (static_cast<unsigned long long>(st.st_size) > kMaxYamlBytes)
+    throw std::invalid_argument("pass plan: " + where + " has " + std::to_string(st.st_size) +
+                                " bytes, more than the limit of " + std::to_string(kMaxYamlBytes) +
+                                " bytes for a pass plan");
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::invalid_argument("pass plan: cannot open " + where + " for reading");
+  std::string text(kMaxYamlBytes + 1, '\0');
+  in.read(&text[0], static_cast<std::streamsize>(text.size()));
+  text.resize(static_cast<size_t>(in.gcount()));
+  return from_yaml(text, path);  // a file that grew past the limit is refused there
 }
 
 std::string PassPlan::to_yaml() const {

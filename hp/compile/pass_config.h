@@ -67,11 +67,16 @@ class PassPlan {
     return patterns_;
   }
 
+  /// The largest pass plan text (or file) read: a plan is a short list.
+  static constexpr size_t kMaxYamlBytes = size_t(1) << 20;
+
   /// Parses the YAML of the seed §4.2 (`fsdp: {enabled, modules: [{name}],
-  /// patterns: [{pattern}]}`); `source` names the text in errors. Throws
-  /// std::invalid_argument naming the source and the 1-based line.
+  /// patterns: [{pattern}]}`); `source` names the text in errors. Strict:
+  /// one document, no key but those, no key twice in a map, at most
+  /// kMaxYamlBytes. Throws std::invalid_argument naming the source and the
+  /// 1-based line, with untrusted bytes escaped and cut.
   static PassPlan from_yaml(const std::string& text, const std::string& source = "<yaml>");
-  /// Reads and parses a YAML file.
+  /// Reads (a regular file of at most kMaxYamlBytes) and parses a YAML file.
   static PassPlan load_yaml(const std::string& path);
   /// The YAML form that from_yaml reads back to an equal plan.
   std::string to_yaml() const;

@@ -22,7 +22,8 @@ namespace hp::compile {
 struct PassContext {
   /// The live model (FSDPPass shards its parameters in place).
   torch::nn::Module* model = nullptr;
-  /// The FSDP group; null or world size 1 means a single process.
+  /// The FSDP group (on a mesh: this rank's dp slice, a subgroup of the
+  /// world); null or world size 1: no FSDP.
   hp::distributed::Comm* comm = nullptr;
   /// Which modules FSDP shards; null shards every parameter.
   const PassPlan* plan = nullptr;
@@ -57,7 +58,8 @@ class CanonicalizeGraph : public GraphPass {
   void run(Graph& graph, PassContext& ctx) override;
 };
 
-/// FSDP over the Comm's ranks: each planned parameter placeholder becomes its
+/// FSDP over the FSDP group's ranks (PassContext::comm, whose world size the
+/// degree must equal): each planned parameter placeholder becomes its
 /// dim-0 shard followed by an all_gather (Shard -> Replicate) and a wait; its
 /// gradient output becomes a reduce_scatter (averaged) of the full gradient.
 /// Unplanned parameters stay replicated and their gradients are all_reduced

@@ -56,23 +56,46 @@ class CommError : public std::runtime_error {
   bool timed_out_;
 };
 
-/// A pending asynchronous operation. `wait()` blocks until it completes, for
-/// at most the Comm's timeout, and throws `CommError` on failure. Waiting
-/// twice is allowed (the second returns at once or rethrows). The tensors
-/// given to the operation must stay untouched until `wait()` returns.
+// NOTE [Stream-ordered waits]
+// A Work over CPU tensors (Gloo, shared memory) is waited on the host: wait()
+// returns when the data is there. A Work of NCCL over CUDA tensors is waited
+// in stream order: wait() makes the calling thread's current CUDA stream wait
+// for the transfer (NCCL runs it on its own stream; c10d orders the two with
+// CUDA events) and returns at once, so what the thread enqueues next runs
+// after the data arrived and the host never stops for it. (c10d's
+// WorkNCCL::wait with a timeout would instead spin on the host until the
+// transfer finished; without one it only orders the stream.) Such a wait
+// cannot time out on the host: NCCL's watchdog aborts a transfer that
+// exceeds the group's timeout, and a failure surfaces at the next host
+// synchronization. `blocks_host()` says which kind a Work is, so that callers
+// can count the points where the host waits (StepStats::host_syncs).
+
+/// A pending asynchronous operation. `wait()` waits until it completes, for
+/// at most the Comm's timeout, and throws `CommError` on failure; on the host,
+/// or in stream order (NOTE [Stream-ordered waits]). Waiting twice is allowed
+/// (the second returns at once or rethrows). The tensors given to the
+/// operation must stay untouched until `wait()` returns (and, for a
+/// stream-ordered Work, be used only by work enqueued after it).
 class Work {
  public:
   /// The backend's side of a Work.
   struct Impl {
     virtual ~Impl() = default;
     virtual void wait() = 0;
+    /// False when wait() only orders the caller's current device stream.
+    virtual bool blocks_host() const { return true; }
   };
   Work() = default;
   explicit Work(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
-  /// Blocks until done; throws CommError (naming the peer and the operation).
+  /// Waits until done (NOTE [Stream-ordered waits]); throws CommError (naming
+  /// the peer and the operation).
   void wait();
   /// False for a default-constructed Work.
   bool valid() const { return impl_ != nullptr; }
+  /// Whether wait() blocks the calling thread until the operation completed
+  /// (true for CPU backends) or only orders its current device stream after
+  /// it (NCCL over CUDA tensors).
+  bool blocks_host() const { return impl_ != nullptr && impl_->blocks_host(); }
   /// A Work that is already complete.
   static Work done();
 
@@ -218,6 +241,24 @@ class Comm {
 /// rendezvouses over `inner`). Same Work and CommError behaviour, including
 /// the timeout and naming a peer whose process is gone.
 std::shared_ptr<Comm> with_shared_memory_p2p(std::shared_ptr<Comm> inner);
+
+/// Options of `with_host_staging`.
+struct HostStagingOptions {
+  /// Stage CPU tensors too (through a fresh host buffer): the CPU check of the
+  /// staging's logic. Off: CPU tensors go to `inner` as they are.
+  bool stage_cpu_tensors = false;
+};
+
+/// `inner` (a CPU backend: Gloo, or shared memory over Gloo) carrying tensors
+/// of any device: each device tensor is copied to host memory, moved by
+/// `inner`, and copied back on the receiving side (NOTE [Staging through host
+/// memory]). This is how ranks that share one GPU exchange CUDA tensors (NCCL
+/// refuses two ranks on one device); every transfer synchronizes the host
+/// with the device, so it is for tests and single-GPU machines, not for
+/// speed. Point-to-point keeps posting order; collectives and split() are
+/// staged the same way. Works stay host-blocking.
+std::shared_ptr<Comm> with_host_staging(std::shared_ptr<Comm> inner,
+                                        HostStagingOptions options = {});
 
 /// `inner` with its point-to-point run as a single stream runs NCCL's: each
 /// rank's operations (a batch as one unit) start one after the other in

@@ -1,7 +1,8 @@
 // ProcessGroupComm: Comm over any c10d::ProcessGroup (Gloo, NCCL, ...), using
 // ProcessGroup.hpp only: tag-free point-to-point, batches (coalesced where
-// the backend coalesces), collectives, subgroups, and the translation of the
-// backend's errors into CommError (naming a lost peer when we can).
+// the backend coalesces), collectives, subgroups, stream-ordered waits on
+// NCCL's CUDA work, and the translation of the backend's errors into
+// CommError (naming a lost peer when we can).
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -49,15 +50,18 @@ constexpr int kTag = 0;
 
 class ProcessGroupComm;
 
-// A pending operation: c10d's Work waited with our timeout; failures become
-// CommError. Ops of one coalesced batch share one c10d Work.
+// A pending operation: c10d's Work waited with our timeout, or in stream
+// order (NOTE [Stream-ordered waits] in comm.h); failures become CommError.
+// Ops of one coalesced batch share one c10d Work.
 struct PgWork : Work::Impl {
   std::shared_ptr<const ProcessGroupComm> comm;
   c10::intrusive_ptr<c10d::Work> work;
   std::vector<at::Tensor> tensors;  // keep the buffers alive until the wait
   std::string what;
   int peer = -1;
+  bool stream_ordered = false;  // NCCL over CUDA tensors
   void wait() override;
+  bool blocks_host() const override { return !stream_ordered; }
 };
 
 class ProcessGroupComm : public Comm, public std::enable_shared_from_this<ProcessGroupComm> {
@@ -124,6 +128,7 @@ class ProcessGroupComm : public Comm, public std::enable_shared_from_this<Proces
       fail(what, -1, std::current_exception());
     }
     auto impl = p2p_impl(work, std::move(keep), what, -1);
+    impl->stream_ordered = stream_ordered(device);
     return std::vector<Work>(ops.size(), Work(impl));
   }
 
@@ -137,7 +142,7 @@ class ProcessGroupComm : public Comm, public std::enable_shared_from_this<Proces
                                        : c10d::ReduceOp::SUM;  // Avg: sum, then divide
     std::vector<at::Tensor> v{tensor};
     run("all_reduce of " + std::to_string(tensor.numel()) + " elements",
-        [&] { return pg_->allreduce(v, o); });
+        [&] { return pg_->allreduce(v, o); }, tensor);
     if (op == ReduceOp::Avg) tensor.div_(world_size());
   }
 
@@ -154,7 +159,7 @@ class ProcessGroupComm : public Comm, public std::enable_shared_from_this<Proces
     std::vector<std::vector<at::Tensor>> outputs{out};
     std::vector<at::Tensor> inputs{in};
     run("all_gather of " + std::to_string(in.numel()) + " elements",
-        [&] { return pg_->allgather(outputs, inputs); });
+        [&] { return pg_->allgather(outputs, inputs); }, in);
   }
 
   void broadcast(const at::Tensor& tensor, int root) override {
@@ -164,7 +169,8 @@ class ProcessGroupComm : public Comm, public std::enable_shared_from_this<Proces
     c10d::BroadcastOptions o;
     o.rootRank = root;
     std::vector<at::Tensor> v{tensor};
-    run("broadcast from rank " + std::to_string(root), [&] { return pg_->broadcast(v, o); });
+    run("broadcast from rank " + std::to_string(root), [&] { return pg_->broadcast(v, o); },
+        tensor);
   }
 
   // NOTE [ProcessGroup::barrier is not thread-safe]
@@ -175,7 +181,8 @@ class ProcessGroupComm : public Comm, public std::enable_shared_from_this<Proces
   // race on that tensor's refcount and corrupt the heap: crashes in later,
   // unrelated allocations. The backend's own barrier keeps no such state.
   void barrier() override {
-    run("barrier", [&] { return pg_->getDefaultBackend()->barrier(c10d::BarrierOptions()); });
+    run("barrier", [&] { return pg_->getDefaultBackend()->barrier(c10d::BarrierOptions()); },
+        at::Tensor());
   }
 
   std::shared_ptr<Comm> split(const std::vector<int>& ranks) override {
@@ -264,6 +271,14 @@ class ProcessGroupComm : public Comm, public std::enable_shared_from_this<Proces
     // each operation on its own and makes progress on all of them anyway.
     return backend_ == "nccl" && device == c10::DeviceType::CUDA;
   }
+  // Whether NCCL's work on tensors of `device` is waited in stream order
+  // (NOTE [Stream-ordered waits] in comm.h).
+  bool stream_ordered(c10::DeviceType device) const {
+    return backend_ == "nccl" && device == c10::DeviceType::CUDA;
+  }
+  bool stream_ordered(const at::Tensor& t) const {
+    return t.defined() && stream_ordered(t.device().type());
+  }
 
   void check_peer(int peer, const char* op) const {
     TORCH_CHECK(peer >= 0 && peer < world_size(), op, ": rank ", peer, " is not in this group of ",
@@ -308,14 +323,24 @@ class ProcessGroupComm : public Comm, public std::enable_shared_from_this<Proces
   }
   Work p2p_work(c10::intrusive_ptr<c10d::Work> work, std::vector<at::Tensor> tensors,
                 std::string what, int peer) {
-    return Work(p2p_impl(std::move(work), std::move(tensors), std::move(what), peer));
+    const bool ordered = stream_ordered(tensors.empty() ? at::Tensor() : tensors[0]);
+    auto impl = p2p_impl(std::move(work), std::move(tensors), std::move(what), peer);
+    impl->stream_ordered = ordered;
+    return Work(impl);
   }
 
+  // A collective over `tensor` (undefined: none, e.g. a barrier), waited on
+  // the host with the timeout, or in stream order for NCCL over CUDA tensors:
+  // the result is then ready for whatever the caller's stream runs next.
   template <typename F>
-  void run(const std::string& what, F&& start) {
+  void run(const std::string& what, F&& start, const at::Tensor& tensor) {
     try {
       auto work = start();
-      work->wait(options_.timeout);
+      if (stream_ordered(tensor)) {
+        work->wait();  // kNoTimeout: orders the current stream, returns at once
+      } else {
+        work->wait(options_.timeout);
+      }
     } catch (...) {
       fail(what, -1, std::current_exception());
     }
@@ -331,7 +356,14 @@ class ProcessGroupComm : public Comm, public std::enable_shared_from_this<Proces
 
 void PgWork::wait() {
   try {
-    work->wait(comm->timeout());
+    if (stream_ordered) {
+      // NOTE [Stream-ordered waits]: without a timeout, WorkNCCL::wait makes
+      // the current stream wait for NCCL's and returns; with one it would spin
+      // on the host until the transfer is done.
+      work->wait();
+    } else {
+      work->wait(comm->timeout());
+    }
   } catch (...) {
     comm->fail(what, peer, std::current_exception());
   }

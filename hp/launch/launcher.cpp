@@ -1,5 +1,6 @@
-// launch_local: fork/exec of N ranks, the wait loop that reports, grants a
-// grace period after a failure and terminates; signal forwarding; pinning.
+// launch_local: fork/exec of N ranks (each dies with the launcher), the wait
+// loop that reports, grants a short grace period after a failure and
+// terminates; signal forwarding; pinning; fault points.
 #include "hp/launch/launcher.h"
 
 #include <ATen/Parallel.h>
@@ -9,6 +10,7 @@
 #include <netinet/in.h>
 #include <sched.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -132,6 +134,35 @@ std::string LaunchResult::summary() const {
   return os.str();
 }
 
+bool port_is_free(int port) {
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  TORCH_CHECK(fd >= 0, "port_is_free: socket: ", std::strerror(errno));
+  // As a listener would: SO_REUSEADDR ignores connections in TIME_WAIT, so
+  // only a socket bound to the port makes it taken.
+  int one = 1;
+  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  bool ok = bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
+  close(fd);
+  return ok;
+}
+
+void fault_point(const std::string& point) {
+  const char* env = std::getenv("HP_FAULT_KILL");
+  const char* rank = std::getenv("RANK");
+  if (env == nullptr || rank == nullptr) return;
+  std::stringstream list(env);
+  std::string item;
+  while (std::getline(list, item, ',')) {
+    auto colon = item.find(':');
+    if (colon == std::string::npos) continue;
+    if (item.substr(0, colon) == rank && item.substr(colon + 1) == point) ::raise(SIGKILL);
+  }
+}
+
 int pick_free_port() {
   int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   TORCH_CHECK(fd >= 0, "pick_free_port: socket: ", std::strerror(errno));
@@ -174,8 +205,14 @@ int apply_rank_pinning() {
 LaunchResult launch_local(const LaunchOptions& o) {
   TORCH_CHECK(o.nproc >= 1, "launch: nproc must be >= 1, got ", o.nproc);
   TORCH_CHECK(!o.command.empty(), "launch: no command to run (hp launch -n N -- CMD ARGS...)");
+  TORCH_CHECK(o.master_port >= 0 && o.master_port <= 65535, "launch: port ", o.master_port,
+              " is not a TCP port (1..65535, or 0 for a free one)");
+  TORCH_CHECK(o.master_port == 0 || port_is_free(o.master_port), "launch: port ", o.master_port,
+              " on 127.0.0.1 is in use (another program listens there), so rank 0 could not host "
+              "the rendezvous; pick another port, or 0 for a free one");
   LaunchResult result;
   result.master_port = o.master_port != 0 ? o.master_port : pick_free_port();
+  const pid_t launcher_pid = getpid();
 
   // Everything the children need is built before fork (only async-signal-safe
   // calls happen between fork and exec).
@@ -250,6 +287,9 @@ LaunchResult launch_local(const LaunchOptions& o) {
     TORCH_CHECK(pipe2(pipefd, O_CLOEXEC) == 0, "launch: pipe: ", std::strerror(errno));
     pid_t pid = fork();
     if (pid == 0) {
+      // NOTE [Failing fast]: die with the launcher, even if it is already gone.
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (getppid() != launcher_pid) _exit(128 + SIGKILL);
       setpgid(0, 0);
       signal(SIGINT, SIG_DFL);
       signal(SIGTERM, SIG_DFL);

@@ -15,6 +15,19 @@ namespace hp::models {
 /// Where the gpt's text comes from when no file is given.
 constexpr const char* kDefaultCorpusDir = "/usr/share/common-licenses";
 
+/// The largest corpus a Dataset loads: every rank holds the whole text in
+/// memory (p copies on one machine), and a byte-level model this size of
+/// text is plenty; larger inputs (and devices like /dev/zero) are refused
+/// before anything is read.
+constexpr int64_t kMaxCorpusBytes = int64_t(1) << 30;
+
+/// Checks that `path` (a text file, or a folder whose regular files are the
+/// corpus; empty = kDefaultCorpusDir) can be a gpt corpus: it exists, it is a
+/// regular file or a folder (not a device, pipe or socket), its text fits in
+/// kMaxCorpusBytes and is longer than `seq_len` + 1 bytes. Returns its size
+/// in bytes; throws c10::Error saying what is wrong and what to do.
+int64_t check_corpus(const std::string& path, int64_t seq_len);
+
 /// One microbatch: the model input and the loss target.
 struct Batch {
   torch::Tensor input;

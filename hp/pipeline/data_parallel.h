@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "hp/distributed/comm.h"
+#include "hp/schedule/schedule.h"
 
 namespace hp::pipeline {
 
@@ -28,10 +29,12 @@ namespace hp::pipeline {
 class GradientReducer {
  public:
   /// `stage_parameters[s]`: the tensors whose .grad stage s accumulates;
-  /// `microbatches`: how many microbatches each stage runs per step.
+  /// `stage_microbatches[s]`: how many microbatches stage s runs per step
+  /// (all of them, except where a schedule splits them between mirrored
+  /// copies of a stage, as DualPipe does; `microbatches_per_stage`).
   GradientReducer(std::shared_ptr<distributed::Comm> dp,
                   const std::map<int, std::vector<torch::Tensor>>& stage_parameters,
-                  int microbatches);
+                  std::map<int, int> stage_microbatches);
   /// Starts a step (checks the previous one finished).
   void begin_step();
   /// The StageHooks::on_done of (stage, mb): counts, and starts the stage's
@@ -48,7 +51,7 @@ class GradientReducer {
   void start(size_t tensor);
 
   std::shared_ptr<distributed::Comm> dp_;
-  int microbatches_;
+  std::map<int, int> microbatches_;                     // stage -> microbatches per step
   std::vector<torch::Tensor> tensors_;                  // unique parameters
   std::map<int, std::vector<size_t>> stage_tensors_;    // stage -> indices into tensors_
   std::vector<int> holders_;                            // per tensor: stages holding it
@@ -57,5 +60,9 @@ class GradientReducer {
   std::vector<distributed::Work> pending_;
   double exposed_ = 0;
 };
+
+/// How many microbatches each of `rank`'s stages runs per step: its F actions
+/// in the rank's list.
+std::map<int, int> microbatches_per_stage(const schedule::Schedule& schedule, int rank);
 
 }  // namespace hp::pipeline

@@ -1,7 +1,13 @@
 // Executor: the walk over one rank's lowered actions (see NOTE [Executor
-// protocol]): batches of SEND/RECV posted in list order, local hand-offs, and
-// a helper thread that completes sends and frees sent outputs.
+// protocol]): batches of SEND/RECV posted in list order, local hand-offs, a
+// helper thread that completes sends and frees sent outputs, and the step's
+// timers (host clock, device events).
 #include "hp/pipeline/executor.h"
+
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/Event.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <chrono>
 #include <condition_variable>
@@ -9,10 +15,13 @@
 #include <exception>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <thread>
+#include <utility>
 
 #include "hp/schedule/action.h"
+#include "hp/schedule/progress.h"
 
 namespace hp::pipeline {
 namespace {
@@ -21,15 +30,75 @@ using schedule::Action;
 using schedule::Op;
 using Clock = std::chrono::steady_clock;
 
-double seconds_between(Clock::time_point a, Clock::time_point b) {
-  return std::chrono::duration<double>(b - a).count();
-}
+class HostTimer : public StepTimer {
+ public:
+  void start() override { marks_.clear(); }
+  int mark() override {
+    marks_.push_back(Clock::now());
+    return static_cast<int>(marks_.size()) - 1;
+  }
+  double seconds(int index) override {
+    return std::chrono::duration<double>(marks_.at(index) - marks_.at(0)).count();
+  }
+  int host_syncs() const override { return 0; }
 
-// Waits for posted sends in order on its own thread and runs each one's
-// completion callback; remembers the first failure for the walk to rethrow.
+ private:
+  std::vector<Clock::time_point> marks_;
+};
+
+// Events with timing recorded on the current stream; read after one
+// synchronization on the last (the stream ran every earlier one before it).
+// Events are reused from step to step.
+class DeviceTimer : public StepTimer {
+ public:
+  explicit DeviceTimer(torch::Device device) : device_(device), impl_(device.type()) {}
+  void start() override {
+    used_ = 0;
+    seconds_.clear();
+    syncs_ = 0;
+  }
+  int mark() override {
+    if (used_ == events_.size())
+      events_.emplace_back(device_.type(), c10::EventFlag::BACKEND_DEFAULT);
+    events_[used_].record(impl_.getStream(device_));
+    seconds_.clear();
+    return static_cast<int>(used_++);
+  }
+  double seconds(int index) override {
+    TORCH_CHECK(index >= 0 && size_t(index) < used_, "StepTimer: mark ", index,
+                " was not made in this step");
+    if (seconds_.size() != used_) {
+      events_[used_ - 1].synchronize();
+      ++syncs_;
+      seconds_.resize(used_);
+      for (size_t k = 0; k < used_; ++k)
+        seconds_[k] = k == 0 ? 0.0 : events_[0].elapsedTime(events_[k]) / 1e3;  // ms -> s
+    }
+    return seconds_[index];
+  }
+  int host_syncs() const override { return syncs_; }
+
+ private:
+  torch::Device device_;
+  c10::impl::VirtualGuardImpl impl_;
+  std::vector<c10::Event> events_;
+  size_t used_ = 0;
+  std::vector<double> seconds_;
+  int syncs_ = 0;
+};
+
+// Waits for posted sends in order on its own thread, runs each one's
+// completion callback and drops its tensor; remembers the first failure for
+// the walk to rethrow. A stream-ordered send (NOTE [No host synchronization
+// per action]) is waited on a side stream of `device`, and its tensor is
+// marked as used there before it is freed.
 class SendReaper {
  public:
-  SendReaper() : thread_([this] { loop(); }) {}
+  explicit SendReaper(torch::Device device) {
+    if (!device.is_cpu())
+      side_ = c10::impl::VirtualGuardImpl(device.type()).getStreamFromGlobalPool(device);
+    thread_ = std::thread([this] { loop(); });
+  }
   ~SendReaper() {
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -41,6 +110,7 @@ class SendReaper {
   void add(distributed::Work work, torch::Tensor keep_alive, std::function<void()> on_done) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
+      host_blocking_ = host_blocking_ || work.blocks_host();
       queue_.push_back({std::move(work), std::move(keep_alive), std::move(on_done)});
     }
     cv_.notify_all();
@@ -63,6 +133,12 @@ class SendReaper {
       std::rethrow_exception(e);
     }
   }
+  // Whether any send added since the last call blocks the host (so that
+  // drain() waited for the transfer itself, not only for the helper).
+  bool took_host_blocking_sends() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return std::exchange(host_blocking_, false);
+  }
 
  private:
   struct Item {
@@ -80,7 +156,14 @@ class SendReaper {
       busy_ = true;
       lock.unlock();
       try {
-        item.work.wait();
+        if (side_ && !item.work.blocks_host()) {
+          c10::StreamGuard on_side(*side_);
+          item.work.wait();  // the side stream waits for the send; the host does not
+          if (item.keep_alive.defined() && !item.keep_alive.device().is_cpu())
+            item.keep_alive.record_stream(*side_);  // its memory is reused after the send
+        } else {
+          item.work.wait();
+        }
         if (item.on_done) item.on_done();
       } catch (...) {
         std::lock_guard<std::mutex> g(mutex_);
@@ -95,8 +178,9 @@ class SendReaper {
   std::mutex mutex_;
   std::condition_variable cv_, idle_cv_;
   std::deque<Item> queue_;
-  bool busy_ = false, stop_ = false;
+  bool busy_ = false, stop_ = false, host_blocking_ = false;
   std::exception_ptr error_;
+  std::optional<c10::Stream> side_;
   std::thread thread_;
 };
 
@@ -121,8 +205,18 @@ struct Executor::State {
   std::map<Key, torch::Tensor> local_grad;            // dx handed to (consumer stage, mb)
   std::map<Key, torch::Tensor> pending_dx;            // dx waiting for its SEND_B
   StepStats stats;
-  Clock::time_point t0;
+  std::unique_ptr<StepTimer> timer;
   std::unique_ptr<SendReaper> reaper;
+  // This step's timed spans as timer marks, turned into seconds after the
+  // step (NOTE [Timing on the device]).
+  struct Span {
+    Action action;
+    int start = 0, end = 0;
+    std::vector<std::pair<int, int>> waits;  // a compute action's receive waits
+  };
+  std::vector<Span> spans;                      // the events, in the order they happened
+  std::vector<std::pair<int, int>> comm_spans;  // batch postings, receive waits, the drain
+  std::vector<std::pair<int, int>>* waits_of_running = nullptr;
 
   State(const schedule::Schedule& s, int r, PipelineStage& st, std::shared_ptr<distributed::Comm> c,
         ExecutorOptions o)
@@ -131,7 +225,14 @@ struct Executor::State {
         stage(st),
         comm(std::move(c)),
         opts(std::move(o)),
-        actions(s.actions.at(r)) {}
+        actions(s.actions.at(r)) {
+    if (opts.make_timer) {
+      timer = opts.make_timer();
+      TORCH_CHECK(timer != nullptr, "ExecutorOptions::make_timer returned no timer");
+    } else {
+      timer = opts.device.is_cpu() ? make_host_timer() : make_device_timer(opts.device);
+    }
+  }
 
   int rank_of(int stage_id) const { return sched.stage_rank.at(stage_id); }
   static bool is_send(Op op) { return op == Op::SEND_F || op == Op::SEND_B; }
@@ -158,12 +259,15 @@ struct Executor::State {
     auto it = recvs.find(std::make_tuple(kind, stage_id, mb));
     TORCH_CHECK(it != recvs.end(), where(consumer), ": its input was never received (no ",
                 kind == 0 ? "RECV_F" : "RECV_B", " before it in the action list)");
-    auto t = Clock::now();
+    const bool blocks = it->second.work.blocks_host();
+    const int start = timer->mark();
     it->second.work.wait();
-    auto end = Clock::now();
-    stats.comm_wait += seconds_between(t, end);
+    const int end = timer->mark();
+    if (blocks) ++stats.host_syncs;
+    comm_spans.emplace_back(start, end);
     // The wait is the receive's event (NOTE [Compute events exclude waits]).
-    record(Action::make(kind == 0 ? Op::RECV_F : Op::RECV_B, stage_id, mb), t, end);
+    spans.push_back({Action::make(kind == 0 ? Op::RECV_F : Op::RECV_B, stage_id, mb), start, end});
+    if (waits_of_running != nullptr) waits_of_running->emplace_back(start, end);
     torch::Tensor buffer = std::move(it->second.buffer);
     recvs.erase(it);
     return buffer;
@@ -210,10 +314,9 @@ struct Executor::State {
       const Action& a = actions[k];
       if (is_send(a.op)) {
         // The reaper holds the sent tensor while the send runs; the data is
-        // freed by on_done (outputs) or when the handle drops (gradients).
-        const bool fwd = a.op == Op::SEND_F;
-        reaper->add(works[k - i], fwd ? torch::Tensor() : ops[k - i].tensor,
-                    std::move(on_done[k - i]));
+        // freed by on_done (outputs: their storage is swapped out) or when
+        // the reaper drops it (gradients).
+        reaper->add(works[k - i], ops[k - i].tensor, std::move(on_done[k - i]));
       } else {
         recvs.emplace(std::make_tuple(a.op == Op::RECV_F ? 0 : 1, a.stage, a.microbatch),
                       Posted{works[k - i], buffers[k - i]});
@@ -221,27 +324,34 @@ struct Executor::State {
     }
   }
 
+  // Where each input comes from: schedule::forward_input/backward_input,
+  // the same definition validation and the simulator use (NOTE [What an
+  // action waits for]).
   void forward(int s, int mb, const Action& a) {
-    int prev = sched.prev_stage(s, mb);
+    const schedule::InputSource in = schedule::forward_input(sched, s, mb);
     torch::Tensor input;
-    if (prev < 0) {
-      input = opts.input(mb);
-    } else if (rank_of(prev) == rank) {
-      input = stage.output(prev, mb);
-    } else {
-      input = take_recv(0, s, mb, a);
+    switch (in.kind) {
+      case schedule::InputSource::Kind::Data:
+        input = opts.input(mb);
+        break;
+      case schedule::InputSource::Kind::Local:
+        input = stage.output(in.stage, mb);
+        break;
+      default:
+        input = take_recv(0, s, mb, a);
     }
-    stage.forward(s, mb, input, /*input_needs_grad=*/prev >= 0,
-                  /*is_last=*/sched.next_stage(s, mb) < 0);
+    stage.forward(s, mb, input, /*input_needs_grad=*/in.kind != schedule::InputSource::Kind::Data,
+                  /*is_last=*/schedule::backward_input(sched, s, mb).kind ==
+                      schedule::InputSource::Kind::Loss);
   }
 
   torch::Tensor grad_for(int s, int mb, const Action& a) {
     stage.prepare_backward(s, mb);
-    int next = sched.next_stage(s, mb);
-    if (next < 0) return {};
-    if (rank_of(next) == rank) {
+    const schedule::InputSource in = schedule::backward_input(sched, s, mb);
+    if (in.kind == schedule::InputSource::Kind::Loss) return {};
+    if (in.kind == schedule::InputSource::Kind::Local) {
       auto it = local_grad.find({s, mb});
-      TORCH_CHECK(it != local_grad.end(), where(a), ": the output gradient from stage ", next,
+      TORCH_CHECK(it != local_grad.end(), where(a), ": the output gradient from stage ", in.stage,
                   " (same rank) is not there yet; its I must run first");
       torch::Tensor g = std::move(it->second);
       local_grad.erase(it);
@@ -289,23 +399,57 @@ struct Executor::State {
     }
   }
 
-  void record(const Action& a, Clock::time_point start, Clock::time_point end) {
-    stats.events.push_back({rank, a, seconds_between(t0, start), seconds_between(t0, end)});
+  // Turns the step's marks into its events and sums; `last` is the step's last mark.
+  void resolve(int last) {
+    auto sec = [&](int mark) { return timer->seconds(mark); };
+    for (const Span& sp : spans) {
+      double start = sec(sp.start);
+      const double end = sec(sp.end);
+      if (schedule::is_compute(sp.action.op)) {
+        // NOTE [Compute events exclude waits]
+        // A compute action waits for its inputs inside the call; that time
+        // is communication, recorded as the receive's own event. The compute
+        // event keeps only the compute: it starts `waited` after the call
+        // did (for FB, whose second wait falls in the middle, the event is
+        // as long as the compute and ends when it ended). Counting the wait
+        // as compute once made the measured costs of waiting stages look
+        // heavier, the simulator pessimistic about 1F1B and the measured
+        // bubble too small.
+        double waited = 0.0;
+        for (const auto& [w0, w1] : sp.waits)
+          waited += sec(w1) - sec(w0);
+        start = std::min(end, start + waited);
+        stats.compute += end - start;
+      }
+      stats.events.push_back({rank, sp.action, start, end});
+    }
+    for (const auto& [c0, c1] : comm_spans)
+      stats.comm_wait += sec(c1) - sec(c0);
+    stats.wall = sec(last);
+    stats.overhead = std::max(0.0, stats.wall - stats.compute - stats.comm_wait);
+    stats.host_syncs += timer->host_syncs();
   }
 
   StepStats run() {
     TORCH_CHECK(sched.lowered, "the Executor runs lowered schedules; call schedule::lower first");
+    // The stages' device is current for the step (streams, events, allocations).
+    c10::OptionalDeviceGuard on_device;
+    if (!opts.device.is_cpu()) on_device.reset_device(opts.device);
     stats = StepStats{};
     recvs.clear();
     local_grad.clear();
     pending_dx.clear();
+    spans.clear();
+    comm_spans.clear();
+    waits_of_running = nullptr;
     stage.reset();
-    reaper = std::make_unique<SendReaper>();
-    t0 = Clock::now();
+    reaper = std::make_unique<SendReaper>(opts.device);
+    timer->start();
+    timer->mark();  // time 0
     const size_t n = actions.size();
     for (size_t i = 0; i < n;) {
       const Action& a = actions[i];
-      auto start = Clock::now();
+      const int start = timer->mark();
       if (schedule::is_comm(a.op)) {
         size_t j = i;
         while (j < n && schedule::is_comm(actions[j].op))
@@ -317,43 +461,33 @@ struct Executor::State {
         } catch (const std::exception& e) {
           throw std::runtime_error(where(a) + ": " + e.what());
         }
-        auto end = Clock::now();
-        stats.comm_wait += seconds_between(start, end);
+        const int end = timer->mark();
+        comm_spans.emplace_back(start, end);
         // Posting a batch runs its sends' copies (on loopback): the sends' events.
         for (size_t k = i; k < j; ++k)
-          if (is_send(actions[k].op)) record(actions[k], start, end);
+          if (is_send(actions[k].op)) spans.push_back({actions[k], start, end});
         i = j;
         continue;
       }
       try {
-        double waited = stats.comm_wait;
+        std::vector<std::pair<int, int>> waits;
+        waits_of_running = &waits;
         compute(a);
-        auto end = Clock::now();
-        waited = stats.comm_wait - waited;
-        stats.compute += seconds_between(start, end) - waited;
+        waits_of_running = nullptr;
+        const int end = timer->mark();
         stats.executed.push_back(a);
-        // NOTE [Compute events exclude waits]
-        // A compute action waits for its inputs inside the call; that time is
-        // communication, recorded as the receive's own event. The compute
-        // event keeps only the compute: it starts `waited` after the call
-        // did (for FB, whose second wait falls in the middle, the event is
-        // as long as the compute and ends when it ended). Counting the wait
-        // as compute once made the measured costs of waiting stages look
-        // heavier, the simulator pessimistic about 1F1B and the measured
-        // bubble too small.
-        record(a,
-               start + std::chrono::duration_cast<Clock::duration>(
-                           std::chrono::duration<double>(waited)),
-               end);
+        spans.push_back({a, start, end, std::move(waits)});
         reaper->rethrow_if_failed();
       } catch (const distributed::CommError& e) {
+        waits_of_running = nullptr;
         throw e.with_context(where(a) + ": ");
       } catch (const std::exception& e) {
+        waits_of_running = nullptr;
         throw std::runtime_error(where(a) + ": " + e.what());
       }
       ++i;
     }
-    auto t = Clock::now();
+    const int drain_start = timer->mark();
     try {
       reaper->drain();
     } catch (const distributed::CommError& e) {
@@ -362,8 +496,9 @@ struct Executor::State {
       throw std::runtime_error("rank " + std::to_string(rank) +
                                " while completing the step's sends: " + e.what());
     }
-    auto end = Clock::now();
-    stats.comm_wait += seconds_between(t, end);
+    const int last = timer->mark();
+    comm_spans.emplace_back(drain_start, last);
+    if (reaper->took_host_blocking_sends()) ++stats.host_syncs;
     reaper.reset();
     TORCH_CHECK(recvs.empty() && local_grad.empty() && pending_dx.empty(), "rank ", rank,
                 ": the step ended with ", recvs.size(), " unread receives, ", local_grad.size(),
@@ -371,9 +506,9 @@ struct Executor::State {
                 " unsent input gradients; the action list is inconsistent");
     TORCH_CHECK(stage.in_flight() == 0, "rank ", rank, ": ", stage.in_flight(),
                 " microbatches did not finish their W");
-    stats.wall = seconds_between(t0, end);
-    stats.overhead = std::max(0.0, stats.wall - stats.compute - stats.comm_wait);
+    resolve(last);
     stats.loss_sum = stage.loss_sum();
+    if (!opts.device.is_cpu()) ++stats.host_syncs;  // the loss read from the device
     return std::move(stats);
   }
 };
@@ -391,6 +526,16 @@ Executor::Executor(const schedule::Schedule& schedule, int rank, PipelineStage& 
 }
 
 Executor::~Executor() = default;
+
+std::unique_ptr<StepTimer> make_host_timer() {
+  return std::make_unique<HostTimer>();
+}
+
+std::unique_ptr<StepTimer> make_device_timer(torch::Device device) {
+  TORCH_CHECK(!device.is_cpu(), "make_device_timer: ", device,
+              " records no events; time the CPU with make_host_timer()");
+  return std::make_unique<DeviceTimer>(device);
+}
 
 StepStats Executor::run_step() {
   return state_->run();

@@ -1,6 +1,7 @@
 // Executor: walks one rank's lowered action list of any schedule (it never
 // sees a schedule's name), moving activations and gradients over a Comm or
-// by local hand-off, and times every action.
+// by local hand-off, and times every action on the host or on the device
+// (StepTimer).
 #pragma once
 
 #include <torch/torch.h>
@@ -12,9 +13,47 @@
 #include "hp/distributed/comm.h"
 #include "hp/pipeline/stage.h"
 #include "hp/schedule/schedule.h"
-#include "hp/schedule/simulate.h"
+#include "hp/schedule/timeline.h"
 
 namespace hp::pipeline {
+
+// NOTE [Timing on the device]
+// The executor times a step through a StepTimer: `mark()` is a point in the
+// order of the compute stream, turned into seconds after the step. On the
+// CPU an action's work is done when its call returns, so host clock readings
+// are its times (make_host_timer). On a GPU the call returns once its kernels
+// are enqueued and the device runs them later: host readings would time the
+// launches. The device timer records an event with timing on the calling
+// thread's current stream at each mark (c10::Event: any device type with
+// events, no CUDA headers) and reads them all after the step, behind one host
+// synchronization on the last one. An action's time is then the device's time
+// between its marks, a receive's wait is how long the stream stalled for its
+// data (NOTE [Stream-ordered waits] in hp/distributed/comm.h), and the
+// measured timeline, bubble and Chrome trace are the device's. A mark never
+// synchronizes.
+
+/// Marks points of one step in the order of the compute stream and turns
+/// them into seconds after the step (NOTE [Timing on the device]).
+class StepTimer {
+ public:
+  virtual ~StepTimer() = default;
+  /// Starts a step: earlier marks are forgotten; the next mark is time 0.
+  virtual void start() = 0;
+  /// A point after everything the calling thread has enqueued so far (the
+  /// host clock's now on the CPU). Never synchronizes. Returns its index.
+  virtual int mark() = 0;
+  /// Seconds from the step's first mark to mark `index`. The first call after
+  /// new marks may synchronize the host with the device, once.
+  virtual double seconds(int index) = 0;
+  /// Host synchronizations made since start().
+  virtual int host_syncs() const = 0;
+};
+
+/// A StepTimer on the host clock (std::chrono::steady_clock).
+std::unique_ptr<StepTimer> make_host_timer();
+/// A StepTimer of events on `device`'s current stream of the thread that
+/// marks (CUDA, or any device type whose events record time).
+std::unique_ptr<StepTimer> make_device_timer(torch::Device device);
 
 /// What the executor needs to know about the data flowing between stages.
 struct ExecutorOptions {
@@ -25,10 +64,14 @@ struct ExecutorOptions {
   std::function<std::vector<int64_t>(int stage, int mb)> activation_shape;
   /// dtype of activations and gradients.
   torch::Dtype dtype = torch::kFloat32;
-  /// Where receive buffers are allocated (the stages' device).
+  /// The stages' device: receive buffers are allocated there, and the step
+  /// runs with it as the current device.
   torch::Device device = torch::kCPU;
   /// Free a sent output's storage as soon as its send completes.
   bool release_sent_outputs = true;
+  /// Makes the step's timer; unset: the host clock on the CPU, the device's
+  /// events elsewhere (NOTE [Timing on the device]).
+  std::function<std::unique_ptr<StepTimer>()> make_timer;
 };
 
 /// What one step did on this rank.
@@ -40,6 +83,12 @@ struct StepStats {
                            ///< loopback the kernel copies a send in the posting call)
                            ///< and waiting for them
   double overhead = 0.0;   ///< wall - compute - comm_wait: the executor's own time
+  /// Points where this rank's executor thread waited for the device or for a
+  /// peer: waits on host-blocking receives, the end-of-step wait for
+  /// host-blocking sends, the timer's read-out and the loss read from a
+  /// device. With stream-ordered communication (NCCL on CUDA) this does not
+  /// grow with the number of actions (NOTE [No host synchronization per action]).
+  int host_syncs = 0;
   /// Seconds from the step start: each compute action (its compute only), each
   /// send's posting, each receive's wait (NOTE [Compute events exclude waits]).
   std::vector<schedule::Event> events;
@@ -63,6 +112,22 @@ struct StepStats {
 //   dx) is passed as a tensor, never sent.
 // * A CommError (a lost peer, a timeout) reaches the caller as a CommError,
 //   its message prefixed with the rank and action.
+//
+// NOTE [No host synchronization per action]
+// On a device the executor's thread only enqueues work; it stops for the
+// device (or a peer) only where something forces it, and StepStats::host_syncs
+// counts each such point. In the steady state nothing per action does:
+// * a receive's wait is stream-ordered on NCCL (the compute stream waits for
+//   the data, the host goes on; NOTE [Stream-ordered waits]);
+// * sends are completed by the helper thread, which waits for NCCL's work on
+//   a side stream of its own (so the compute stream never waits for a send),
+//   marks each sent tensor as used on that stream (record_stream: the caching
+//   allocator reuses its memory only after the send) and only then frees it;
+// * the losses are summed on the device and read once per step;
+// * the timer's events are read once per step.
+// So a step costs two host synchronizations (the timer, the loss) whatever
+// its length. Over a host-blocking transport (Gloo, host staging) every
+// receive's wait is one more, and the end-of-step wait for the sends another.
 
 /// Runs one rank's lowered action list, one step per call.
 class Executor {

@@ -37,7 +37,13 @@ torch::Tensor PipelineStage::forward(int stage, int mb, const torch::Tensor& inp
   s.output = hooks_.around_forward ? hooks_.around_forward(stage, mb, run) : run();
   TORCH_CHECK(s.output.requires_grad(), "stage ", stage, " microbatch ", mb,
               ": the output does not require grad (does the stage have parameters?)");
-  if (is_last) loss_sum_ += s.output.item<double>();
+  if (is_last) {
+    // Summed on the loss's device, in float64 (each float32 loss converts
+    // exactly, so the sum has the bits of summing item<double>() values).
+    torch::NoGradGuard no_grad;
+    torch::Tensor l = s.output.detach().to(torch::kFloat64).reshape({});
+    loss_sum_ = loss_sum_.defined() ? loss_sum_ + l : l;
+  }
   s.grad_fn.emplace(autograd::TensorList{s.output},
                     input_needs_grad ? autograd::TensorList{s.input} : autograd::TensorList{},
                     mod->second.parameters);
@@ -121,7 +127,11 @@ void PipelineStage::reset() {
   TORCH_CHECK(slots_.empty(), slots_.size(),
               " (stage, microbatch) pairs are still between F and W at the end of the step; "
               "the schedule must run every W");
-  loss_sum_ = 0.0;
+  loss_sum_ = torch::Tensor();
+}
+
+double PipelineStage::loss_sum() const {
+  return loss_sum_.defined() ? loss_sum_.item<double>() : 0.0;
 }
 
 }  // namespace hp::pipeline

@@ -73,8 +73,11 @@ class PipelineStage {
 
   bool holds(int stage) const { return modules_.count(stage) > 0; }
   const StageModule& module(int stage) const { return modules_.at(stage); }
-  /// Sum of the losses of the microbatches whose last stage is here, since reset.
-  double loss_sum() const { return loss_sum_; }
+  /// Sum of the losses of the microbatches whose last stage is here, since
+  /// reset, in float64. The losses are summed where they were computed (on
+  /// their device); reading the sum is the one host synchronization it costs
+  /// (a per-microbatch read would stop the host at every last-stage F).
+  double loss_sum() const;
   /// Number of (stage, microbatch) still between F and the end of W.
   size_t in_flight() const;
   /// Starts a new step: checks nothing is in flight, zeroes the loss sum.
@@ -94,7 +97,7 @@ class PipelineStage {
   StageHooks hooks_;
   std::map<std::pair<int, int>, Slot> slots_;
   mutable std::mutex mutex_;  // guards slots_ (release_output may run on another thread)
-  double loss_sum_ = 0.0;
+  torch::Tensor loss_sum_;    // float64, on the losses' device; undefined: none yet
 };
 
 }  // namespace hp::pipeline

@@ -28,6 +28,7 @@ std::string report_json(const TrainConfig& c, const TrainResult& r) {
                  {"seq_len", c.model.seq_len},
                  {"dtype", c.model.dtype == torch::kFloat64 ? "float64" : "float32"},
                  {"nproc", c.nproc},
+                 {"dp", c.dp},
                  {"schedule", c.schedule},
                  {"chunks", c.chunks},
                  {"microbatches", c.microbatches},
@@ -137,10 +138,12 @@ std::string summary_text(const TrainConfig& c, const TrainResult& r) {
   std::string s;
   double med = median(r.step_seconds);
   std::snprintf(buf, sizeof buf,
-                "trained %s (%lld layers, d_model %lld) with %s on %d ranks: %d steps x %d "
+                "trained %s (%lld layers, d_model %lld) with %s on %d ranks%s: %d steps x %d "
                 "microbatches of %lld\n",
                 c.model.kind.c_str(), (long long)c.model.layers, (long long)c.model.d_model,
-                c.schedule.c_str(), c.nproc, c.steps - r.first_step, c.microbatches,
+                c.schedule.c_str(), c.nproc,
+                c.dp > 1 ? (" x " + std::to_string(c.dp) + " data-parallel copies").c_str() : "",
+                c.steps - r.first_step, c.microbatches,
                 (long long)c.microbatch_size);
   s += buf;
   if (!r.losses.empty()) {

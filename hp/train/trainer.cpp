@@ -3,8 +3,10 @@
 // single-process oracle it must equal.
 #include "hp/train/trainer.h"
 
+#include <c10/core/DeviceGuard.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <csignal>
 #include <cstdlib>
 
@@ -19,7 +21,10 @@
 
 #include "hp/core/memory.h"
 #include "hp/distributed/collectives.h"
+#include "hp/distributed/mesh.h"
+#include "hp/launch/launcher.h"
 #include "hp/models/data.h"
+#include "hp/pipeline/data_parallel.h"
 #include "hp/pipeline/executor.h"
 #include "hp/pipeline/stage.h"
 #include "hp/recompute/checkpoint.h"
@@ -27,6 +32,7 @@
 #include "hp/schedule/generators.h"
 #include "hp/schedule/lower.h"
 #include "hp/schedule/render.h"
+#include "hp/train/checkpoint.h"
 #include "hp/train/progress.h"
 #include "hp/train/report.h"
 
@@ -47,32 +53,6 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainConfig& c,
         params, torch::optim::SGDOptions(c.lr).weight_decay(c.weight_decay));
   return std::make_unique<torch::optim::AdamW>(
       params, torch::optim::AdamWOptions(c.lr).weight_decay(c.weight_decay));
-}
-
-std::string archive_key(const std::string& name) {
-  std::string k = "p_";
-  for (char ch : name)
-    k += ch == '.' ? '_' : ch;  // archive keys may not hold '.'
-  return k;
-}
-
-fs::path step_dir(const TrainConfig& c, int step) {
-  return fs::path(c.checkpoint_dir) / ("step-" + std::to_string(step));
-}
-
-// Last step with a complete checkpoint (every rank's file and the marker), or 0.
-int latest_checkpoint(const TrainConfig& c) {
-  std::ifstream in(fs::path(c.checkpoint_dir) / "latest");
-  int step = 0;
-  if (!(in >> step)) return 0;
-  return fs::exists(step_dir(c, step) / "COMPLETE") ? step : 0;
-}
-
-void write_atomically(const fs::path& path, const std::function<void(const std::string&)>& write) {
-  fs::path tmp = path;
-  tmp += ".tmp." + std::to_string(::getpid());
-  write(tmp.string());
-  fs::rename(tmp, path);
 }
 
 // Every model-wide parameter name of every chunk, and which ranks hold it.
@@ -240,18 +220,85 @@ pipeline::StageHooks recompute_hooks() {
   return h;
 }
 
-// NOTE [Fault injection]
-// HP_FAULT_KILL=RANK:STEP makes that rank kill itself (SIGKILL) when it starts
-// that step: the end-to-end tests use it to check that the other ranks fail
-// fast, naming the lost peer, and that the launcher says which rank died.
-std::pair<int, int> fault_injection() {
-  const char* env = std::getenv("HP_FAULT_KILL");
-  int r = -1, s = -1;
-  if (env && std::sscanf(env, "%d:%d", &r, &s) != 2) r = s = -1;
-  return {r, s};
+// NOTE [Bounds of a run]
+// Every size is checked before any work starts, against what it costs:
+// * ranks: at most kMaxRanks (hp launch's limit), and on one machine as
+//   many as its memory holds: a rank of the pip target is the hp binary,
+//   LibTorch and an embedded Python with torch imported, about 265 MiB of
+//   private memory measured (kRankStartupBytes), before its model;
+// * the schedule: lowering one (hp/schedule's lower) takes time growing with
+//   ranks x (microbatches x chunks per rank)^2 (measured: 8 x 1024^2, about
+//   2.5 s on two cores), so that product is at most kMaxLoweringWork, and
+//   before the schedule is even built ranks x microbatches^2 is (chunks
+//   only add to it), which keeps the action lists small too;
+// * memory: check_memory refuses a run whose lower bound (start-up, the
+//   parameters with their gradients and optimizer state, one microbatch's
+//   activations) exceeds the memory this machine has available;
+// * data: at most models::kMaxCorpusBytes of regular files.
+constexpr int kMaxRanks = 4096;
+constexpr double kRankStartupBytes = 256.0 * (1 << 20);
+constexpr double kMaxLoweringWork = double(1 << 23);
+
+// Available memory in bytes (MemAvailable, capped by a cgroup v2 limit), or
+// a negative number when unknown.
+double available_memory_bytes() {
+  double avail = -1;
+  std::ifstream meminfo("/proc/meminfo");
+  std::string key;
+  double kb = 0;
+  std::string unit;
+  while (meminfo >> key >> kb >> unit)
+    if (key == "MemAvailable:") avail = kb * 1024;
+  std::ifstream max_file("/sys/fs/cgroup/memory.max"), cur_file("/sys/fs/cgroup/memory.current");
+  std::string max_text;
+  double current = 0;
+  if (max_file >> max_text && max_text != "max" && cur_file >> current) {
+    const double left = std::strtod(max_text.c_str(), nullptr) - current;
+    if (avail < 0 || left < avail) avail = std::max(0.0, left);
+  }
+  return avail;
+}
+
+std::string gib(double bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f GiB", bytes / double(1 << 30));
+  return buf;
 }
 
 }  // namespace
+
+void TrainConfig::check_memory(int local_ranks) const {
+  const auto& m = model;
+  const double d = double(m.d_model), L = double(m.layers), bytes = m.dtype == torch::kFloat64 ? 8 : 4;
+  double params = 0, activations = 0;
+  if (m.kind == "gpt") {
+    const double T = double(m.seq_len), V = double(m.vocab), H = double(m.heads);
+    params = L * (12 * d * d + 13 * d) + (V + T) * d + 2 * d + (m.tied_head ? 0 : V * d);
+    // Saved for backward per block: about 16 d values per token and the
+    // attention scores; the logits and their softmax at the end.
+    activations = double(microbatch_size) * T * (L * (16 * d + 2 * H * T) + 2 * V);
+  } else {
+    const double in = double(m.in_features);
+    params = 2 * in * d + d + in + (L - 1) * (d * d + d);
+    activations = double(microbatch_size) * (2 * L * d + 2 * in);
+  }
+  const double state = params * bytes * (optimizer == "adamw" ? 4 : 2);  // + grads (+ moments)
+  // Graph mode builds the whole model on every rank; the pipeline splits it.
+  const double share = graph ? double(local_ranks) : double(local_ranks) / double(nproc);
+  const double startup = local_ranks * kRankStartupBytes;
+  const double need = startup + share * (state + activations * bytes);
+  const double avail = available_memory_bytes();
+  if (avail < 0 || need <= avail) return;
+  char count[32];
+  std::snprintf(count, sizeof count, "%.3g", params);
+  throw std::invalid_argument(
+      "this run needs at least " + gib(need) + " of memory on this machine but " + gib(avail) +
+      " is available: " + std::to_string(local_ranks) + " rank processes take " + gib(startup) +
+      " to start (about 256 MiB each), the " + std::string(count) + " parameters with their " +
+      "gradients and " + optimizer + " state " + gib(share * state) +
+      ", one microbatch's activations " + gib(share * activations * bytes) +
+      "; use fewer ranks, a smaller model or --microbatch-size");
+}
 
 void TrainConfig::validate() const {
   try {
@@ -262,29 +309,58 @@ void TrainConfig::validate() const {
   auto need = [](bool ok, const std::string& msg) {
     if (!ok) throw std::invalid_argument(msg);
   };
-  need(nproc >= 1, "--nproc must be at least 1");
+  need(nproc >= 1 && nproc <= kMaxRanks,
+       "--nproc " + std::to_string(nproc) + " is out of range: 1 to " +
+           std::to_string(kMaxRanks) + " ranks (each rank is a process)");
+  need(dp >= 1 && double(dp) * nproc <= kMaxRanks,
+       "--dp " + std::to_string(dp) + " is out of range: at least 1, and --pp x --dp (" +
+           std::to_string(double(dp) * nproc) + ") at most " + std::to_string(kMaxRanks) +
+           " processes");
   need(microbatches >= 1, "--microbatches must be at least 1");
   need(microbatch_size >= 1, "--microbatch-size must be at least 1");
   need(steps >= 1, "--steps must be at least 1");
   need(optimizer == "adamw" || optimizer == "sgd",
        "unknown optimizer '" + optimizer + "'; use adamw or sgd");
-  need(lr > 0, "--lr must be positive");
-  need(timeout_s >= 1, "--timeout must be at least 1 second");
-  need(!(save_every > 0 || resume) || !checkpoint_dir.empty(),
-       "--save-every and --resume need --checkpoint-dir");
-  if (model.kind == "gpt" && !data.empty())
-    need(fs::exists(data), "data path '" + data + "' does not exist");
-  if (model.kind == "gpt" && data.empty())
-    need(fs::exists(models::kDefaultCorpusDir), std::string("the default corpus ") +
-                                                    models::kDefaultCorpusDir +
-                                                    " is missing; pass a text file with --data");
+  need(std::isfinite(lr) && lr > 0,
+       "--lr must be a finite positive number, not " + std::to_string(lr));
+  need(std::isfinite(weight_decay) && weight_decay >= 0,
+       "--weight-decay must be a finite number >= 0, not " + std::to_string(weight_decay));
+  need(timeout_s >= 1 && timeout_s <= 7 * 24 * 3600,
+       "--timeout must be 1 to 604800 seconds (a week), not " + std::to_string(timeout_s));
+  need(save_every >= 0, "--save-every must be at least 1 (or 0 for never), not " +
+                            std::to_string(save_every));
+  need(!(resume && resume_or_start), "--resume and --resume-or-start exclude each other; pick one");
+  need(device == "cpu" || device == "cuda" || device == "auto",
+       "--device must be cpu, cuda or auto, not '" + device + "'");
+  if (device == "cuda") resolve_device(0);  // throws when there is no CUDA device
+  need(!graph || resolve_device(0).is_cpu(),
+       "--graph runs on the CPU only; drop --device " + device + " or --graph");
+  const bool checkpoints = save_every > 0 || resume || resume_or_start;
+  need(!checkpoints || !checkpoint_dir.empty(),
+       "--save-every, --resume and --resume-or-start need --checkpoint-dir");
+  if (model.kind == "gpt") {
+    try {
+      models::check_corpus(data, model.seq_len);
+    } catch (const c10::Error& e) {
+      throw std::invalid_argument(c10_message(e));
+    }
+  }
+  // Output paths, before any work (nothing learned is lost at the end).
+  check_output_file(report, "--report");
+  check_output_file(trace, "--trace");
+  if (!trace.empty()) check_output_file(trace + ".svg", "--trace");
+  if (checkpoints) check_output_dir(checkpoint_dir, "--checkpoint-dir");
+  need(dp == 1 || !checkpoints,
+       "--dp does not save checkpoints yet; drop --save-every/--resume or --dp");
   if (graph) {
+    need(dp == 1, "--graph is data parallel over all its ranks already (with FSDP); drop --dp "
+                  "and give the processes as --nproc");
     need(microbatches % nproc == 0,
          "--graph gives every rank the same number of microbatches: --microbatches " +
              std::to_string(microbatches) + " does not divide by --nproc " + std::to_string(nproc) +
              "; use a multiple of it");
     need(!recompute, "--graph does not checkpoint blocks; drop --recompute");
-    need(save_every == 0 && !resume,
+    need(!checkpoints,
          "--graph does not save checkpoints yet; drop --save-every/--resume or run without "
          "--graph");
     return;
@@ -297,22 +373,96 @@ void TrainConfig::validate() const {
            " cuttable layers; use more --layers, fewer --nproc or fewer --chunks");
 }
 
+// NOTE [Ranks on devices]
+// With --device cuda the rank of local rank r computes on GPU r mod the
+// number of GPUs: its chunks, receive buffers, loss and optimizer state live
+// there, and its inputs and targets are moved there per microbatch (the data
+// is drawn on the CPU, so every device trains on the same numbers). The ranks
+// talk over our Gloo group: between GPUs of one host NCCL would be faster,
+// but hp train makes no NCCL group yet (the Python runtime uses whatever
+// group the user made, NCCL included); over Gloo every CUDA tensor is staged
+// through host memory (with_host_staging), which is also the only way for
+// ranks that share a GPU, as on a machine with one. "auto" is cuda when
+// LibTorch sees a GPU, else the CPU; "cuda" without one is an error that
+// says so.
+torch::Device TrainConfig::resolve_device(int local_rank) const {
+  if (device == "cpu") return torch::kCPU;
+  const bool cuda = torch::cuda::is_available();
+  if (device == "auto" && !cuda) return torch::kCPU;
+  if (!cuda)
+    throw std::invalid_argument(
+        "--device cuda: no CUDA device (this LibTorch sees none: no GPU, no driver, or a "
+        "build without CUDA); use --device cpu, or auto to take a GPU when there is one");
+  const int count = static_cast<int>(torch::cuda::device_count());
+  return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(local_rank % count));
+}
+
 schedule::Schedule TrainConfig::build_schedule() const {
+  // NOTE [Bounds of a run]: the schedule's size, before it is built and lowered.
+  auto refuse = [&](double work, double chunks_per_rank) {
+    const double p = nproc, m_max = std::floor(std::sqrt(kMaxLoweringWork / p) / chunks_per_rank);
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "%.3g (limit %.3g)", work, kMaxLoweringWork);
+    throw std::invalid_argument(
+        "schedule '" + schedule + "' with " + std::to_string(nproc) + " ranks and " +
+        std::to_string(microbatches) + " microbatches is too large to lower in seconds: the time "
+        "grows with ranks x (microbatches x chunks per rank)^2 = " + buf +
+        "; use at most " + std::to_string(int64_t(std::max(1.0, m_max))) +
+        " --microbatches at --nproc " + std::to_string(nproc));
+  };
+  const double m = microbatches;
+  // Only the interleaved schedules take --chunks; the others fix their own.
+  const double v = schedule.rfind("interleaved", 0) == 0 ? std::max(1, chunks) : 1;
+  if (double(nproc) * (v * m) * (v * m) > kMaxLoweringWork)
+    refuse(double(nproc) * (v * m) * (v * m), v);
   schedule::BuildOptions opts;
   opts.chunks = chunks;
-  schedule::Schedule s = schedule::lower(schedule::build(schedule, nproc, microbatches, opts));
+  schedule::Schedule built = schedule::build(schedule, nproc, microbatches, opts);
+  const double per_rank = double(built.num_stages) / double(nproc);
+  const double work = double(nproc) * (per_rank * m) * (per_rank * m);
+  if (work > kMaxLoweringWork) refuse(work, per_rank);
+  schedule::Schedule s = schedule::lower(built);
   schedule::validate(s);
   return s;
 }
 
-TrainResult run_rank(const TrainConfig& config, std::shared_ptr<distributed::Comm> comm) {
+// NOTE [Pipeline x data parallel]
+// With --dp D the nproc x D processes form a (dp, pp) mesh (NOTE [Mesh
+// layout]: the ranks of one pipeline are consecutive). Each copy of the
+// pipeline runs the schedule over its "pp" slice; copy d trains on
+// microbatches d*m .. d*m + m - 1 of the step's global batch of D*m; each
+// stage's gradients are averaged over the "dp" slice as soon as the stage has
+// run its last microbatch (GradientReducer, NOTE [Gradient reduction in the
+// cool-down]), and the step's loss is the mean over the copies. So D copies
+// with m microbatches each train exactly as one process on D*m microbatches.
+// Reports, traces and the progress line come from copy 0.
+TrainResult run_rank(const TrainConfig& config, std::shared_ptr<distributed::Comm> world) {
   config.validate();
+  TORCH_CHECK(world->world_size() == config.nproc * config.dp, "the Comm has ",
+              world->world_size(), " ranks but the config asks for --pp ", config.nproc,
+              " x --dp ", config.dp);
+  std::shared_ptr<distributed::Comm> comm = world, dp_comm;
+  int replica = 0;
+  if (config.dp > 1) {
+    distributed::DeviceMesh mesh(world, distributed::MeshShape{{"dp", "pp"}, {config.dp, config.nproc}});
+    comm = mesh.group("pp");
+    dp_comm = mesh.group("dp");
+    replica = mesh.coordinate("dp");
+  }
   const int rank = comm->rank();
-  TORCH_CHECK(comm->world_size() == config.nproc, "the Comm has ", comm->world_size(),
-              " ranks but the config asks for --nproc ", config.nproc);
   install_memory_tracker();
   const schedule::Schedule sched = config.build_schedule();
   const int m = config.microbatches;
+  const char* local_env = std::getenv("LOCAL_RANK");
+  const torch::Device device =
+      config.resolve_device(local_env != nullptr ? std::atoi(local_env) : rank);
+  c10::OptionalDeviceGuard on_device;
+  if (!device.is_cpu()) {
+    on_device.reset_device(device);
+    // NOTE [Ranks on devices]: CUDA tensors over a CPU backend go through host memory.
+    if (comm->backend_name().find("nccl") == std::string::npos)
+      comm = distributed::with_host_staging(comm);
+  }
 
   // Model chunks of this rank's stages, data, loss.
   std::map<int, std::shared_ptr<models::Chunk>> chunks;
@@ -320,6 +470,7 @@ TrainResult run_rank(const TrainConfig& config, std::shared_ptr<distributed::Com
   for (int st : sched.stages_of_rank(rank)) {
     auto chunk =
         models::build_chunk(config.model, sched.stage_chunk[st], sched.num_chunks, config.seed);
+    chunk->to(device);  // initialised on the CPU: the same values on every device
     chunks[st] = chunk;
     pipeline::StageModule mod;
     if (config.recompute) {
@@ -340,17 +491,31 @@ TrainResult run_rank(const TrainConfig& config, std::shared_ptr<distributed::Com
   }
   models::Dataset data(config.model, config.data, config.microbatch_size, config.seed);
   int step = 0;
+  const int first_mb = replica * m;  // this copy's microbatches of the global batch
   auto loss_fn = [&](const torch::Tensor& out, int mb) {
-    return models::loss(config.model, out, data.get(step, mb).target) / m;
+    return models::loss(config.model, out, data.get(step, first_mb + mb).target.to(device)) / m;
   };
-  pipeline::PipelineStage stage(modules, loss_fn,
-                                config.recompute ? recompute_hooks() : pipeline::StageHooks{});
+  pipeline::StageHooks hooks = config.recompute ? recompute_hooks() : pipeline::StageHooks{};
+  std::unique_ptr<pipeline::GradientReducer> reducer;
+  if (dp_comm) {
+    std::map<int, std::vector<torch::Tensor>> stage_params;
+    for (const auto& [st, mod] : modules)
+      stage_params[st] = mod.parameters;
+    reducer = std::make_unique<pipeline::GradientReducer>(
+        dp_comm, stage_params, pipeline::microbatches_per_stage(sched, rank));
+    hooks.on_done = [r = reducer.get(), then = hooks.on_done](int st, int mb) {
+      if (then) then(st, mb);
+      r->on_done(st, mb);
+    };
+  }
+  pipeline::PipelineStage stage(modules, loss_fn, hooks);
   pipeline::ExecutorOptions eopts;
-  eopts.input = [&](int mb) { return data.get(step, mb).input; };
+  eopts.input = [&](int mb) { return data.get(step, first_mb + mb).input.to(device); };
   eopts.activation_shape = [&](int, int) {
     return models::activation_shape(config.model, config.microbatch_size);
   };
   eopts.dtype = config.model.dtype;
+  eopts.device = device;
   pipeline::Executor executor(sched, rank, stage, comm, eopts);
 
   // Parameters: this rank's tensors, and the replicas to sum across stages.
@@ -368,22 +533,30 @@ TrainResult run_rank(const TrainConfig& config, std::shared_ptr<distributed::Com
   auto optimizer = make_optimizer(config, params);
 
   TrainResult result;
-  result.items_per_step = data.items_per_microbatch() * m;
-  int first = 0;
-  if (config.resume && (first = latest_checkpoint(config)) > 0) {
-    torch::serialize::InputArchive ar;
-    ar.load_from((step_dir(config, first) / ("rank-" + std::to_string(rank) + ".pt")).string());
-    torch::NoGradGuard g;
-    for (auto& [name, tensors] : local_by_name) {
-      torch::Tensor saved;
-      ar.read(archive_key(name), saved);
-      for (auto& t : tensors)
-        t.copy_(saved);
-    }
-    torch::serialize::InputArchive opt;
-    ar.read("optimizer", opt);
-    optimizer->load(opt);
+  result.items_per_step = data.items_per_microbatch() * m * config.dp;  // all copies
+  // Where to start (NOTE [Checkpoint integrity]): chosen by the launcher, or
+  // here, under rank 0's lock, with every rank agreeing.
+  const CheckpointFingerprint fingerprint = checkpoint_fingerprint(config, sched);
+  std::unique_ptr<CheckpointLock> lock;
+  int first = std::max(config.checkpoint_step, 0);
+  if (config.checkpoint_step < 0 && !config.checkpoint_dir.empty()) {
+    if (rank == 0) lock = std::make_unique<CheckpointLock>(config.checkpoint_dir);
+    ResumePlan plan = plan_resume(config, fingerprint);
+    if (rank == 0)
+      for (const auto& note : plan.notes)
+        std::fprintf(stderr, "hp train: %s\n", note.c_str());
+    auto mine = torch::tensor({int64_t(plan.step)}, torch::kInt64);
+    std::vector<torch::Tensor> steps(comm->world_size());
+    for (auto& t : steps)
+      t = torch::empty_like(mine);
+    comm->all_gather(steps, mine);
+    for (int r = 0; r < comm->world_size(); ++r)
+      TORCH_CHECK(steps[r].item<int64_t>() == plan.step, "rank ", r, " would resume from step ",
+                  steps[r].item<int64_t>(), " and rank ", rank, " from step ", plan.step,
+                  ": the ranks do not see the same --checkpoint-dir");
+    first = plan.step;
   }
+  if (first > 0) load_checkpoint(config, fingerprint, first, rank, local_by_name, *optimizer);
   result.first_step = first;
 
   // Round trips of an activation between ranks 0 and 1 estimate the
@@ -391,23 +564,24 @@ TrainResult run_rank(const TrainConfig& config, std::shared_ptr<distributed::Com
   double comm_cost = 0.0;
   if (config.nproc > 1) {
     auto probe = torch::zeros(models::activation_shape(config.model, config.microbatch_size),
-                              config.model.dtype);
+                              torch::TensorOptions().dtype(config.model.dtype).device(device));
     comm_cost = distributed::one_way_latency(*comm, 0, 1, probe);
   }
 
-  Progress progress(config.progress && rank == 0, first, config.steps);
+  Progress progress(config.progress && rank == 0 && replica == 0, first, config.steps);
   pipeline::StepStats last;
   int64_t peak_bytes = 0;
-  const auto fault = fault_injection();
   for (step = first; step < config.steps; ++step) {
-    if (fault.first == rank && fault.second == step) ::raise(SIGKILL);
+    launch::fault_point(std::to_string(step));  // NOTE [Fault injection]
     for (auto& p : params)
       p.mutable_grad() = torch::Tensor();
     comm->barrier();  // aligns the ranks' clocks for the timeline
     const int64_t base = memory_allocated();
     reset_peak_memory();
     auto t0 = Clock::now();
+    if (reducer) reducer->begin_step();
     last = executor.run_step();
+    if (reducer) reducer->finish_step();
     // Activation memory: the step's peak above its start, less the weight
     // gradients the step allocates (they are not activations).
     peak_bytes =
@@ -418,32 +592,20 @@ TrainResult run_rank(const TrainConfig& config, std::shared_ptr<distributed::Com
 
     auto loss = torch::tensor({last.loss_sum}, torch::kFloat64);
     comm->all_reduce(loss);
+    if (dp_comm) dp_comm->all_reduce(loss, distributed::ReduceOp::Avg);
     double secs = std::chrono::duration<double>(Clock::now() - t0).count();
     result.losses.push_back(loss.item<double>());
     result.step_seconds.push_back(secs);
+    if (!std::isfinite(result.losses.back()))
+      throw std::runtime_error("step " + std::to_string(step + 1) + ": the loss is " +
+                               std::to_string(result.losses.back()) +
+                               "; training stopped (nothing of this step was saved). Lower --lr, "
+                               "or check the data");
     progress.update(step, result.losses.back(), result.items_per_step / secs);
 
     if (config.save_every > 0 &&
-        ((step + 1) % config.save_every == 0 || step + 1 == config.steps)) {
-      fs::create_directories(step_dir(config, step + 1));
-      write_atomically(step_dir(config, step + 1) / ("rank-" + std::to_string(rank) + ".pt"),
-                       [&](const std::string& path) {
-                         torch::serialize::OutputArchive ar;
-                         for (auto& [name, tensors] : local_by_name)
-                           ar.write(archive_key(name), tensors[0].detach());
-                         torch::serialize::OutputArchive opt;
-                         optimizer->save(opt);
-                         ar.write("optimizer", opt);
-                         ar.save_to(path);
-                       });
-      comm->barrier();
-      if (rank == 0) {
-        write_atomically(step_dir(config, step + 1) / "COMPLETE",
-                         [](const std::string& p) { std::ofstream(p) << "ok\n"; });
-        write_atomically(fs::path(config.checkpoint_dir) / "latest",
-                         [&](const std::string& p) { std::ofstream(p) << step + 1 << "\n"; });
-      }
-    }
+        ((step + 1) % config.save_every == 0 || step + 1 == config.steps))
+      save_checkpoint(config, fingerprint, step + 1, *comm, local_by_name, *optimizer);
   }
 
   result.executed = last.executed;
@@ -451,7 +613,8 @@ TrainResult run_rank(const TrainConfig& config, std::shared_ptr<distributed::Com
   // Final parameters and a checksum that counts each model-wide name once.
   double own_sum = 0.0;
   for (auto& [name, tensors] : local_by_name) {
-    result.parameters[name] = tensors[0].detach().clone();
+    result.parameters[name] = tensors[0].detach().to(torch::kCPU, /*non_blocking=*/false,
+                                                     /*copy=*/true);
     if (*all_holders.at(name).begin() == rank)
       own_sum += tensors[0].detach().to(torch::kFloat64).sum().item<double>();
   }
@@ -467,7 +630,7 @@ TrainResult run_rank(const TrainConfig& config, std::shared_ptr<distributed::Com
     t = torch::empty_like(mine);
   comm->all_gather(all, mine);
   auto events = distributed::gather_rows(*comm, pack_events(last.events), 0);
-  if (rank != 0) return result;
+  if (rank != 0 || replica != 0) return result;  // copy 0's rank 0 reports
   for (auto& t : all) {
     result.rank_compute.push_back(t[0].item<double>());
     result.rank_comm_wait.push_back(t[1].item<double>());
@@ -490,8 +653,8 @@ TrainResult run_rank(const TrainConfig& config, std::shared_ptr<distributed::Com
     schedule::Timeline ms = result.timeline;
     for (auto& e : ms.events)
       e.start *= 1e3, e.end *= 1e3;
-    std::ofstream(config.trace) << schedule::render_chrome_trace(ms);
-    std::ofstream(config.trace + ".svg") << schedule::render_svg(ms);
+    write_file_atomically(config.trace, schedule::render_chrome_trace(ms));
+    write_file_atomically(config.trace + ".svg", schedule::render_svg(ms));
   }
   if (!config.report.empty()) write_report(config, result, config.report);
   return result;
@@ -499,7 +662,11 @@ TrainResult run_rank(const TrainConfig& config, std::shared_ptr<distributed::Com
 
 TrainResult train_reference(const TrainConfig& config) {
   config.model.check();
+  const torch::Device device = config.resolve_device(0);
+  c10::OptionalDeviceGuard on_device;
+  if (!device.is_cpu()) on_device.reset_device(device);
   auto model = models::build_chunk(config.model, 0, 1, config.seed);
+  model->to(device);
   models::Dataset data(config.model, config.data, config.microbatch_size, config.seed);
   std::vector<torch::Tensor> params = model->parameters();
   auto optimizer = make_optimizer(config, params);
@@ -510,7 +677,8 @@ TrainResult train_reference(const TrainConfig& config) {
     double loss_sum = 0.0;
     for (int mb = 0; mb < config.microbatches; ++mb) {
       auto batch = data.get(step, mb);
-      auto loss = models::loss(config.model, model->forward(batch.input), batch.target) /
+      auto loss = models::loss(config.model, model->forward(batch.input.to(device)),
+                               batch.target.to(device)) /
                   config.microbatches;
       loss.backward();
       loss_sum += loss.item<double>();
@@ -520,7 +688,8 @@ TrainResult train_reference(const TrainConfig& config) {
   }
   double sum = 0.0;
   for (const auto& item : model->named_parameters()) {
-    result.parameters[item.key()] = item.value().detach().clone();
+    result.parameters[item.key()] =
+        item.value().detach().to(torch::kCPU, /*non_blocking=*/false, /*copy=*/true);
     sum += item.value().detach().to(torch::kFloat64).sum().item<double>();
   }
   result.checksum = sum;

@@ -20,7 +20,12 @@ namespace hp::train {
 /// Everything `hp train` can be told.
 struct TrainConfig {
   models::ModelSpec model;
-  int nproc = 2;                  ///< pipeline ranks
+  int nproc = 2;                  ///< pipeline ranks (--pp; -p/--nproc)
+  /// Copies of the pipeline, data parallel (--dp): nproc x dp processes on
+  /// a (dp, pp) mesh; each copy trains on its own microbatches and the
+  /// stages' gradients are averaged over the copies (NOTE [Pipeline x data
+  /// parallel] in trainer.cpp).
+  int dp = 1;
   std::string schedule = "1f1b";  ///< any hp/schedule generator name
   int chunks = 2;                 ///< virtual stages per rank (interleaved schedules)
   int microbatches = 4;           ///< per step
@@ -35,21 +40,46 @@ struct TrainConfig {
   std::string report;          ///< write the JSON report here
   std::string checkpoint_dir;  ///< where --save-every and --resume keep checkpoints
   int save_every = 0;          ///< 0 = never
+  /// Continue from the newest verified checkpoint; none is an error
+  /// (NOTE [Checkpoint integrity] in hp/train/checkpoint.h).
   bool resume = false;
+  /// As `resume`, but a folder without any checkpoint starts from step 0.
+  bool resume_or_start = false;
+  /// The verified checkpoint step to start from, chosen (under the folder's
+  /// lock) by whoever started the ranks; -1: the ranks choose (and rank 0
+  /// locks the folder).
+  int checkpoint_step = -1;
   bool recompute = false;  ///< checkpoint every transformer block
-  int timeout_s = 60;      ///< every communication's timeout
-  bool progress = true;    ///< progress bar on rank 0
+  /// Where each rank computes: "cpu", "cuda" (rank with local rank r on GPU
+  /// r mod the GPU count; ranks that share a GPU exchange through host
+  /// memory) or "auto" (cuda when there is a GPU). NOTE [Ranks on devices].
+  std::string device = "cpu";
+  int timeout_s = 60;    ///< every communication's timeout
+  bool progress = true;  ///< progress bar on rank 0
   /// Graph mode (hp/compile): data parallel over the ranks with FSDP, the
   /// train step captured once and replayed; schedule and chunks do not apply.
   bool graph = false;
   bool overlap = true;  ///< graph mode: AutoOverlapPass (waits moved to first use)
   bool shard = true;    ///< graph mode: FSDP-shard parameters (off: plain data parallel)
 
-  /// Checks everything that can be checked before a rank starts (including
-  /// building the schedule); throws std::invalid_argument saying what to change.
+  /// Checks everything that can be checked before a rank starts (ranges,
+  /// finite learning rate, the data, the output paths, the size of the
+  /// schedule, then the schedule itself); throws std::invalid_argument saying
+  /// what to change and, for a limit, why it is there.
   void validate() const;
-  /// The lowered, validated schedule this config runs.
+  /// Refuses a run whose ranks on this machine (`local_ranks` of the
+  /// `nproc`) cannot fit in its available memory: each rank's start-up
+  /// memory plus its share of the parameters, gradients, optimizer state and
+  /// one microbatch's activations, a lower bound. Throws
+  /// std::invalid_argument with the estimate and what is available.
+  void check_memory(int local_ranks) const;
+  /// The lowered, validated schedule this config runs (its size checked
+  /// before it is built and lowered).
   schedule::Schedule build_schedule() const;
+  /// The device of the rank whose local rank is `local_rank` (NOTE [Ranks on
+  /// devices]); throws std::invalid_argument when `device` asks for CUDA and
+  /// there is no CUDA device.
+  torch::Device resolve_device(int local_rank) const;
 };
 
 /// What one rank (or the reference) did.

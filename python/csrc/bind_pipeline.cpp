@@ -160,7 +160,8 @@ class Runtime {
       std::map<int, std::vector<torch::Tensor>> stage_params;
       for (const auto& [st, mod] : modules)
         stage_params[st] = mod.parameters;
-      reducer_ = std::make_unique<pipeline::GradientReducer>(dp_, stage_params, m);
+      reducer_ = std::make_unique<pipeline::GradientReducer>(
+          dp_, stage_params, pipeline::microbatches_per_stage(sched_, rank()));
       hooks.on_done = [r = reducer_.get()](int stage, int mb) { r->on_done(stage, mb); };
     }
     stage_ = std::make_unique<pipeline::PipelineStage>(std::move(modules), stage_loss, hooks);

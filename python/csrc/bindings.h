@@ -16,6 +16,8 @@ void bind_recompute(py::module_& m);
 void bind_schedule(py::module_& m);
 /// The pipeline runtime over a torch.distributed group: _C.pipeline (bind_pipeline.cpp).
 void bind_pipeline(py::module_& m);
+/// Measured costs and predicted schedules: _C.profile (bind_profile.cpp).
+void bind_profile(py::module_& m);
 
 /// Registers every part in `m`.
 inline void bind_all(py::module_& m) {
@@ -23,6 +25,7 @@ inline void bind_all(py::module_& m) {
   bind_recompute(m);
   bind_schedule(m);
   bind_pipeline(m);
+  bind_profile(m);
 }
 
 }  // namespace hp::python

@@ -61,3 +61,4 @@ from . import pipeline  # noqa: E402,F401  the runtime over a torch.distributed 
 from . import schedule, torch_export  # noqa: E402
 
 __all__ += ["schedule", "torch_export"]
+from . import profile  # noqa: E402,F401  measured costs, predicted schedules (profile.py)

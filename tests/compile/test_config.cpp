@@ -1,10 +1,13 @@
 // PassConfig and PassPlan contracts: validation, exact-before-pattern lookup
 // in insertion order, merge (other wins, inputs untouched), and the YAML of
-// the seed §4.2 incl. malformed files whose errors name the line.
+// the seed §4.2 incl. malformed files whose errors name the line, and the
+// strictness of issue 15 (unknown and duplicate keys, extra documents,
+// bounded input, escaped bytes).
 #include <gtest/gtest.h>
 
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <stdexcept>
 #include <string>
 
@@ -126,6 +129,82 @@ TEST(PassPlan, MalformedYamlNamesTheLine) {
   EXPECT_NE(e.find("line 1"), std::string::npos) << e;
   e = error_of([] { PassPlan::load_yaml("/nonexistent/plan.yaml"); });
   EXPECT_NE(e.find("cannot open"), std::string::npos) << e;
+}
+
+// Issue 15: every way a plan can say something the reader would ignore is
+// refused, naming the file, the line and the offending key.
+TEST(PassPlan, StrictYamlRefusesWhatItWouldIgnore) {
+  auto err = [](const std::string& text) {
+    return error_of([&] { PassPlan::from_yaml(text, "plan.yaml"); });
+  };
+  struct Case {
+    std::string text, expected;
+  };
+  const std::vector<Case> cases = {
+      // A misspelt top-level key (the docs always said unknown keys are errors).
+      {"fdsp:\n  enabled: true\n", "plan.yaml line 1: unknown key 'fdsp' (known: fsdp)"},
+      {"fsdp:\n  enabled: true\nextra: 1\n", "line 3: unknown key 'extra'"},
+      // The same key twice, at any level.
+      {"fsdp:\n  enabled: true\n  enabled: false\n",
+       "line 3: duplicate key 'enabled' (first on line 2)"},
+      {"fsdp: {}\nfsdp: {}\n", "line 2: duplicate key 'fsdp' (first on line 1)"},
+      {"fsdp:\n  modules:\n    - name: a\n      name: b\n", "line 4: duplicate key 'name'"},
+      // A second document, empty or not.
+      {"fsdp:\n  modules:\n    - name: a\n---\nfsdp: {}\n", "line 4: a second YAML document"},
+      {"fsdp: {}\n---\n", "line 2: a second YAML document"},
+      // Unknown keys inside an entry.
+      {"fsdp:\n  patterns:\n    - pattern: a.*\n      reshard: true\n",
+       "line 4: unknown key 'reshard' in an fsdp.patterns entry"},
+      // Non-string keys; names with control bytes.
+      {"? [a]\n: 1\n", "line 1: keys must be plain strings"},
+      {"fsdp:\n  modules:\n    - name: \"a\\tb\"\n", "not printable ASCII"},
+      // An alias that refers to its own ancestor; alias expansion bounded.
+      {"a: &a [x, *a]\n", "nested deeper than"},
+  };
+  for (const auto& c : cases) {
+    const std::string e = err(c.text);
+    EXPECT_NE(e.find(c.expected), std::string::npos) << "input:\n" << c.text << "error: " << e;
+  }
+  std::string bomb = "a: &a [x,x,x,x,x,x,x,x,x,x]\n";
+  for (char l = 'b'; l <= 'g'; ++l)
+    bomb += std::string(1, l) + ": &" + l + " [" + [&] {
+      std::string refs;
+      for (int i = 0; i < 10; ++i)
+        refs += std::string(i ? "," : "") + "*" + char(l - 1);
+      return refs;
+    }() + "]\n";
+  EXPECT_NE(err(bomb).find("more than 100000 YAML nodes"), std::string::npos) << err(bomb);
+  // A leading '---' opens the first document and is fine.
+  EXPECT_EQ(PassPlan::from_yaml("---\nfsdp:\n  modules: [{name: a}]\n").modules().size(), 1u);
+}
+
+TEST(PassPlan, ErrorTextShowsBytesSafely) {
+  // Raw control bytes, a NUL and bytes above 0x7e in a key: escaped, never
+  // cut at the NUL, and a long key is cut with its length.
+  std::string e = error_of([] { PassPlan::from_yaml("fsdp:\n  \"k\\x01\\0\\xffz\": 1\n"); });
+  EXPECT_NE(e.find("unknown key 'fsdp.k\\x01\\x00"), std::string::npos) << e;
+  EXPECT_EQ(e.find('\0'), std::string::npos);
+  EXPECT_EQ(e.find('\x01'), std::string::npos);
+  e = error_of([] { PassPlan::from_yaml("fsdp:\n  " + std::string(500, 'x') + ": 1\n"); });
+  EXPECT_NE(e.find("... (500 bytes)"), std::string::npos) << e;
+  EXPECT_LT(e.size(), 300u) << e;
+}
+
+TEST(PassPlan, InputIsBounded) {
+  const auto dir = std::filesystem::temp_directory_path();
+  // Too large as text, as a file; devices and folders are refused unread.
+  std::string big(PassPlan::kMaxYamlBytes + 1, '#');
+  EXPECT_NE(error_of([&] { PassPlan::from_yaml(big, "big.yaml"); }).find("more than the limit"),
+            std::string::npos);
+  const auto path = (dir / ("hp-plan-big-" + std::to_string(::getpid()) + ".yaml")).string();
+  std::ofstream(path) << big;
+  EXPECT_NE(error_of([&] { PassPlan::load_yaml(path); }).find("more than the limit"),
+            std::string::npos);
+  std::filesystem::remove(path);
+  EXPECT_NE(error_of([] { PassPlan::load_yaml("/dev/zero"); }).find("not a regular file"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { PassPlan::load_yaml(dir.string()); }).find("not a regular file"),
+            std::string::npos);
 }
 
 }  // namespace

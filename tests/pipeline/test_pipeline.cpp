@@ -22,8 +22,8 @@ namespace {
 
 // Runs every rank of `config` on its own thread; rethrows a rank's error.
 std::vector<TrainResult> run_threads(const TrainConfig& config) {
-  std::vector<TrainResult> results(config.nproc);
-  hp::testing::run_ranks_as_threads(config.nproc, [&](int r, std::shared_ptr<hp::distributed::Comm> comm) {
+  std::vector<TrainResult> results(config.nproc * config.dp);
+  hp::testing::run_ranks_as_threads(config.nproc * config.dp, [&](int r, std::shared_ptr<hp::distributed::Comm> comm) {
     results[r] = hp::train::run_rank(config, comm);
   });
   return results;
@@ -274,6 +274,75 @@ TEST(Pipeline, BadConfigurationsFailBeforeAnyRankStarts) {
   c = tiny("1f1b", 2, 4, "gpt");
   c.data = "/no/such/file";
   expect_invalid(c, "does not exist");
+}
+
+// Pipeline x data parallel (NOTE [Pipeline x data parallel]): p = 2 x dp = 2
+// ranks as threads over real Gloo, every schedule; each copy trains on its
+// half of the global batch, and losses and every copy's parameters equal one
+// process training on all dp x m microbatches.
+class DataParallelPipelines : public ::testing::TestWithParam<Case> {};
+
+TEST_P(DataParallelPipelines, EqualOneProcessOnTheGlobalBatch) {
+  const Case& k = GetParam();
+  TrainConfig c = tiny(k.schedule, k.p, k.m, "gpt");
+  c.dp = 2;
+  auto ranks = run_threads(c);
+  TrainConfig whole = c;
+  whole.dp = 1;
+  whole.microbatches = c.dp * c.microbatches;
+  TrainResult ref = hp::train::train_reference(whole);
+  auto sched = c.build_schedule();
+  for (int r = 0; r < c.nproc * c.dp; ++r) {
+    SCOPED_TRACE("world rank " + std::to_string(r));
+    ASSERT_EQ(ranks[r].losses.size(), ref.losses.size());
+    for (size_t s = 0; s < ref.losses.size(); ++s)
+      EXPECT_NEAR(ranks[r].losses[s], ref.losses[s], 1e-9 * std::max(1.0, std::abs(ref.losses[s])))
+          << "step " << s;
+    for (const auto& [name, p] : ranks[r].parameters) {
+      const auto& q = ref.parameters.at(name);
+      EXPECT_LE((p - q).abs().max().item<double>(), 1e-9 * std::max(1.0, q.abs().max().item<double>()))
+          << name;
+    }
+    std::vector<hp::schedule::Action> expected;
+    for (const auto& a : sched.actions[r % c.nproc])  // its rank in its pipeline
+      if (hp::schedule::is_compute(a.op)) expected.push_back(a);
+    EXPECT_EQ(ranks[r].executed, expected);
+  }
+  EXPECT_NEAR(ranks[0].checksum, ref.checksum, 1e-9 * std::max(1.0, std::abs(ref.checksum)));
+}
+
+INSTANTIATE_TEST_SUITE_P(AllSchedules, DataParallelPipelines, ::testing::ValuesIn(all_cases({2})),
+                         [](const ::testing::TestParamInfo<Case>& info) {
+                           std::string n = info.param.schedule + "_p2_dp2";
+                           for (char& ch : n)
+                             if (!isalnum(static_cast<unsigned char>(ch))) ch = '_';
+                           return n;
+                         });
+
+TEST(DataParallelPipelines, BadMeshesAreRefusedBeforeAnyWork) {
+  TrainConfig c = tiny("1f1b", 2, 4, "gpt");
+  c.dp = 0;
+  EXPECT_THROW(c.validate(), std::invalid_argument);
+  c.dp = 5000;
+  EXPECT_THROW(c.validate(), std::invalid_argument);
+  c.dp = 2;
+  c.graph = true;
+  try {
+    c.validate();
+    ADD_FAILURE() << "--graph with --dp must be refused";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("drop --dp"), std::string::npos) << e.what();
+  }
+  // A world that is not pp x dp: every rank refuses before communicating.
+  c.graph = false;
+  try {
+    hp::testing::run_ranks_as_threads(3, [&](int, std::shared_ptr<hp::distributed::Comm> comm) {
+      hp::train::run_rank(c, comm);
+    });
+    ADD_FAILURE() << "a world of 3 for pp 2 x dp 2 must be refused";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("--pp 2 x --dp 2"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace

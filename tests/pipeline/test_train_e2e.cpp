@@ -17,6 +17,7 @@
 #include <set>
 
 #include "hp/launch/launcher.h"
+#include "hp/train/checkpoint.h"
 #include "hp/train/trainer.h"
 #include "tests/common/netns.h"
 
@@ -60,8 +61,9 @@ std::string flags(const TrainConfig& c) {
   std::ostringstream os;
   os << "train --no-progress --model " << c.model.kind << " --layers " << c.model.layers
      << " --d-model " << c.model.d_model << " --heads " << c.model.heads << " --seq-len "
-     << c.model.seq_len << " --dtype float64 --untied -p " << c.nproc << " -s " << c.schedule
-     << " -m " << c.microbatches << " --microbatch-size " << c.microbatch_size << " --steps "
+     << c.model.seq_len << " --dtype float64 --untied -p " << c.nproc;
+  if (!c.graph) os << " -s " << c.schedule;  // graph mode takes no schedule
+  os << " -m " << c.microbatches << " --microbatch-size " << c.microbatch_size << " --steps "
      << c.steps << " --lr " << c.lr << " --seed " << c.seed << " --timeout " << c.timeout_s;
   return os.str();
 }
@@ -125,7 +127,7 @@ TEST_P(TrainEndToEnd, LossesAndParametersEqualSingleProcessTraining) {
   size_t compared = 0;
   for (int rank = 0; rank < p; ++rank) {
     torch::serialize::InputArchive ar;
-    ar.load_from((dir / "ckpt" / "step-3" / ("rank-" + std::to_string(rank) + ".pt")).string());
+    hp::train::read_checkpoint_archive((dir / "ckpt").string(), 3, rank, p, ar);
     for (const auto& [name, q] : ref.parameters) {
       std::string key = "p_";
       for (char ch : name)
@@ -276,6 +278,26 @@ TEST(TrainEndToEnd, GraphModeWithFsdpEqualsSingleProcessTraining) {
   fs::remove_all(dir);
 }
 
+// `hp train --pp 2 --dp 2`: four real rank processes, two copies of a
+// zb-h1 pipeline; the losses and the checksum equal one process training on
+// both copies' microbatches (every schedule runs the same way as threads in
+// test_pipeline's DataParallelPipelines).
+TEST(TrainEndToEnd, PipelineTimesDataParallelEqualsSingleProcessTraining) {
+  TrainConfig c = small("zb-h1", 2);
+  auto dir = fresh_dir("dp");
+  HpRun r = run_hp(flags(c) + " --dp 2 --report " + (dir / "report.json").string());
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("4 ranks (pp 2 x dp 2)"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("x 2 data-parallel copies"), std::string::npos) << r.output;
+  TrainConfig whole = c;
+  whole.microbatches = 2 * c.microbatches;
+  auto ref = hp::train::train_reference(whole);
+  auto report = read_json(dir / "report.json");
+  EXPECT_EQ(report["config"]["dp"], 2);
+  expect_report_matches(report, ref, /*checksum=*/true);
+  fs::remove_all(dir);
+}
+
 TEST(TrainEndToEndFailures, BadConfigurationFailsBeforeAnyRankStarts) {
   TrainConfig c = small("1f1b", 4);
   c.model.layers = 2;
@@ -283,7 +305,10 @@ TEST(TrainEndToEndFailures, BadConfigurationFailsBeforeAnyRankStarts) {
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_NE(r.output.find("cuttable layers"), std::string::npos) << r.output;
   EXPECT_EQ(r.output.find("hp train: gpt,"), std::string::npos) << "no rank may start";
-  HpRun bad_batch = run_hp(flags(small("1f1b", 2)) + " --batch 7");
+  std::string no_mb = flags(small("1f1b", 2));
+  no_mb = no_mb.substr(0, no_mb.find(" --microbatch-size")) +
+          no_mb.substr(no_mb.find(" --steps"));  // --batch instead
+  HpRun bad_batch = run_hp(no_mb + " --batch 7");
   EXPECT_EQ(bad_batch.exit_code, 1);
   EXPECT_NE(bad_batch.output.find("not divisible"), std::string::npos) << bad_batch.output;
 }

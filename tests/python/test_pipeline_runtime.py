@@ -78,7 +78,7 @@ def test_every_schedule_equals_single_process_training(p, tmp_path):
         assert seen == set(range(sched.num_chunks)), name
 
 
-@pytest.mark.parametrize("names", [["1f1b", "zbv", "dualpipev", "zb-auto"]])
+@pytest.mark.parametrize("names", [["1f1b", "zbv", "dualpipe", "dualpipev", "zb-auto"]])
 def test_pipeline_times_data_parallel_equals_single_process_training(names, tmp_path):
     # pp = 2 x dp = 2 on 4 real processes (torch's DeviceMesh makes the
     # groups): each copy trains on its half of the global batch; gradients are

@@ -1,10 +1,14 @@
-// `hp train`: checks the configuration, starts the ranks as real processes
-// on this machine (or runs one rank when started by `hp launch`/torchrun with
-// --worker), trains, and prints a summary; also `hp train reference`.
+// `hp train`: checks every option before any work (ranges, options that do
+// not apply, output paths, memory), plans the checkpoints under the folder's
+// lock, starts the ranks as real processes on this machine (or runs one rank
+// when started by `hp launch`/torchrun with --worker), trains, and prints a
+// summary.
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <iostream>
 #include <memory>
 
@@ -12,6 +16,7 @@
 #include "hp/distributed/comm.h"
 #include "hp/launch/launcher.h"
 #include "hp/schedule/generators.h"
+#include "hp/train/checkpoint.h"
 #include "hp/train/graph_train.h"
 #include "hp/train/report.h"
 #include "hp/train/trainer.h"
@@ -24,6 +29,8 @@ struct TrainArgs {
   train::TrainConfig config;
   std::string dtype = "float32";
   int64_t batch = 0;  // global batch rows; 0 = microbatches * microbatch_size
+  std::string seed = "0";
+  CLI::App* app = nullptr;  // to ask which options were given
   bool worker = false;
   bool pin = false;
   bool untied = false;
@@ -31,8 +38,69 @@ struct TrainArgs {
   std::vector<std::string> argv;  // our own command line, for the ranks
 };
 
+// NOTE [Options that do not apply]
+// An option that would change nothing in the chosen mode is refused, so a
+// typo or a misunderstanding never passes silently: graph mode takes no
+// schedule, chunks or point-to-point transport; the pipeline no graph-mode
+// flags; --chunks only the interleaved schedules; the mlp no gpt shape or
+// data; a checkpoint folder only with saving or resuming.
+void refuse_options_that_do_not_apply(const TrainArgs& a) {
+  const auto& c = a.config;
+  auto given = [&](const char* name) { return a.app->count(name) > 0; };
+  auto refuse = [](const std::string& msg) { throw std::invalid_argument(msg); };
+  if (c.graph) {
+    for (const char* o : {"--schedule", "--chunks", "--p2p"})
+      if (given(o))
+        refuse(std::string(o) + " does not apply to --graph (graph mode is data parallel with "
+                                "FSDP: no pipeline schedule); drop it or --graph");
+  } else {
+    for (const char* o : {"--no-overlap", "--no-shard"})
+      if (given(o)) refuse(std::string(o) + " applies only to --graph; drop it or add --graph");
+    if (given("--chunks") && c.schedule.rfind("interleaved", 0) != 0)
+      refuse("--chunks applies only to the interleaved schedules (interleaved-1f1b, "
+             "interleaved-bfs, interleaved-zb); '" + c.schedule +
+             "' places its own stages; drop -v/--chunks");
+  }
+  if (c.model.kind == "mlp") {
+    for (const char* o : {"--heads", "--seq-len", "--untied", "--data", "--recompute"})
+      if (given(o))
+        refuse(std::string(o) +
+               " applies only to --model gpt (the mlp learns a synthetic task and has no "
+               "blocks); drop it");
+  } else if (given("--in-features")) {
+    refuse("--in-features applies only to --model mlp; drop it");
+  }
+  if (given("--batch") && given("--microbatch-size"))
+    refuse("--batch sets the microbatch size (batch / microbatches); give --batch or "
+           "--microbatch-size, not both");
+  if (given("--checkpoint-dir") && c.save_every == 0 && !c.resume && !c.resume_or_start)
+    refuse("--checkpoint-dir does nothing without --save-every N, --resume or "
+           "--resume-or-start; add one or drop it");
+  if (given("--checkpoint-step") && !a.worker)
+    refuse("--checkpoint-step is set by hp train for its ranks; use --resume");
+}
+
+// A seed is a whole number from 0 to 2^64 - 1, written plainly.
+uint64_t parse_seed(const std::string& text) {
+  const bool digits = !text.empty() && text.size() <= 20 &&
+                      text.find_first_not_of("0123456789") == std::string::npos;
+  errno = 0;
+  const unsigned long long v = digits ? std::strtoull(text.c_str(), nullptr, 10) : 0;
+  if (!digits || errno == ERANGE)
+    throw std::invalid_argument("--seed '" + text +
+                                "' is not a whole number from 0 to 18446744073709551615");
+  return v;
+}
+
 void finish_config(TrainArgs& a) {
   auto& c = a.config;
+  refuse_options_that_do_not_apply(a);
+  c.seed = parse_seed(a.seed);
+  if (a.app->count("--batch") > 0 && a.batch < 1)
+    throw std::invalid_argument("--batch must be at least 1, not " + std::to_string(a.batch));
+  if (a.app->count("--save-every") > 0 && c.save_every < 1)
+    throw std::invalid_argument("--save-every must be at least 1, not " +
+                                std::to_string(c.save_every) + " (leave it out to never save)");
   if (a.dtype == "float64") {
     c.model.dtype = torch::kFloat64;
   } else if (a.dtype == "float32") {
@@ -48,7 +116,7 @@ void finish_config(TrainArgs& a) {
           std::to_string(c.microbatches) + "; pick a batch that is a multiple of it");
     c.microbatch_size = a.batch / c.microbatches;
   }
-  if ((c.save_every > 0 || c.resume) && c.checkpoint_dir.empty())
+  if ((c.save_every > 0 || c.resume || c.resume_or_start) && c.checkpoint_dir.empty())
     c.checkpoint_dir = "hp-checkpoints";
 }
 
@@ -62,6 +130,7 @@ int run_worker(const TrainArgs& a) {
     keep_freed_memory_mapped();
     distributed::CommOptions opts;
     opts.timeout = std::chrono::seconds(a.config.timeout_s);
+    launch::fault_point("connect");  // NOTE [Fault injection]
     auto comm = distributed::Comm::from_env(opts);
     if (a.p2p == "shm") comm = distributed::with_shared_memory_p2p(comm);
     auto result =
@@ -84,16 +153,46 @@ int run_worker(const TrainArgs& a) {
 
 int run_launcher(const TrainArgs& a) {
   const auto& c = a.config;
-  std::fprintf(stderr, "hp train: %s, %d ranks, %s, %d microbatches of %lld, %d steps\n",
-               c.model.kind.c_str(), c.nproc,
+  c.check_memory(c.nproc * c.dp);  // all ranks on this machine
+  // NOTE [Checkpoint integrity]: this process holds the folder's lock for the
+  // whole run and tells the ranks which verified step to start from.
+  std::unique_ptr<train::CheckpointLock> lock;
+  int start_step = 0;
+  if (!c.checkpoint_dir.empty()) {
+    if (c.resume && !std::filesystem::exists(c.checkpoint_dir))
+      throw std::invalid_argument("--resume: --checkpoint-dir '" + c.checkpoint_dir +
+                                  "' does not exist; run without --resume to start, or pass "
+                                  "--resume-or-start to start from step 0 when there is none");
+    lock = std::make_unique<train::CheckpointLock>(c.checkpoint_dir);
+    auto plan = train::plan_resume(c, train::checkpoint_fingerprint(c, c.build_schedule()));
+    for (const auto& note : plan.notes)
+      std::fprintf(stderr, "hp train: %s\n", note.c_str());
+    if (plan.step > 0)
+      std::fprintf(stderr, "hp train: resuming from %s (%d steps done)\n",
+                   train::checkpoint_step_dir(c.checkpoint_dir, plan.step).c_str(), plan.step);
+    start_step = plan.step;
+  }
+  const std::string ranks = c.dp > 1 ? std::to_string(c.nproc * c.dp) + " ranks (pp " +
+                                           std::to_string(c.nproc) + " x dp " +
+                                           std::to_string(c.dp) + ")"
+                                     : std::to_string(c.nproc) + " ranks";
+  std::fprintf(stderr, "hp train: %s, %s, %s, %d microbatches of %lld, %d steps\n",
+               c.model.kind.c_str(), ranks.c_str(),
                c.graph ? "graph mode" : ("schedule " + c.schedule).c_str(), c.microbatches,
                (long long)c.microbatch_size, c.steps);
   launch::LaunchOptions lo;
-  lo.nproc = c.nproc;
+  lo.nproc = c.nproc * c.dp;
   lo.command = {self_executable()};
   lo.command.insert(lo.command.end(), a.argv.begin() + 1, a.argv.end());
   lo.command.push_back("--worker");
-  lo.timeout = std::chrono::seconds(c.timeout_s);
+  if (lock) {
+    lo.command.push_back("--checkpoint-step");
+    lo.command.push_back(std::to_string(start_step));
+  }
+  // NOTE [Failing fast]: after a rank fails the others get 2 s to report the
+  // lost peer, then they are stopped; hp ranks end at once on SIGTERM.
+  lo.timeout = std::chrono::seconds(2);
+  lo.kill_grace = std::chrono::seconds(1);
   lo.pin_cores = a.pin;
   auto result = launch::launch_local(lo);
   if (!result.ok()) {
@@ -115,7 +214,11 @@ void add_train_command(CLI::App& app) {
   t->add_option("--in-features", c.model.in_features, "input width (mlp)");
   t->add_flag("--untied", a->untied,
               "give the gpt its own output head (default: tied to the embedding)");
-  t->add_option("--nproc,-p", c.nproc, "pipeline ranks (processes)");
+  t->add_option("--nproc,-p,--pp", c.nproc, "pipeline ranks (processes per pipeline copy)");
+  t->add_option("--dp", c.dp,
+                "copies of the pipeline, data parallel: --pp x --dp processes; each copy "
+                "trains on its own --microbatches and the gradients are averaged over the "
+                "copies (default 1)");
   t->add_option(
       "--schedule,-s", c.schedule, "schedule: " + [] {
         std::string s;
@@ -132,14 +235,23 @@ void add_train_command(CLI::App& app) {
   t->add_option("--lr", c.lr, "learning rate");
   t->add_option("--weight-decay", c.weight_decay, "weight decay");
   t->add_option("--dtype", a->dtype, "float32 or float64");
-  t->add_option("--seed", c.seed, "seed of the initial weights and the data");
+  t->add_option("--seed", a->seed, "seed of the initial weights and the data (0 to 2^64 - 1)");
   t->add_option("--data", c.data, "text file or folder (default: /usr/share/common-licenses)");
   t->add_option("--trace", c.trace, "write the executed timeline: Chrome trace FILE and FILE.svg");
   t->add_option("--report", c.report, "write a JSON report");
   t->add_option("--checkpoint-dir", c.checkpoint_dir, "folder of checkpoints");
   t->add_option("--save-every", c.save_every, "save a checkpoint every N steps");
-  t->add_flag("--resume", c.resume, "continue from the latest complete checkpoint");
+  t->add_flag("--resume", c.resume,
+              "continue from the newest verified checkpoint (none is an error)");
+  t->add_flag("--resume-or-start", c.resume_or_start,
+              "as --resume, but start from step 0 when the folder holds no checkpoint yet");
+  t->add_option("--checkpoint-step", c.checkpoint_step, "set by the launcher for its ranks")
+      ->group("");
   t->add_flag("--recompute", c.recompute, "checkpoint every transformer block");
+  t->add_option("--device", c.device,
+                "cpu, cuda (each rank on GPU LOCAL_RANK mod the GPU count; ranks sharing a GPU "
+                "exchange through host memory) or auto (cuda when there is a GPU)")
+      ->check(CLI::IsMember({"cpu", "cuda", "auto"}));
   t->add_option("--timeout", c.timeout_s, "seconds any communication may take");
   t->add_flag("--graph", c.graph,
               "graph mode: capture the train step once, replay it on every rank, FSDP over the "
@@ -158,6 +270,7 @@ void add_train_command(CLI::App& app) {
   t->add_flag(
       "--no-progress", [&c](int64_t) { c.progress = false; }, "no progress bar");
   t->add_flag("--worker", a->worker, "run as one rank (set by the launcher)")->group("");
+  a->app = t;
   t->callback([a] {
     a->argv = command_line();
     finish_config(*a);
