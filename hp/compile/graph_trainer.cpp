@@ -30,11 +30,11 @@ MeshContext MeshContext::from_mesh(std::shared_ptr<hp::distributed::DeviceMesh> 
                                 tp_dim + "'");
   for (size_t d = 0; d < shape.names.size(); ++d)
     if (shape.names[d] != fsdp_dim && shape.names[d] != tp_dim && shape.sizes[d] > 1)
-      throw std::invalid_argument(
-          "graph mode on mesh " + shape.str() + ": dimension '" + shape.names[d] + "' has size " +
-          std::to_string(shape.sizes[d]) + ", but graph mode parallelizes only over TP ('" +
-          tp_dim + "') and FSDP ('" + fsdp_dim +
-          "'); give that dimension size 1 (graph mode has no pipeline)");
+      throw std::invalid_argument("graph mode on mesh " + shape.str() + ": dimension '" +
+                                  shape.names[d] + "' has size " + std::to_string(shape.sizes[d]) +
+                                  ", but graph mode parallelizes only over TP ('" + tp_dim +
+                                  "') and FSDP ('" + fsdp_dim +
+                                  "'); give that dimension size 1 (graph mode has no pipeline)");
   MeshContext m;
   m.mesh = mesh;
   if (!tp_dim.empty()) m.tp = mesh->group(tp_dim);
@@ -87,16 +87,17 @@ GraphTrainer::GraphTrainer(std::shared_ptr<torch::nn::Module> model, TrainFn tra
   const int64_t tp = mesh_.tp_size(), fsdp = mesh_.fsdp_degree();
   if (mesh_.fsdp) {  // without a group FSDPPass does nothing, whatever the degree says
     if (config_.fsdp_degree && *config_.fsdp_degree != fsdp)
-      throw std::invalid_argument(
-          "GraphTrainer: PassConfig::fsdp_degree is " + std::to_string(*config_.fsdp_degree) +
-          " but the FSDP group has " + std::to_string(fsdp) +
-          " ranks; leave fsdp_degree unset (the group fills it)");
+      throw std::invalid_argument("GraphTrainer: PassConfig::fsdp_degree is " +
+                                  std::to_string(*config_.fsdp_degree) +
+                                  " but the FSDP group has " + std::to_string(fsdp) +
+                                  " ranks; leave fsdp_degree unset (the group fills it)");
     config_.fsdp_degree = fsdp;
   }
   if (config_.tp_size != 1 && config_.tp_size != tp)
     throw std::invalid_argument("GraphTrainer: PassConfig::tp_size is " +
                                 std::to_string(config_.tp_size) + " but the mesh's TP group has " +
-                                std::to_string(tp) + " ranks; leave tp_size at 1 (the mesh fills it)");
+                                std::to_string(tp) +
+                                " ranks; leave tp_size at 1 (the mesh fills it)");
   config_.tp_size = tp;
   if (tp > 1 && optimizer_.grad_clip > 0 && mesh_.tp_sharded.empty())
     throw std::invalid_argument(

@@ -11,9 +11,9 @@
 #include <cstdio>
 #include <fstream>
 #include <map>
-#include <utility>
 #include <sstream>
 #include <stdexcept>
+#include <utility>
 
 namespace hp::compile {
 

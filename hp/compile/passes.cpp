@@ -104,8 +104,8 @@ void FSDPPass::run(Graph& graph, PassContext& ctx) {
   const int64_t world = ctx.comm ? ctx.comm->world_size() : 1;
   if (world == 1) return;
   const int64_t degree = ctx.config.fsdp_degree.value_or(world);
-  TORCH_CHECK(degree == world, "FSDPPass: fsdp_degree ", degree, " but the FSDP group has ",
-              world, " ranks; pass the Comm of the FSDP group itself (on a mesh: its dp slice, "
+  TORCH_CHECK(degree == world, "FSDPPass: fsdp_degree ", degree, " but the FSDP group has ", world,
+              " ranks; pass the Comm of the FSDP group itself (on a mesh: its dp slice, "
               "MeshContext::fsdp) and leave fsdp_degree unset");
   TORCH_CHECK(ctx.model, "FSDPPass: needs the live model to shard its parameters");
   const int64_t rank = ctx.comm->rank();

@@ -13,8 +13,8 @@ namespace hp::distributed {
 
 void sum_among_holders(Comm& comm, std::vector<at::Tensor>& values,
                        const std::vector<std::vector<int>>& holders) {
-  TORCH_CHECK(values.size() == holders.size(), "sum_among_holders: ", values.size(),
-              " values but ", holders.size(), " holder lists");
+  TORCH_CHECK(values.size() == holders.size(), "sum_among_holders: ", values.size(), " values but ",
+              holders.size(), " holder lists");
   const int me = comm.rank();
   std::map<int, std::vector<size_t>> shared_with;  // peer -> indices, in list order
   for (size_t i = 0; i < values.size(); ++i) {

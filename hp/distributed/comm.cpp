@@ -174,7 +174,8 @@ void Comm::reduce_scatter(const at::Tensor& out, const at::Tensor& in, ReduceOp 
   auto slice = [&](int i) { return acc.narrow(0, int64_t((i % n + n) % n) * m, m); };
   auto tmp = at::empty({m}, in.options());
   for (int s = 0; s < n - 1; ++s) {
-    auto works = batch({P2POp::send(slice(r - s - 1), (r + 1) % n), P2POp::recv(tmp, (r - 1 + n) % n)});
+    auto works =
+        batch({P2POp::send(slice(r - s - 1), (r + 1) % n), P2POp::recv(tmp, (r - 1 + n) % n)});
     wait_all(works);
     reduce_into(slice(r - s - 2), tmp, op);
   }
@@ -239,8 +240,8 @@ Work Comm::reduce_scatter_async(const at::Tensor& out, const at::Tensor& in_raw,
               in.dim() ? in.size(0) : 0, ") must divide by the world size ", w);
   const int64_t rows = in.size(0) / w;
   TORCH_CHECK(out.sizes() == in.narrow(0, 0, rows).sizes() && out.scalar_type() == in.scalar_type(),
-              "reduce_scatter_async: the output must have the shape ", in.narrow(0, 0, rows).sizes(),
-              " and the input's dtype");
+              "reduce_scatter_async: the output must have the shape ",
+              in.narrow(0, 0, rows).sizes(), " and the input's dtype");
   check_avg(op, in, "reduce_scatter_async");
   auto pieces = std::make_shared<std::vector<at::Tensor>>(w);
   (*pieces)[me] = in.narrow(0, me * rows, rows);
@@ -265,8 +266,7 @@ Work Comm::all_reduce_async(const at::Tensor& tensor, ReduceOp op) {
   at::Tensor mine = tensor.clone();
   (*pieces)[me] = mine;
   auto work = exchange(
-      *this, [&](int) { return mine; },
-      [&](int q) { return (*pieces)[q] = at::empty_like(mine); });
+      *this, [&](int) { return mine; }, [&](int q) { return (*pieces)[q] = at::empty_like(mine); });
   work->finish = [pieces, tensor, op, w] {
     at::Tensor acc = (*pieces)[0].clone();
     for (int q = 1; q < w; ++q)

@@ -16,7 +16,7 @@ namespace c10d {
 class Store;
 class ProcessGroup;
 class Backend;
-}
+}  // namespace c10d
 
 namespace hp::distributed::detail {
 

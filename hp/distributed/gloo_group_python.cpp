@@ -4,10 +4,10 @@
 // Gloo group]).
 #include <Python.h>
 #include <pybind11/chrono.h>
+#include <torch/csrc/utils/pybind.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
-#include <torch/csrc/utils/pybind.h>
 
 #include <mutex>
 #include <stdexcept>
@@ -49,9 +49,9 @@ void start_interpreter() {
   if (!PyStatus_Exception(status)) status = Py_InitializeFromConfig(&config);
   PyConfig_Clear(&config);
   if (PyStatus_Exception(status))
-    throw std::runtime_error(std::string("could not start Python (") + HP_PYTHON_EXECUTABLE +
-                             ") to make a Gloo group: " +
-                             (status.err_msg ? status.err_msg : "unknown error"));
+    throw std::runtime_error(
+        std::string("could not start Python (") + HP_PYTHON_EXECUTABLE +
+        ") to make a Gloo group: " + (status.err_msg ? status.err_msg : "unknown error"));
   // Still holding the GIL from the initialization: put our torch first and
   // import it now, once. (Threads that imported torch concurrently on first
   // use deadlocked inside torch's own import: one waited for the GIL that
@@ -67,8 +67,8 @@ void start_interpreter() {
   PyEval_SaveThread();  // release the GIL; every use takes it again
   if (!error.empty())
     throw std::runtime_error("Python (" + std::string(HP_PYTHON_EXECUTABLE) +
-                             ") could not import torch.distributed from " + HP_TORCH_SITE +
-                             ": " + error);
+                             ") could not import torch.distributed from " + HP_TORCH_SITE + ": " +
+                             error);
 }
 
 // Holds the GIL for a scope, through the interpreter's own API (the thread
@@ -103,10 +103,10 @@ c10::intrusive_ptr<c10d::ProcessGroup> make_gloo_group(const c10::intrusive_ptr<
       py::module_::import("torch.distributed");  // imported already: a dictionary lookup
       py::object gloo = py::module_::import("torch._C._distributed_c10d").attr("ProcessGroupGloo");
       py::object options = gloo.attr("_Options")();
-      py::object device = endpoint.interface_name.empty()
-                              ? gloo.attr("create_device")(py::arg("hostname") = endpoint.address)
-                              : gloo.attr("create_device")(py::arg("interface") =
-                                                               endpoint.interface_name);
+      py::object device =
+          endpoint.interface_name.empty()
+              ? gloo.attr("create_device")(py::arg("hostname") = endpoint.address)
+              : gloo.attr("create_device")(py::arg("interface") = endpoint.interface_name);
       py::list devices;
       devices.append(device);
       options.attr("_devices") = devices;

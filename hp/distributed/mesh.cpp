@@ -31,7 +31,8 @@ std::string MeshShape::str() const {
 void MeshShape::check(int world) const {
   if (names.empty() || names.size() != sizes.size())
     throw std::invalid_argument("mesh: " + std::to_string(names.size()) + " names for " +
-                                std::to_string(sizes.size()) + " sizes; give one size per named "
+                                std::to_string(sizes.size()) +
+                                " sizes; give one size per named "
                                 "dimension");
   std::set<std::string> seen;
   for (size_t d = 0; d < names.size(); ++d) {
@@ -91,8 +92,7 @@ DeviceMesh::DeviceMesh(std::shared_ptr<Comm> world, MeshShape shape)
   // slice; the slices partition the world, so every split is matched.
   for (size_t d = 0; d < shape_.names.size(); ++d) {
     const auto ranks = slice_ranks(shape_.names[d]);
-    groups_.push_back(ranks.size() == size_t(world_->world_size()) ? world_
-                                                                    : world_->split(ranks));
+    groups_.push_back(ranks.size() == size_t(world_->world_size()) ? world_ : world_->split(ranks));
   }
 }
 
@@ -101,16 +101,16 @@ DeviceMesh::DeviceMesh(MeshShape shape, int rank, std::vector<std::shared_ptr<Co
     : shape_(std::move(shape)), rank_(rank), world_(std::move(world)), groups_(std::move(groups)) {
   shape_.check(shape_.world_size());
   if (world_) shape_.check(world_->world_size());
-  TORCH_CHECK(groups_.size() == shape_.names.size(), "DeviceMesh: ", groups_.size(),
-              " groups for ", shape_.names.size(), " dimensions");
+  TORCH_CHECK(groups_.size() == shape_.names.size(), "DeviceMesh: ", groups_.size(), " groups for ",
+              shape_.names.size(), " dimensions");
   const auto c = coordinates_of(rank_);
   for (size_t d = 0; d < groups_.size(); ++d) {
     TORCH_CHECK(groups_[d] != nullptr, "DeviceMesh: no group for dimension ", shape_.names[d]);
     TORCH_CHECK(groups_[d]->world_size() == shape_.sizes[d] && groups_[d]->rank() == c[d],
                 "DeviceMesh: the group of dimension ", shape_.names[d], " has rank ",
                 groups_[d]->rank(), " of ", groups_[d]->world_size(), " but mesh ", shape_.str(),
-                " puts rank ", rank_, " at ", shape_.names[d], " = ", c[d], " of ",
-                shape_.sizes[d], " (row-major, the last dimension fastest)");
+                " puts rank ", rank_, " at ", shape_.names[d], " = ", c[d], " of ", shape_.sizes[d],
+                " (row-major, the last dimension fastest)");
   }
 }
 

@@ -104,8 +104,8 @@ class ProcessGroupComm : public Comm, public std::enable_shared_from_this<Proces
 
   std::vector<Work> batch(const std::vector<P2POp>& ops) override {
     if (ops.empty()) return {};
-    const c10::DeviceType device = ops[0].tensor.defined() ? ops[0].tensor.device().type()
-                                                           : c10::DeviceType::CPU;
+    const c10::DeviceType device =
+        ops[0].tensor.defined() ? ops[0].tensor.device().type() : c10::DeviceType::CPU;
     if (!coalesces(device)) return Comm::batch(ops);
     // One coalesced group: every op is in flight together, and one Work
     // completes them all.
@@ -141,7 +141,8 @@ class ProcessGroupComm : public Comm, public std::enable_shared_from_this<Proces
                  : op == ReduceOp::Min ? c10d::ReduceOp::MIN
                                        : c10d::ReduceOp::SUM;  // Avg: sum, then divide
     std::vector<at::Tensor> v{tensor};
-    run("all_reduce of " + std::to_string(tensor.numel()) + " elements",
+    run(
+        "all_reduce of " + std::to_string(tensor.numel()) + " elements",
         [&] { return pg_->allreduce(v, o); }, tensor);
     if (op == ReduceOp::Avg) tensor.div_(world_size());
   }
@@ -158,7 +159,8 @@ class ProcessGroupComm : public Comm, public std::enable_shared_from_this<Proces
     }
     std::vector<std::vector<at::Tensor>> outputs{out};
     std::vector<at::Tensor> inputs{in};
-    run("all_gather of " + std::to_string(in.numel()) + " elements",
+    run(
+        "all_gather of " + std::to_string(in.numel()) + " elements",
         [&] { return pg_->allgather(outputs, inputs); }, in);
   }
 
@@ -169,7 +171,8 @@ class ProcessGroupComm : public Comm, public std::enable_shared_from_this<Proces
     c10d::BroadcastOptions o;
     o.rootRank = root;
     std::vector<at::Tensor> v{tensor};
-    run("broadcast from rank " + std::to_string(root), [&] { return pg_->broadcast(v, o); },
+    run(
+        "broadcast from rank " + std::to_string(root), [&] { return pg_->broadcast(v, o); },
         tensor);
   }
 
@@ -181,7 +184,8 @@ class ProcessGroupComm : public Comm, public std::enable_shared_from_this<Proces
   // race on that tensor's refcount and corrupt the heap: crashes in later,
   // unrelated allocations. The backend's own barrier keeps no such state.
   void barrier() override {
-    run("barrier", [&] { return pg_->getDefaultBackend()->barrier(c10d::BarrierOptions()); },
+    run(
+        "barrier", [&] { return pg_->getDefaultBackend()->barrier(c10d::BarrierOptions()); },
         at::Tensor());
   }
 
@@ -403,8 +407,8 @@ std::shared_ptr<Comm> gloo_comm_over_store(c10::intrusive_ptr<c10d::Store> store
     auto pg = make_gloo_group(c10::make_intrusive<c10d::PrefixStore>("hp/group/all", store), rank,
                               world_size, endpoint, options.timeout);
     comm = std::make_shared<ProcessGroupComm>(shared, pg, iota(world_size), options);
-    shared->monitor = std::make_shared<PeerMonitor>(store, rank, world_size, endpoint.address,
-                                                    options.timeout);
+    shared->monitor =
+        std::make_shared<PeerMonitor>(store, rank, world_size, endpoint.address, options.timeout);
   } catch (const CommError&) {
     throw;
   } catch (...) {

@@ -62,7 +62,7 @@ namespace {
 constexpr uint64_t kRecord = 64;             // header size and record alignment
 constexpr uint64_t kCapacity = 32ull << 20;  // bytes of data per direction
 constexpr uint64_t kMaxMessage = kCapacity / 4;
-constexpr uint64_t kWrapMark = ~0ull;  // header flags: the rest of the ring is empty
+constexpr uint64_t kWrapMark = ~0ull;       // header flags: the rest of the ring is empty
 constexpr uint64_t kRedirect = 1ull << 62;  // header flag: the data comes over the wrapped Comm
 constexpr uint64_t kReserve = 1ull << 20;   // ring space kept for redirect headers
 constexpr auto kSpin = std::chrono::microseconds(50);
@@ -258,9 +258,8 @@ class ShmComm : public Comm, public std::enable_shared_from_this<ShmComm> {
   void check_size(int src, uint64_t got, const at::Tensor& t) const {
     if (got != static_cast<uint64_t>(t.nbytes()))
       throw CommError("rank " + std::to_string(rank()) + ": receiving from rank " +
-                          std::to_string(src) + ": " +
-                          std::to_string(got) + " bytes arrived for a tensor of " +
-                          std::to_string(t.nbytes()) + " bytes",
+                          std::to_string(src) + ": " + std::to_string(got) +
+                          " bytes arrived for a tensor of " + std::to_string(t.nbytes()) + " bytes",
                       {}, false);
   }
 
@@ -314,7 +313,8 @@ class ShmComm : public Comm, public std::enable_shared_from_this<ShmComm> {
       os << "lost connection to rank " << peer << " (its process is gone) while " << what;
     else
       os << "timed out after " << timeout().count() / 1000.0 << " s while " << what
-         << "; the peer is alive but did not take part (a mismatched schedule or message order?) or is "
+         << "; the peer is alive but did not take part (a mismatched schedule or message order?) "
+            "or is "
             "too slow (raise the timeout)";
     throw CommError(os.str(), lost ? std::vector<int>{peer} : std::vector<int>{}, !lost);
   }
@@ -342,8 +342,7 @@ class ShmComm : public Comm, public std::enable_shared_from_this<ShmComm> {
         std::this_thread::yield();
         continue;
       }
-      if (now > deadline)
-        fail_waiting(src, "receiving from rank " + std::to_string(src), false);
+      if (now > deadline) fail_waiting(src, "receiving from rank " + std::to_string(src), false);
       if (now - last_check > std::chrono::milliseconds(100)) {
         last_check = now;
         if (!peer_alive(src)) fail_waiting(src, "receiving from rank " + std::to_string(src), true);

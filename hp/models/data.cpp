@@ -46,7 +46,8 @@ std::vector<fs::path> corpus_files(const fs::path& p, int64_t* total) {
     TORCH_CHECK(::stat(f.c_str(), &fst) == 0, "cannot read '", f.string(), "'");
     *total += fst.st_size;
     TORCH_CHECK(*total <= kMaxCorpusBytes, "the corpus '", p.string(), "' holds more than ",
-                limit_text(), " of text, the limit (every rank keeps the whole corpus in memory); "
+                limit_text(),
+                " of text, the limit (every rank keeps the whole corpus in memory); "
                 "pass a smaller file or folder with --data");
   }
   return files;

@@ -18,7 +18,8 @@ std::string str(int64_t v) {
 }
 
 bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+  return s.size() >= suffix.size() &&
+         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
 // A linear layer's two parameters, shaped by the caller (a shard or the full
@@ -42,11 +43,14 @@ struct TpBlockImpl : nn::Module {
         ln2(nn::LayerNormOptions({s.d_model})) {
     const int64_t D = s.d_model, t = tp.size;
     register_module("ln1", ln1);
-    qkv = register_module("qkv", Params(std::vector<int64_t>{3 * D / t, D}, std::vector<int64_t>{3 * D / t}));
+    qkv = register_module(
+        "qkv", Params(std::vector<int64_t>{3 * D / t, D}, std::vector<int64_t>{3 * D / t}));
     proj = register_module("proj", Params(std::vector<int64_t>{D, D / t}, std::vector<int64_t>{D}));
     register_module("ln2", ln2);
-    fc = register_module("fc", Params(std::vector<int64_t>{4 * D / t, D}, std::vector<int64_t>{4 * D / t}));
-    fc2 = register_module("fc2", Params(std::vector<int64_t>{D, 4 * D / t}, std::vector<int64_t>{D}));
+    fc = register_module(
+        "fc", Params(std::vector<int64_t>{4 * D / t, D}, std::vector<int64_t>{4 * D / t}));
+    fc2 =
+        register_module("fc2", Params(std::vector<int64_t>{D, 4 * D / t}, std::vector<int64_t>{D}));
   }
   torch::Tensor copy(const torch::Tensor& x) const {
     return tp.size > 1 ? tp.copy_to_region(x) : x;

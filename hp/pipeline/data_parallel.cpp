@@ -28,7 +28,8 @@ GradientReducer::GradientReducer(std::shared_ptr<distributed::Comm> dp,
 }
 
 void GradientReducer::begin_step() {
-  TORCH_CHECK(pending_.empty(), "GradientReducer: the previous step's reductions were not waited for");
+  TORCH_CHECK(pending_.empty(),
+              "GradientReducer: the previous step's reductions were not waited for");
   remaining_ = holders_;
   done_.clear();
   exposed_ = 0;

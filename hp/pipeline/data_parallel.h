@@ -51,12 +51,12 @@ class GradientReducer {
   void start(size_t tensor);
 
   std::shared_ptr<distributed::Comm> dp_;
-  std::map<int, int> microbatches_;                     // stage -> microbatches per step
-  std::vector<torch::Tensor> tensors_;                  // unique parameters
-  std::map<int, std::vector<size_t>> stage_tensors_;    // stage -> indices into tensors_
-  std::vector<int> holders_;                            // per tensor: stages holding it
-  std::vector<int> remaining_;                          // per tensor, this step
-  std::map<int, int> done_;                             // stage -> microbatches done
+  std::map<int, int> microbatches_;                   // stage -> microbatches per step
+  std::vector<torch::Tensor> tensors_;                // unique parameters
+  std::map<int, std::vector<size_t>> stage_tensors_;  // stage -> indices into tensors_
+  std::vector<int> holders_;                          // per tensor: stages holding it
+  std::vector<int> remaining_;                        // per tensor, this step
+  std::map<int, int> done_;                           // stage -> microbatches done
   std::vector<distributed::Work> pending_;
   double exposed_ = 0;
 };

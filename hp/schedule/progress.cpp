@@ -54,9 +54,8 @@ double Progress::g_ready(int stage, int mb, const Transfer& transfer) const {
   if (in.kind == InputSource::Kind::Loss) return own_f;
   const double t = g_done_[key(in.stage, mb)];
   if (t < 0) return kNotDone;
-  return std::max(own_f, in.kind == InputSource::Kind::Remote && transfer
-                             ? t + transfer(stage, in.stage)
-                             : t);
+  return std::max(
+      own_f, in.kind == InputSource::Kind::Remote && transfer ? t + transfer(stage, in.stage) : t);
 }
 
 double Progress::ready_at(const Action& a, const Transfer& transfer) const {

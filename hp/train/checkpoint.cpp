@@ -215,7 +215,10 @@ std::string read_rank_file(const std::string& path, int step, int rank, int worl
     } else if (key == "step" || key == "rank" || key == "world_size" || key == "payload") {
       int64_t v = 0;
       if (!parse_count(value, &v)) return name + " has a damaged header (" + key + ")";
-      (key == "step" ? out->step : key == "rank" ? out->rank : key == "world_size" ? out->world : payload) = v;
+      (key == "step"         ? out->step
+       : key == "rank"       ? out->rank
+       : key == "world_size" ? out->world
+                             : payload) = v;
     }
   }
   if (payload < 0 || static_cast<size_t>(payload) != body.size() - pos)
@@ -282,7 +285,8 @@ void compare_fingerprint(const std::string& path, const RankFile& file,
     const std::string* saved = saved_value(file.must, key);
     if (saved && *saved == value) continue;
     diffs += std::string(count++ ? "; " : "") + key + " " +
-             (saved ? "was " + shown(*saved) : "was not recorded") + ", this run has " + shown(value);
+             (saved ? "was " + shown(*saved) : "was not recorded") + ", this run has " +
+             shown(value);
   }
   if (count > 0) {
     const std::string* sched = saved_value(file.note, "--schedule");
@@ -329,8 +333,7 @@ std::string holder_text() {
 void remove_temporaries(const fs::path& dir) {
   std::error_code ec;
   for (const auto& e : fs::directory_iterator(dir, ec)) {
-    if (e.path().filename().string().find(kTempInfix) != std::string::npos &&
-        e.is_regular_file(ec))
+    if (e.path().filename().string().find(kTempInfix) != std::string::npos && e.is_regular_file(ec))
       fs::remove(e.path(), ec);
   }
 }
@@ -347,8 +350,8 @@ fs::path existing_ancestor(fs::path p) {
 // Creates and removes a file in `folder`; "" or the reason it failed.
 std::string probe_folder(const fs::path& folder) {
   static std::atomic<int> counter{0};
-  fs::path probe = folder / (".hp-probe-" + std::to_string(::getpid()) + "-" +
-                             std::to_string(counter++));
+  fs::path probe =
+      folder / (".hp-probe-" + std::to_string(::getpid()) + "-" + std::to_string(counter++));
   int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
   if (fd < 0) return error_text(errno);
   ::close(fd);
@@ -484,8 +487,10 @@ ResumePlan plan_resume(const TrainConfig& c, const CheckpointFingerprint& fp) {
     if (!parse_count(latest_text, &latest)) latest = -1;
   }
   if (latest < 0)
-    plan.notes.push_back("'latest' is missing or unreadable; the newest verified checkpoint is "
-                         "step-" + std::to_string(plan.step));
+    plan.notes.push_back(
+        "'latest' is missing or unreadable; the newest verified checkpoint is "
+        "step-" +
+        std::to_string(plan.step));
   else if (latest != plan.step && skipped.empty())
     plan.notes.push_back("'latest' names step-" + std::to_string(latest) + ", but step-" +
                          std::to_string(plan.step) + " is the newest verified checkpoint");
@@ -567,7 +572,8 @@ void load_checkpoint(const TrainConfig& c, const CheckpointFingerprint& fp, int 
   }
   if (!problem.empty())
     throw std::invalid_argument("cannot resume from " +
-                                shown(checkpoint_step_dir(c.checkpoint_dir, step)) + ": " + problem);
+                                shown(checkpoint_step_dir(c.checkpoint_dir, step)) + ": " +
+                                problem);
   auto bad = [&](const std::string& what) {
     return std::invalid_argument("cannot resume from " + shown(path) + ": " + what);
   };
@@ -602,7 +608,8 @@ void load_checkpoint(const TrainConfig& c, const CheckpointFingerprint& fp, int 
   for (auto& group : optimizer.param_groups()) {
     auto& o = group.options();
     o.set_lr(c.lr);
-    if (auto* adamw = dynamic_cast<torch::optim::AdamWOptions*>(&o)) adamw->weight_decay(c.weight_decay);
+    if (auto* adamw = dynamic_cast<torch::optim::AdamWOptions*>(&o))
+      adamw->weight_decay(c.weight_decay);
     if (auto* sgd = dynamic_cast<torch::optim::SGDOptions*>(&o)) sgd->weight_decay(c.weight_decay);
   }
 }
@@ -611,11 +618,13 @@ CheckpointLock::CheckpointLock(const std::string& dir) {
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec)
-    throw std::runtime_error("cannot create --checkpoint-dir '" + shown(dir) + "': " + ec.message());
+    throw std::runtime_error("cannot create --checkpoint-dir '" + shown(dir) +
+                             "': " + ec.message());
   const std::string path = (fs::path(dir) / "LOCK").string();
   fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
   if (fd_ < 0)
-    throw std::runtime_error("cannot create the lock file '" + shown(path) + "': " + error_text(errno));
+    throw std::runtime_error("cannot create the lock file '" + shown(path) +
+                             "': " + error_text(errno));
   if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
     int err = errno;
     std::string holder;
@@ -625,9 +634,10 @@ CheckpointLock::CheckpointLock(const std::string& dir) {
     ::close(fd_);
     fd_ = -1;
     if (err == EWOULDBLOCK)
-      throw std::runtime_error("--checkpoint-dir '" + shown(dir) + "' is in use by another run (" +
-                               (holder.empty() ? std::string("its pid is not recorded") : shown(holder)) +
-                               "); wait for it to end, or pick another folder");
+      throw std::runtime_error(
+          "--checkpoint-dir '" + shown(dir) + "' is in use by another run (" +
+          (holder.empty() ? std::string("its pid is not recorded") : shown(holder)) +
+          "); wait for it to end, or pick another folder");
     throw std::runtime_error("cannot lock '" + shown(path) + "': " + error_text(err));
   }
   const std::string me = holder_text() + "\n";

@@ -11,8 +11,8 @@
 
 #include "hp/compile/graph_trainer.h"
 #include "hp/core/memory.h"
-#include "hp/models/data.h"
 #include "hp/distributed/collectives.h"
+#include "hp/models/data.h"
 #include "hp/train/progress.h"
 #include "hp/train/report.h"
 
@@ -188,7 +188,8 @@ TrainResult run_graph_rank(const TrainConfig& config, std::shared_ptr<distribute
   if (!config.trace.empty() && world > 1) {
     auto rows = distributed::gather_rows(*comm, torch::tensor(packed, torch::kFloat64), 0);
     for (int r = 1; r < int(rows.size()); ++r)
-      by_rank.emplace_back(rows[r].data_ptr<double>(), rows[r].data_ptr<double>() + rows[r].numel());
+      by_rank.emplace_back(rows[r].data_ptr<double>(),
+                           rows[r].data_ptr<double>() + rows[r].numel());
   }
   if (rank != 0) return result;
   for (auto& a : all) {

@@ -143,8 +143,7 @@ std::string summary_text(const TrainConfig& c, const TrainResult& r) {
                 c.model.kind.c_str(), (long long)c.model.layers, (long long)c.model.d_model,
                 c.schedule.c_str(), c.nproc,
                 c.dp > 1 ? (" x " + std::to_string(c.dp) + " data-parallel copies").c_str() : "",
-                c.steps - r.first_step, c.microbatches,
-                (long long)c.microbatch_size);
+                c.steps - r.first_step, c.microbatches, (long long)c.microbatch_size);
   s += buf;
   if (!r.losses.empty()) {
     std::snprintf(buf, sizeof buf, "  loss %.4f -> %.4f\n", r.losses.front(), r.losses.back());

@@ -269,7 +269,8 @@ std::string gib(double bytes) {
 
 void TrainConfig::check_memory(int local_ranks) const {
   const auto& m = model;
-  const double d = double(m.d_model), L = double(m.layers), bytes = m.dtype == torch::kFloat64 ? 8 : 4;
+  const double d = double(m.d_model), L = double(m.layers),
+               bytes = m.dtype == torch::kFloat64 ? 8 : 4;
   double params = 0, activations = 0;
   if (m.kind == "gpt") {
     const double T = double(m.seq_len), V = double(m.vocab), H = double(m.heads);
@@ -309,9 +310,9 @@ void TrainConfig::validate() const {
   auto need = [](bool ok, const std::string& msg) {
     if (!ok) throw std::invalid_argument(msg);
   };
-  need(nproc >= 1 && nproc <= kMaxRanks,
-       "--nproc " + std::to_string(nproc) + " is out of range: 1 to " +
-           std::to_string(kMaxRanks) + " ranks (each rank is a process)");
+  need(nproc >= 1 && nproc <= kMaxRanks, "--nproc " + std::to_string(nproc) +
+                                             " is out of range: 1 to " + std::to_string(kMaxRanks) +
+                                             " ranks (each rank is a process)");
   need(dp >= 1 && double(dp) * nproc <= kMaxRanks,
        "--dp " + std::to_string(dp) + " is out of range: at least 1, and --pp x --dp (" +
            std::to_string(double(dp) * nproc) + ") at most " + std::to_string(kMaxRanks) +
@@ -327,8 +328,8 @@ void TrainConfig::validate() const {
        "--weight-decay must be a finite number >= 0, not " + std::to_string(weight_decay));
   need(timeout_s >= 1 && timeout_s <= 7 * 24 * 3600,
        "--timeout must be 1 to 604800 seconds (a week), not " + std::to_string(timeout_s));
-  need(save_every >= 0, "--save-every must be at least 1 (or 0 for never), not " +
-                            std::to_string(save_every));
+  need(save_every >= 0,
+       "--save-every must be at least 1 (or 0 for never), not " + std::to_string(save_every));
   need(!(resume && resume_or_start), "--resume and --resume-or-start exclude each other; pick one");
   need(device == "cpu" || device == "cuda" || device == "auto",
        "--device must be cpu, cuda or auto, not '" + device + "'");
@@ -353,8 +354,9 @@ void TrainConfig::validate() const {
   need(dp == 1 || !checkpoints,
        "--dp does not save checkpoints yet; drop --save-every/--resume or --dp");
   if (graph) {
-    need(dp == 1, "--graph is data parallel over all its ranks already (with FSDP); drop --dp "
-                  "and give the processes as --nproc");
+    need(dp == 1,
+         "--graph is data parallel over all its ranks already (with FSDP); drop --dp "
+         "and give the processes as --nproc");
     need(microbatches % nproc == 0,
          "--graph gives every rank the same number of microbatches: --microbatches " +
              std::to_string(microbatches) + " does not divide by --nproc " + std::to_string(nproc) +
@@ -403,12 +405,13 @@ schedule::Schedule TrainConfig::build_schedule() const {
     const double p = nproc, m_max = std::floor(std::sqrt(kMaxLoweringWork / p) / chunks_per_rank);
     char buf[64];
     std::snprintf(buf, sizeof buf, "%.3g (limit %.3g)", work, kMaxLoweringWork);
-    throw std::invalid_argument(
-        "schedule '" + schedule + "' with " + std::to_string(nproc) + " ranks and " +
-        std::to_string(microbatches) + " microbatches is too large to lower in seconds: the time "
-        "grows with ranks x (microbatches x chunks per rank)^2 = " + buf +
-        "; use at most " + std::to_string(int64_t(std::max(1.0, m_max))) +
-        " --microbatches at --nproc " + std::to_string(nproc));
+    throw std::invalid_argument("schedule '" + schedule + "' with " + std::to_string(nproc) +
+                                " ranks and " + std::to_string(microbatches) +
+                                " microbatches is too large to lower in seconds: the time "
+                                "grows with ranks x (microbatches x chunks per rank)^2 = " +
+                                buf + "; use at most " +
+                                std::to_string(int64_t(std::max(1.0, m_max))) +
+                                " --microbatches at --nproc " + std::to_string(nproc));
   };
   const double m = microbatches;
   // Only the interleaved schedules take --chunks; the others fix their own.
@@ -438,13 +441,13 @@ schedule::Schedule TrainConfig::build_schedule() const {
 // Reports, traces and the progress line come from copy 0.
 TrainResult run_rank(const TrainConfig& config, std::shared_ptr<distributed::Comm> world) {
   config.validate();
-  TORCH_CHECK(world->world_size() == config.nproc * config.dp, "the Comm has ",
-              world->world_size(), " ranks but the config asks for --pp ", config.nproc,
-              " x --dp ", config.dp);
+  TORCH_CHECK(world->world_size() == config.nproc * config.dp, "the Comm has ", world->world_size(),
+              " ranks but the config asks for --pp ", config.nproc, " x --dp ", config.dp);
   std::shared_ptr<distributed::Comm> comm = world, dp_comm;
   int replica = 0;
   if (config.dp > 1) {
-    distributed::DeviceMesh mesh(world, distributed::MeshShape{{"dp", "pp"}, {config.dp, config.nproc}});
+    distributed::DeviceMesh mesh(world,
+                                 distributed::MeshShape{{"dp", "pp"}, {config.dp, config.nproc}});
     comm = mesh.group("pp");
     dp_comm = mesh.group("dp");
     replica = mesh.coordinate("dp");
@@ -603,8 +606,7 @@ TrainResult run_rank(const TrainConfig& config, std::shared_ptr<distributed::Com
                                "or check the data");
     progress.update(step, result.losses.back(), result.items_per_step / secs);
 
-    if (config.save_every > 0 &&
-        ((step + 1) % config.save_every == 0 || step + 1 == config.steps))
+    if (config.save_every > 0 && ((step + 1) % config.save_every == 0 || step + 1 == config.steps))
       save_checkpoint(config, fingerprint, step + 1, *comm, local_by_name, *optimizer);
   }
 

@@ -20,7 +20,7 @@ namespace hp::train {
 /// Everything `hp train` can be told.
 struct TrainConfig {
   models::ModelSpec model;
-  int nproc = 2;                  ///< pipeline ranks (--pp; -p/--nproc)
+  int nproc = 2;  ///< pipeline ranks (--pp; -p/--nproc)
   /// Copies of the pipeline, data parallel (--dp): nproc x dp processes on
   /// a (dp, pp) mesh; each copy trains on its own microbatches and the
   /// stages' gradients are averaged over the copies (NOTE [Pipeline x data

@@ -58,9 +58,10 @@ c10::intrusive_ptr<c10d::ProcessGroup> process_group_of(const py::object& group)
   try {
     pg = group.cast<c10d::ProcessGroup*>();
   } catch (const py::cast_error&) {
-    throw py::type_error("group must be a torch.distributed.ProcessGroup (e.g. "
-                         "torch.distributed.group.WORLD after init_process_group), got " +
-                         std::string(py::str(py::type::of(group))));
+    throw py::type_error(
+        "group must be a torch.distributed.ProcessGroup (e.g. "
+        "torch.distributed.group.WORLD after init_process_group), got " +
+        std::string(py::str(py::type::of(group))));
   }
   if (pg == nullptr) throw py::value_error("group is None");
   return c10::intrusive_ptr<c10d::ProcessGroup>::reclaim_copy(pg);
@@ -90,9 +91,9 @@ class Runtime {
  public:
   Runtime(const std::string& schedule_csv, const py::object& group,
           const std::map<int, py::object>& chunk_forward,
-          const std::map<int, std::vector<torch::Tensor>>& chunk_parameters,
-          py::object loss, py::object activation_shape, py::object dtype, py::object device,
-          double timeout_s, const py::object& dp_group)
+          const std::map<int, std::vector<torch::Tensor>>& chunk_parameters, py::object loss,
+          py::object activation_shape, py::object dtype, py::object device, double timeout_s,
+          const py::object& dp_group)
       : sched_(schedule_from_csv(schedule_csv)),
         loss_(std::move(loss)),
         activation_shape_(std::move(activation_shape)),
@@ -144,11 +145,13 @@ class Runtime {
     const int m = sched_.num_microbatches;
     py::object loss_fn = loss_;
     auto stage_loss = [loss_fn, m](const torch::Tensor& out, int mb) {
-      torch::Tensor l = as_tensor(call_python(loss_fn, "the loss function", out, mb),
-                                  "the loss function");
+      torch::Tensor l =
+          as_tensor(call_python(loss_fn, "the loss function", out, mb), "the loss function");
       if (l.numel() != 1)
-        throw std::runtime_error("the loss function must return one number (a tensor of one "
-                                 "element), got shape " + c10::str(l.sizes()));
+        throw std::runtime_error(
+            "the loss function must return one number (a tensor of one "
+            "element), got shape " +
+            c10::str(l.sizes()));
       return l / m;  // the mean over microbatches, accumulated
     };
     // Data parallelism across pipelines: every replica of this pipeline
@@ -306,12 +309,12 @@ void bind_pipeline(py::module_& m) {
   py::class_<Runtime>(sub, "Runtime")
       .def(py::init([](const std::string& csv, const py::object& group,
                        const std::map<int, py::object>& forward,
-                       const std::map<int, std::vector<torch::Tensor>>& parameters,
-                       py::object loss, py::object shape, py::object dtype, py::object device,
-                       double timeout_s, const py::object& dp_group) {
+                       const std::map<int, std::vector<torch::Tensor>>& parameters, py::object loss,
+                       py::object shape, py::object dtype, py::object device, double timeout_s,
+                       const py::object& dp_group) {
              try {
-               return std::make_unique<Runtime>(csv, group, forward, parameters, loss, shape,
-                                                dtype, device, timeout_s, dp_group);
+               return std::make_unique<Runtime>(csv, group, forward, parameters, loss, shape, dtype,
+                                                device, timeout_s, dp_group);
              } catch (const std::invalid_argument& e) {
                throw py::value_error(e.what());
              }

@@ -7,7 +7,8 @@
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "hyperparallel's C++ core (pipeline parallelism at close to zero bubble)";
-  m.def("torch_version", [] { return std::string(hp::torch_version()); },
-        "The LibTorch version this extension was built against.");
+  m.def(
+      "torch_version", [] { return std::string(hp::torch_version()); },
+      "The LibTorch version this extension was built against.");
   hp::python::bind_all(m);
 }

@@ -36,9 +36,8 @@ namespace {
 
 std::string temp_dir(const std::string& stem) {
   static int counter = 0;
-  auto p = std::filesystem::temp_directory_path() /
-           ("hp-tp-mesh-" + std::to_string(::getpid()) + "-" + stem + "-" +
-            std::to_string(counter++));
+  auto p = std::filesystem::temp_directory_path() / ("hp-tp-mesh-" + std::to_string(::getpid()) +
+                                                     "-" + stem + "-" + std::to_string(counter++));
   std::filesystem::remove_all(p);
   std::filesystem::create_directories(p);
   return p.string();
@@ -87,7 +86,9 @@ TEST(TpOps, ForwardBackwardAndReplayMatchAutogradOfTheWholeModel) {
   auto ys = torch::randn({4, 3}, kF64);
   // The oracle: plain autograd on the whole MLP, gradients also wrt x.
   TpMlp whole(w1, w2, 0, 1, "");
-  auto loss_of = [&](TpMlp& m, const torch::Tensor& x) { return torch::mse_loss(m->forward(x), ys); };
+  auto loss_of = [&](TpMlp& m, const torch::Tensor& x) {
+    return torch::mse_loss(m->forward(x), ys);
+  };
   std::vector<torch::Tensor> want_loss, want_w1, want_w2, want_x;
   for (const auto& x0 : xs) {
     auto x = x0.clone().requires_grad_(true);
@@ -407,7 +408,8 @@ TEST(TpMeshErrors, BadMeshesAndConfigsFailBeforeAnyWork) {
   EXPECT_HAS(error_of([&] { tp.check(wide); }), "does not divide the model width 18");
   hp::models::TensorParallel no_fns;
   no_fns.size = 2;
-  EXPECT_HAS(error_of([&] { no_fns.check(c.spec); }), "needs copy_to_region and reduce_from_region");
+  EXPECT_HAS(error_of([&] { no_fns.check(c.spec); }),
+             "needs copy_to_region and reduce_from_region");
   // Clipping over TP needs to know which parameters TP splits; one name
   // cannot hold two groups.
   hp::testing::run_ranks_as_threads(2, [&](int r, std::shared_ptr<Comm> world) {
@@ -418,18 +420,21 @@ TEST(TpMeshErrors, BadMeshesAndConfigsFailBeforeAnyWork) {
     auto fn = hp_test::mse_fn<hp_test::MlpImpl>();
     OptimizerConfig clip;
     clip.grad_clip = 1.0;
-    EXPECT_HAS(error_of([&] { GraphTrainer(mlp.ptr(), fn, PassConfig{}, std::nullopt, clip, ctx); }),
-               "needs MeshContext::tp_sharded");
+    EXPECT_HAS(
+        error_of([&] { GraphTrainer(mlp.ptr(), fn, PassConfig{}, std::nullopt, clip, ctx); }),
+        "needs MeshContext::tp_sharded");
     ctx.tp_sharded = {"fc9.weight"};
-    EXPECT_HAS(error_of([&] { GraphTrainer(mlp.ptr(), fn, PassConfig{}, std::nullopt, clip, ctx); }),
-               "names 'fc9.weight', which is no parameter");
+    EXPECT_HAS(
+        error_of([&] { GraphTrainer(mlp.ptr(), fn, PassConfig{}, std::nullopt, clip, ctx); }),
+        "names 'fc9.weight', which is no parameter");
     ctx.tp_sharded = {};
     GraphTrainer holder(mlp.ptr(), fn, PassConfig{}, std::nullopt, {}, ctx);
     EXPECT_EQ(find_tp_group(ctx.tp_group_name), ctx.tp);
     auto other = ctx;
     other.tp = mesh->group("dp");  // another Comm under the same name
-    EXPECT_HAS(error_of([&] { GraphTrainer(mlp.ptr(), fn, PassConfig{}, std::nullopt, {}, other); }),
-               "is already registered to another Comm");
+    EXPECT_HAS(
+        error_of([&] { GraphTrainer(mlp.ptr(), fn, PassConfig{}, std::nullopt, {}, other); }),
+        "is already registered to another Comm");
   });
 }
 
@@ -478,8 +483,8 @@ TEST(GraphRecompute, CheckpointedBlocksReplayLikeEagerInLessMemory) {
   }
   // Each block's forward products run twice.
   EXPECT_GT(runs[1].mm_calls, runs[0].mm_calls);
-  EXPECT_LT(runs[1].peak, runs[0].peak) << "recompute " << runs[1].peak << " B, plain "
-                                        << runs[0].peak << " B";
+  EXPECT_LT(runs[1].peak, runs[0].peak)
+      << "recompute " << runs[1].peak << " B, plain " << runs[0].peak << " B";
   std::cout << "graph replay peak: plain " << runs[0].peak << " B, recompute " << runs[1].peak
             << " B\n";
 }

@@ -77,9 +77,9 @@ inline hp::compile::TrainFn tp_mesh_train_fn(const hp::models::ModelSpec& spec, 
 /// What one rank ends with.
 struct TpMeshRank {
   int tp_rank = 0, dp_rank = 0;
-  std::vector<double> losses;                     ///< this rank's (its dp share's) loss per step
-  std::map<std::string, torch::Tensor> params;    ///< its local tensors (TP shard, FSDP shard)
-  std::vector<std::string> sharded;               ///< FQNs FSDP sharded
+  std::vector<double> losses;                      ///< this rank's (its dp share's) loss per step
+  std::map<std::string, torch::Tensor> params;     ///< its local tensors (TP shard, FSDP shard)
+  std::vector<std::string> sharded;                ///< FQNs FSDP sharded
   int64_t tp_copy_calls = 0, tp_reduce_calls = 0;  ///< in the compiled graph
   int64_t fsdp_degree = 0, tp_size = 0;            ///< as the trainer filled them
 };
@@ -87,7 +87,8 @@ struct TpMeshRank {
 /// One rank of the tp x dp mesh over `world`, graph mode with FSDP over dp:
 /// FSDP shards the blocks (PassPlan pattern "block*"); the embeddings and
 /// the head stay replicated over dp (their gradients all-reduced).
-inline TpMeshRank run_tp_mesh_rank(const TpMeshCase& c, std::shared_ptr<hp::distributed::Comm> world,
+inline TpMeshRank run_tp_mesh_rank(const TpMeshCase& c,
+                                   std::shared_ptr<hp::distributed::Comm> world,
                                    const std::string& tp_group_name) {
   auto mesh = std::make_shared<hp::distributed::DeviceMesh>(
       world, hp::distributed::MeshShape{{"dp", "tp"}, {c.dp, c.tp}});
@@ -146,7 +147,8 @@ inline TpMeshReference tp_mesh_reference(const TpMeshCase& c) {
     adam.zero_grad();
     auto loss = hp::models::loss(c.spec, model->forward(x), y);
     loss.backward();
-    if (c.opt.grad_clip > 0) torch::nn::utils::clip_grad_norm_(model->parameters(), c.opt.grad_clip);
+    if (c.opt.grad_clip > 0)
+      torch::nn::utils::clip_grad_norm_(model->parameters(), c.opt.grad_clip);
     adam.step();
     ref.losses.push_back(loss.item<double>());
   }

@@ -26,9 +26,9 @@ int main(int argc, char** argv) {
     hp_test::TpMeshCase c;
     const auto out = hp_test::run_tp_mesh_rank(c, world, "tp");
     c10::Dict<std::string, at::Tensor> dict;
-    dict.insert("meta", torch::tensor({int64_t(out.tp_rank), int64_t(out.dp_rank),
-                                       out.tp_copy_calls, out.tp_reduce_calls, out.fsdp_degree,
-                                       out.tp_size}));
+    dict.insert("meta",
+                torch::tensor({int64_t(out.tp_rank), int64_t(out.dp_rank), out.tp_copy_calls,
+                               out.tp_reduce_calls, out.fsdp_degree, out.tp_size}));
     dict.insert("losses", torch::tensor(out.losses, torch::kFloat64));
     for (const auto& [name, t] : out.params)
       dict.insert("p:" + name, t);

@@ -76,8 +76,7 @@ void run_ops(Comm& c) {
     recvs[i].wait();
   hp::distributed::wait_all(sends);
   for (int k = 0; k < 4; ++k)
-    check_close(in[k], at::full({5}, 100.0 * prev + k, at::kDouble),
-                "irecv #" + std::to_string(k));
+    check_close(in[k], at::full({5}, 100.0 * prev + k, at::kDouble), "irecv #" + std::to_string(k));
   // Blocking forms, float32, two messages stay in order; then a batch that
   // sends and receives between the same two ranks at once.
   if (n >= 2) {
@@ -94,8 +93,8 @@ void run_ops(Comm& c) {
     if (r <= 1) {
       auto got = at::zeros({2}, at::kDouble);
       auto mine = at::full({2}, 10.0 + r, at::kDouble);
-      auto works = c.batch({hp::distributed::P2POp::send(mine, 1 - r),
-                            hp::distributed::P2POp::recv(got, 1 - r)});
+      auto works = c.batch(
+          {hp::distributed::P2POp::send(mine, 1 - r), hp::distributed::P2POp::recv(got, 1 - r)});
       hp::distributed::wait_all(works);
       check_close(got, at::full({2}, 11.0 - r, at::kDouble), "batch exchange");
     }

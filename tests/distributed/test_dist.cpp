@@ -362,8 +362,7 @@ TEST(DistFileStore, ThreadsAsRanksSendRecvAllReduceAndSubgroups) {
 
 // Runs `body` on two ranks (threads) with a 2 s timeout; returns each rank's
 // error text ("" when it finished).
-std::vector<std::string> two_ranks(
-    const std::function<void(int, std::shared_ptr<Comm>)>& body) {
+std::vector<std::string> two_ranks(const std::function<void(int, std::shared_ptr<Comm>)>& body) {
   TempDir dir;
   std::vector<std::string> errors(2);
   std::vector<std::thread> ts;
@@ -414,8 +413,9 @@ TEST(DistOrdered, CrossedReceivesDeadlockOnlyInPostingOrder) {
   auto batched = two_ranks([](int r, std::shared_ptr<Comm> c) {
     auto o = hp::distributed::with_stream_ordered_p2p(c);
     auto in = at::zeros({3}, at::kDouble);
-    auto works = o->batch({hp::distributed::P2POp::recv(in, 1 - r),
-                           hp::distributed::P2POp::send(at::full({3}, double(r), at::kDouble), 1 - r)});
+    auto works =
+        o->batch({hp::distributed::P2POp::recv(in, 1 - r),
+                  hp::distributed::P2POp::send(at::full({3}, double(r), at::kDouble), 1 - r)});
     hp::distributed::wait_all(works);
     if (in[0].item<double>() != 1 - r) throw std::runtime_error("wrong data");
   });
@@ -440,11 +440,14 @@ TEST(DistSharedMemory, FullRingsEarlyReceiveLargeMessagesAndCollectives) {
       try {
         hp::distributed::CommOptions o;
         o.timeout = std::chrono::seconds(20);
-        auto c = hp::distributed::with_shared_memory_p2p(Comm::from_file_store(dir.path + "/s", r, 2, o));
+        auto c = hp::distributed::with_shared_memory_p2p(
+            Comm::from_file_store(dir.path + "/s", r, 2, o));
         const int peer = 1 - r;
         if (c->backend_name() != "gloo+shm") errors[r] += "backend " + c->backend_name() + "; ";
         const int64_t n = (1 << 20) / 8;  // 1 MiB of doubles
-        auto message = [&](int k, int from) { return at::arange(n, at::kDouble) + 1000 * k + from; };
+        auto message = [&](int k, int from) {
+          return at::arange(n, at::kDouble) + 1000 * k + from;
+        };
         auto early = at::zeros({n}, at::kDouble);
         auto early_work = c->irecv(early, peer);  // posted before anything is sent: message 0
         std::vector<hp::distributed::Work> sends;
@@ -490,14 +493,16 @@ TEST(DistSharedMemory, AMissingMessageTimesOut) {
   std::thread other([&] {
     hp::distributed::CommOptions o;
     o.timeout = std::chrono::seconds(1);
-    auto c = hp::distributed::with_shared_memory_p2p(Comm::from_file_store(dir.path + "/s", 1, 2, o));
+    auto c =
+        hp::distributed::with_shared_memory_p2p(Comm::from_file_store(dir.path + "/s", 1, 2, o));
     while (!finished)
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
   });
   try {
     hp::distributed::CommOptions o;
     o.timeout = std::chrono::seconds(1);
-    auto c = hp::distributed::with_shared_memory_p2p(Comm::from_file_store(dir.path + "/s", 0, 2, o));
+    auto c =
+        hp::distributed::with_shared_memory_p2p(Comm::from_file_store(dir.path + "/s", 0, 2, o));
     auto t0 = std::chrono::steady_clock::now();
     try {
       c->recv(at::zeros({4}), 1);
@@ -511,8 +516,7 @@ TEST(DistSharedMemory, AMissingMessageTimesOut) {
   }
   finished = true;
   other.join();
-  EXPECT_NE(error.find("timed out after 1 s while receiving from rank 1"),
-            std::string::npos)
+  EXPECT_NE(error.find("timed out after 1 s while receiving from rank 1"), std::string::npos)
       << error;
   EXPECT_GE(waited, 0.9);
   EXPECT_LT(waited, 3.0);

@@ -100,9 +100,8 @@ TrainConfig small(int steps = 4) {
 
 std::vector<TrainResult> run_threads(const TrainConfig& c) {
   std::vector<TrainResult> out(c.nproc);
-  hp::testing::run_ranks_as_threads(c.nproc, [&](int r, auto comm) {
-    out[r] = hp::train::run_rank(c, comm);
-  });
+  hp::testing::run_ranks_as_threads(
+      c.nproc, [&](int r, auto comm) { out[r] = hp::train::run_rank(c, comm); });
   return out;
 }
 
@@ -238,8 +237,7 @@ TEST(CheckpointFaults, MissingMarkersAndLatestAreSaid) {
     fs::remove(d.dir / "step-4" / "COMPLETE");
     auto p = plan(d.config);
     EXPECT_EQ(p.step, 2);
-    EXPECT_TRUE(has_note(p, "COMPLETE marker is missing (the save did not finish)"))
-        << notes_of(p);
+    EXPECT_TRUE(has_note(p, "COMPLETE marker is missing (the save did not finish)")) << notes_of(p);
   }
   {  // 'latest' unreadable or naming a missing step: the markers decide.
     Damaged d("latest");
@@ -280,7 +278,11 @@ TEST(CheckpointFaults, OtherSettingsAreRefusedNamingFileAndOption) {
        "--dtype was float64, this run has float32"},
       {[](TrainConfig& c) { c.nproc = 4; }, "--nproc was 2, this run has 4"},
       {[](TrainConfig& c) { c.model.tied_head = true; }, "--untied was yes, this run has no"},
-      {[](TrainConfig& c) { c.schedule = "dualpipev"; c.microbatches = 4; }, "stages was"},
+      {[](TrainConfig& c) {
+         c.schedule = "dualpipev";
+         c.microbatches = 4;
+       },
+       "stages was"},
   };
   Damaged d("settings");
   for (const auto& k : cases) {
@@ -334,8 +336,7 @@ TEST(CheckpointFaults, ResumingAfterDamageEqualsSingleProcessTraining) {
   auto ranks = run_threads(c);
   EXPECT_EQ(ranks[0].first_step, 2);
   TrainConfig whole = small(6);
-  expect_equals_reference(ranks[0].losses, 2, ranks[0].checksum,
-                          hp::train::train_reference(whole));
+  expect_equals_reference(ranks[0].losses, 2, ranks[0].checksum, hp::train::train_reference(whole));
   // The damaged step was saved again, and the folder resumes from step 6.
   c.steps = 7;
   auto p = plan(c);
@@ -578,8 +579,8 @@ TEST(InputFaults, EveryBadInputOfTheIssueIsRefusedAtOnce) {
       HpRun r = runs[k - i].get();
       EXPECT_EQ(r.exit_code, 1) << cases[k].args << "\n" << r.output;
       EXPECT_NE(r.output.find("hp: error: "), std::string::npos) << r.output;
-      EXPECT_NE(r.output.find(cases[k].expected), std::string::npos)
-          << cases[k].args << "\n" << r.output;
+      EXPECT_NE(r.output.find(cases[k].expected), std::string::npos) << cases[k].args << "\n"
+                                                                     << r.output;
       EXPECT_EQ(r.output.find("hp train: gpt,"), std::string::npos) << "no rank may start";
       EXPECT_LT(r.seconds, startup + 5.0) << cases[k].args << " (start-up " << startup << " s)";
     }
@@ -594,11 +595,11 @@ TEST(ProcessFaults, KillDuringSaveLosesNothing) {
   TrainConfig c = small(4);
   auto dir = fresh_dir("kill-save");
   const std::string ckpt = (dir / "ckpt").string();
-  HpRun killed = run_hp(flags(c) + " --save-every 2 --checkpoint-dir " + ckpt,
-                        "HP_FAULT_KILL=1:save:4");
+  HpRun killed =
+      run_hp(flags(c) + " --save-every 2 --checkpoint-dir " + ckpt, "HP_FAULT_KILL=1:save:4");
   EXPECT_EQ(killed.exit_code, 128 + SIGKILL) << killed.output;
-  EXPECT_TRUE(std::regex_search(killed.output,
-                                std::regex("rank 1 \\(pid [0-9]+\\): killed by SIGKILL")))
+  EXPECT_TRUE(
+      std::regex_search(killed.output, std::regex("rank 1 \\(pid [0-9]+\\): killed by SIGKILL")))
       << killed.output;
   EXPECT_TRUE(fs::exists(dir / "ckpt" / "step-2" / "COMPLETE"));
   EXPECT_FALSE(fs::exists(dir / "ckpt" / "step-4" / "COMPLETE"));

@@ -41,9 +41,10 @@ TrainConfig graph_config(const std::string& model, int p, bool tied) {
 
 std::vector<TrainResult> run(const TrainConfig& c) {
   std::vector<TrainResult> results(c.nproc);
-  hp::testing::run_ranks_as_threads(c.nproc, [&](int rank, std::shared_ptr<hp::distributed::Comm> comm) {
-    results[rank] = hp::train::run_graph_rank(c, comm);
-  });
+  hp::testing::run_ranks_as_threads(c.nproc,
+                                    [&](int rank, std::shared_ptr<hp::distributed::Comm> comm) {
+                                      results[rank] = hp::train::run_graph_rank(c, comm);
+                                    });
   return results;
 }
 

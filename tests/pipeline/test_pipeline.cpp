@@ -23,9 +23,10 @@ namespace {
 // Runs every rank of `config` on its own thread; rethrows a rank's error.
 std::vector<TrainResult> run_threads(const TrainConfig& config) {
   std::vector<TrainResult> results(config.nproc * config.dp);
-  hp::testing::run_ranks_as_threads(config.nproc * config.dp, [&](int r, std::shared_ptr<hp::distributed::Comm> comm) {
-    results[r] = hp::train::run_rank(config, comm);
-  });
+  hp::testing::run_ranks_as_threads(config.nproc * config.dp,
+                                    [&](int r, std::shared_ptr<hp::distributed::Comm> comm) {
+                                      results[r] = hp::train::run_rank(config, comm);
+                                    });
   return results;
 }
 
@@ -139,11 +140,14 @@ TEST_P(StreamOrderedMatchesReference, Gpt) {
   const Case& k = GetParam();
   TrainConfig c = tiny(k.schedule, k.p, k.m, "gpt");
   std::vector<TrainResult> ranks(c.nproc);
-  hp::testing::run_ranks_as_threads(c.nproc, [&](int r, std::shared_ptr<hp::distributed::Comm> comm) {
-    auto ordered = hp::distributed::with_stream_ordered_p2p(comm);
-    EXPECT_EQ(ordered->backend_name(), "gloo+ordered");
-    ranks[r] = hp::train::run_rank(c, ordered);
-  }, std::chrono::seconds(20));
+  hp::testing::run_ranks_as_threads(
+      c.nproc,
+      [&](int r, std::shared_ptr<hp::distributed::Comm> comm) {
+        auto ordered = hp::distributed::with_stream_ordered_p2p(comm);
+        EXPECT_EQ(ordered->backend_name(), "gloo+ordered");
+        ranks[r] = hp::train::run_rank(c, ordered);
+      },
+      std::chrono::seconds(20));
   expect_matches_reference(c, ranks);
   expect_runs_its_action_list(c, ranks);
 }
@@ -201,7 +205,8 @@ TEST(Pipeline, TimelineSeparatesComputeFromWaiting) {
           producer = e.end;
       }
       EXPECT_GT(first_f_start, 0.0);
-      EXPECT_GE(first_f_start + 1e-5, recv_end);  // the compute start is derived: microseconds apart
+      EXPECT_GE(first_f_start + 1e-5,
+                recv_end);  // the compute start is derived: microseconds apart
       EXPECT_GT(first_f_start + 10e-3, producer);
     }
   }
@@ -300,7 +305,8 @@ TEST_P(DataParallelPipelines, EqualOneProcessOnTheGlobalBatch) {
           << "step " << s;
     for (const auto& [name, p] : ranks[r].parameters) {
       const auto& q = ref.parameters.at(name);
-      EXPECT_LE((p - q).abs().max().item<double>(), 1e-9 * std::max(1.0, q.abs().max().item<double>()))
+      EXPECT_LE((p - q).abs().max().item<double>(),
+                1e-9 * std::max(1.0, q.abs().max().item<double>()))
           << name;
     }
     std::vector<hp::schedule::Action> expected;
@@ -336,9 +342,8 @@ TEST(DataParallelPipelines, BadMeshesAreRefusedBeforeAnyWork) {
   // A world that is not pp x dp: every rank refuses before communicating.
   c.graph = false;
   try {
-    hp::testing::run_ranks_as_threads(3, [&](int, std::shared_ptr<hp::distributed::Comm> comm) {
-      hp::train::run_rank(c, comm);
-    });
+    hp::testing::run_ranks_as_threads(
+        3, [&](int, std::shared_ptr<hp::distributed::Comm> comm) { hp::train::run_rank(c, comm); });
     ADD_FAILURE() << "a world of 3 for pp 2 x dp 2 must be refused";
   } catch (const std::exception& e) {
     EXPECT_NE(std::string(e.what()).find("--pp 2 x --dp 2"), std::string::npos) << e.what();

@@ -4,8 +4,8 @@
 // paths' logic on the CPU: the device timer (on a fake device with events),
 // the executor's host synchronizations per step, host-staged transfers, and
 // the trainer's choice of device.
-#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 

@@ -44,7 +44,9 @@ void run_once(const BenchArgs& a, Row& row, const std::string& report) {
   std::ostringstream cmd;
   cmd << self_executable() << " train --no-progress --model " << a.model << " --layers " << a.layers
       << " --d-model " << a.d_model
-      << (a.model == "gpt" ? " --heads " + std::to_string(a.heads) + " --seq-len " + std::to_string(a.seq_len) : "")
+      << (a.model == "gpt"
+              ? " --heads " + std::to_string(a.heads) + " --seq-len " + std::to_string(a.seq_len)
+              : "")
       << " -p " << a.nproc << " -s " << row.name << " -m " << a.microbatches
       << " --microbatch-size " << a.microbatch_size << " --steps " << a.steps << " --report "
       << report << (a.pin ? " --pin" : "") << (row.recompute ? " --recompute" : "");

@@ -51,8 +51,9 @@ void run_launch(const LaunchArgs& a) {
                                 " is not a TCP port (1..65535, or 0 for a free one)");
   o.master_port = a.port;
   if (!a.output_dir.empty() && !std::filesystem::is_directory(a.output_dir))
-    throw std::invalid_argument("--logs '" + a.output_dir +
-                                "' is not a folder; create it first (rank r writes rank_r.log there)");
+    throw std::invalid_argument(
+        "--logs '" + a.output_dir +
+        "' is not a folder; create it first (rank r writes rank_r.log there)");
   o.output_dir = a.output_dir;
   // The ranks' Comm timeout.
   o.env.push_back({"HP_DIST_TIMEOUT_MS", std::to_string(timeout.count())});
@@ -64,12 +65,12 @@ void run_launch(const LaunchArgs& a) {
   }
   if (r.ok()) return;
   std::fprintf(stderr, "hp launch: %s\n%s",
-               r.interrupted_by  ? "interrupted"
-               : r.run_timed_out ? "run timeout expired"
-                                 : ("rank " + std::to_string(r.first_failed_rank) + " failed (" +
-                                    r.ranks[r.first_failed_rank].describe() +
-                                    "); the other ranks were stopped")
-                                       .c_str(),
+               r.interrupted_by ? "interrupted"
+               : r.run_timed_out
+                   ? "run timeout expired"
+                   : ("rank " + std::to_string(r.first_failed_rank) + " failed (" +
+                      r.ranks[r.first_failed_rank].describe() + "); the other ranks were stopped")
+                         .c_str(),
                r.summary().c_str());
   std::fflush(stderr);
   std::exit(r.exit_code() == 0 ? 1 : r.exit_code());

@@ -51,15 +51,17 @@ void refuse_options_that_do_not_apply(const TrainArgs& a) {
   if (c.graph) {
     for (const char* o : {"--schedule", "--chunks", "--p2p"})
       if (given(o))
-        refuse(std::string(o) + " does not apply to --graph (graph mode is data parallel with "
-                                "FSDP: no pipeline schedule); drop it or --graph");
+        refuse(std::string(o) +
+               " does not apply to --graph (graph mode is data parallel with "
+               "FSDP: no pipeline schedule); drop it or --graph");
   } else {
     for (const char* o : {"--no-overlap", "--no-shard"})
       if (given(o)) refuse(std::string(o) + " applies only to --graph; drop it or add --graph");
     if (given("--chunks") && c.schedule.rfind("interleaved", 0) != 0)
-      refuse("--chunks applies only to the interleaved schedules (interleaved-1f1b, "
-             "interleaved-bfs, interleaved-zb); '" + c.schedule +
-             "' places its own stages; drop -v/--chunks");
+      refuse(
+          "--chunks applies only to the interleaved schedules (interleaved-1f1b, "
+          "interleaved-bfs, interleaved-zb); '" +
+          c.schedule + "' places its own stages; drop -v/--chunks");
   }
   if (c.model.kind == "mlp") {
     for (const char* o : {"--heads", "--seq-len", "--untied", "--data", "--recompute"})
@@ -71,11 +73,13 @@ void refuse_options_that_do_not_apply(const TrainArgs& a) {
     refuse("--in-features applies only to --model mlp; drop it");
   }
   if (given("--batch") && given("--microbatch-size"))
-    refuse("--batch sets the microbatch size (batch / microbatches); give --batch or "
-           "--microbatch-size, not both");
+    refuse(
+        "--batch sets the microbatch size (batch / microbatches); give --batch or "
+        "--microbatch-size, not both");
   if (given("--checkpoint-dir") && c.save_every == 0 && !c.resume && !c.resume_or_start)
-    refuse("--checkpoint-dir does nothing without --save-every N, --resume or "
-           "--resume-or-start; add one or drop it");
+    refuse(
+        "--checkpoint-dir does nothing without --save-every N, --resume or "
+        "--resume-or-start; add one or drop it");
   if (given("--checkpoint-step") && !a.worker)
     refuse("--checkpoint-step is set by hp train for its ranks; use --resume");
 }
