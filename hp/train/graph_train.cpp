@@ -13,6 +13,7 @@
 #include "hp/core/memory.h"
 #include "hp/distributed/collectives.h"
 #include "hp/models/data.h"
+#include "hp/recompute/checkpoint.h"
 #include "hp/train/progress.h"
 #include "hp/train/report.h"
 
@@ -92,9 +93,23 @@ TrainResult run_graph_rank(const TrainConfig& config, std::shared_ptr<distribute
 
   std::shared_ptr<torch::nn::Module> model = models::build_chunk(config.model, 0, 1, config.seed);
   const models::ModelSpec spec = config.model;
-  compile::TrainFn train_fn = [spec](torch::nn::Module& m, const at::Tensor& x,
-                                     const at::Tensor& y) {
-    return models::loss(spec, static_cast<models::Chunk&>(m).forward(x), y);
+  // --recompute: every block checkpointed. Capture records its forward
+  // twice (the recomputed one feeds the backward), and the replay frees each
+  // value after its last use, so the step holds one block's activations
+  // instead of all of them (NOTE [Values die at their last use]).
+  const bool recompute = config.recompute;
+  compile::TrainFn train_fn = [spec, recompute](torch::nn::Module& m, const at::Tensor& x,
+                                                const at::Tensor& y) {
+    auto& chunk = static_cast<models::Chunk&>(m);
+    if (!recompute) return models::loss(spec, chunk.forward(x), y);
+    auto out = chunk.forward_with(x, [](const models::Chunk::BlockForward& block,
+                                        torch::nn::Module& module, const at::Tensor& h) {
+      auto fn = [block](const recompute::TensorList& in) {
+        return recompute::TensorList{block(in[0])};
+      };
+      return recompute::checkpoint(fn, {h}, module.parameters())[0];
+    });
+    return models::loss(spec, out, y);
   };
 
   // FSDP over every parameter whose dim 0 divides by the ranks; an empty

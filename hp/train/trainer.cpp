@@ -361,7 +361,6 @@ void TrainConfig::validate() const {
          "--graph gives every rank the same number of microbatches: --microbatches " +
              std::to_string(microbatches) + " does not divide by --nproc " + std::to_string(nproc) +
              "; use a multiple of it");
-    need(!recompute, "--graph does not checkpoint blocks; drop --recompute");
     need(!checkpoints,
          "--graph does not save checkpoints yet; drop --save-every/--resume or run without "
          "--graph");
