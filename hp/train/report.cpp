@@ -59,6 +59,16 @@ std::string report_json(const TrainConfig& c, const TrainResult& r) {
     j["simulated_bubble"] = r.simulated_bubble;
     j["measured_makespan_seconds"] = r.measured_makespan;
     j["simulated_makespan_seconds"] = r.simulated_makespan;
+    // NOTE [Stage cost file]: what `hp schedule tune --costs REPORT` reads.
+    nlohmann::json stages = nlohmann::json::array();
+    const auto& sc = r.stage_costs;
+    for (size_t st = 0; st < sc.stage_f.size(); ++st)
+      stages.push_back({{"stage", st},
+                        {"f", sc.stage_f[st]},
+                        {"i", sc.stage_b[st]},
+                        {"w", sc.stage_w[st]},
+                        {"comm", sc.comm}});
+    if (!stages.empty()) j["stage_costs"] = {{"unit", "seconds"}, {"stages", stages}};
   }
   nlohmann::json ranks = nlohmann::json::array();
   for (size_t k = 0; k < r.rank_compute.size(); ++k) {

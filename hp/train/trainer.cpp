@@ -29,6 +29,7 @@
 #include "hp/pipeline/stage.h"
 #include "hp/recompute/checkpoint.h"
 #include "hp/recompute/session.h"
+#include "hp/schedule/cost_file.h"
 #include "hp/schedule/generators.h"
 #include "hp/schedule/lower.h"
 #include "hp/schedule/render.h"
@@ -399,6 +400,21 @@ torch::Device TrainConfig::resolve_device(int local_rank) const {
 }
 
 schedule::Schedule TrainConfig::build_schedule() const {
+  if (!schedule_file.empty()) {
+    // A schedule someone made (hp schedule tune): read strictly, checked
+    // against this run, lowered when it is not yet.
+    schedule::Schedule s =
+        schedule::from_csv(schedule::read_input_file(schedule_file), schedule_file);
+    if (s.num_ranks != nproc || s.num_microbatches != microbatches)
+      throw std::invalid_argument(
+          "--schedule-file '" + schedule_file + "' is for " + std::to_string(s.num_ranks) +
+          " ranks and " + std::to_string(s.num_microbatches) +
+          " microbatches, but this run has --nproc " + std::to_string(nproc) +
+          " and --microbatches " + std::to_string(microbatches) + "; give the same numbers");
+    if (!s.lowered) s = schedule::lower(s);
+    schedule::validate(s);
+    return s;
+  }
   // NOTE [Bounds of a run]: the schedule's size, before it is built and lowered.
   auto refuse = [&](double work, double chunks_per_rank) {
     const double p = nproc, m_max = std::floor(std::sqrt(kMaxLoweringWork / p) / chunks_per_rank);
@@ -645,7 +661,8 @@ TrainResult run_rank(const TrainConfig& config, std::shared_ptr<distributed::Com
   auto measured = schedule::timeline_stats(result.timeline);
   result.measured_bubble = measured.bubble_rate;
   result.measured_makespan = measured.makespan;
-  auto sim = schedule::simulate(sched, measured_costs(sched, result.timeline.events, comm_cost));
+  result.stage_costs = measured_costs(sched, result.timeline.events, comm_cost);
+  auto sim = schedule::simulate(sched, result.stage_costs);
   result.simulated_bubble = sim.bubble_rate;
   result.simulated_makespan = sim.makespan;
 

@@ -27,9 +27,13 @@ struct TrainConfig {
   /// parallel] in trainer.cpp).
   int dp = 1;
   std::string schedule = "1f1b";  ///< any hp/schedule generator name
-  int chunks = 2;                 ///< virtual stages per rank (interleaved schedules)
-  int microbatches = 4;           ///< per step
-  int64_t microbatch_size = 4;    ///< rows (sequences or samples) per microbatch
+  /// A schedule CSV to run instead of a generator (`hp schedule tune -o`,
+  /// `hp schedule show --csv`); its ranks and microbatches must be nproc and
+  /// microbatches.
+  std::string schedule_file;
+  int chunks = 2;               ///< virtual stages per rank (interleaved schedules)
+  int microbatches = 4;         ///< per step
+  int64_t microbatch_size = 4;  ///< rows (sequences or samples) per microbatch
   int steps = 10;
   std::string optimizer = "adamw";  ///< adamw or sgd
   double lr = 1e-3;
@@ -96,7 +100,11 @@ struct TrainResult {
   double simulated_bubble = 0.0;    ///< simulator's bubble rate from measured F/I/W costs
   double simulated_makespan = 0.0;  ///< simulator's step time (s) from the same costs
   double measured_makespan = 0.0;   ///< last step's measured timeline length (s)
-  schedule::Timeline timeline;      ///< executed timeline of the last step (rank 0: all ranks)
+  /// Per-stage F, I, W (seconds per microbatch) measured from the last step's
+  /// timeline and the measured transfer latency: the report's "stage_costs",
+  /// which `hp schedule tune --costs` reads (NOTE [Stage cost file]).
+  schedule::CostModel stage_costs;
+  schedule::Timeline timeline;  ///< executed timeline of the last step (rank 0: all ranks)
   std::vector<schedule::Action> executed;  ///< this rank's compute actions, last step, in run order
   int64_t items_per_step = 0;              ///< tokens (gpt) or samples (mlp) per step
   // Graph mode only (rank 0 holds the per-rank lists):

@@ -551,7 +551,10 @@ TEST(Profile, ProfilesAReferenceModelOnTheCpu) {
   EXPECT_EQ(r.costs.stage_f.size(), 4u);
   EXPECT_DOUBLE_EQ(r.costs.comm, 1e-4);
   ASSERT_EQ(r.predictions.size(), 2u);
-  EXPECT_EQ(r.predictions[0].schedule, "zb-h1") << "sorted by predicted step";
+  // Sorted by predicted step (which one wins depends on the measured costs).
+  EXPECT_LE(r.predictions[0].step_seconds, r.predictions[1].step_seconds);
+  EXPECT_EQ((std::set<std::string>{r.predictions[0].schedule, r.predictions[1].schedule}),
+            (std::set<std::string>{"1f1b", "zb-h1"}));
   EXPECT_EQ(r.items_per_step, 2 * 8 * 8);
   auto text = hp::train::profile_text(c, r);
   EXPECT_NE(text.find("predicted step at p = 4, m = 8"), std::string::npos) << text;

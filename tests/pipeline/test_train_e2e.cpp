@@ -298,6 +298,45 @@ TEST(TrainEndToEnd, PipelineTimesDataParallelEqualsSingleProcessTraining) {
   fs::remove_all(dir);
 }
 
+// The tuning loop of issue 17: a run's report carries the per-stage costs
+// it measured, `hp schedule tune --costs` makes a schedule for them, and
+// `hp train --schedule-file` runs it, still equal to single-process training.
+TEST(TrainEndToEnd, ATunedScheduleFromAReportTrainsLikeOneProcess) {
+  TrainConfig c = small("1f1b", 2);
+  auto dir = fresh_dir("tuned");
+  const std::string report = (dir / "report.json").string(), csv = (dir / "tuned.csv").string();
+  HpRun first = run_hp(flags(c) + " --report " + report);
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  auto costs = read_json(report)["stage_costs"];
+  EXPECT_EQ(costs["unit"], "seconds");
+  ASSERT_EQ(costs["stages"].size(), 2u);
+  for (const auto& st : costs["stages"])
+    for (const char* k : {"f", "i", "w"})
+      EXPECT_GT(st[k].get<double>(), 0.0) << k;
+  HpRun tune = run_hp("schedule tune --costs " + report + " -m " + std::to_string(c.microbatches) +
+                      " -o " + csv);
+  ASSERT_EQ(tune.exit_code, 0) << tune.output;
+  std::string no_schedule = flags(c);
+  no_schedule.erase(no_schedule.find(" -s 1f1b"), std::string(" -s 1f1b").size());
+  HpRun tuned = run_hp(no_schedule + " --schedule-file " + csv + " --report " + report);
+  ASSERT_EQ(tuned.exit_code, 0) << tuned.output;
+  auto ref = hp::train::train_reference(c);
+  auto r = read_json(report);
+  EXPECT_EQ(r["config"]["schedule"], "file:" + csv);
+  expect_report_matches(r, ref, /*checksum=*/true);
+  // The file's ranks and microbatches must be the run's; -s does not go with it.
+  std::string other = no_schedule;
+  other.replace(other.find(" -m 4 "), 6, " -m 6 ");
+  HpRun other_m = run_hp(other + " --schedule-file " + csv);
+  EXPECT_EQ(other_m.exit_code, 1);
+  EXPECT_NE(other_m.output.find("give the same numbers"), std::string::npos) << other_m.output;
+  HpRun both = run_hp(flags(c) + " --schedule-file " + csv);
+  EXPECT_EQ(both.exit_code, 1);
+  EXPECT_NE(both.output.find("--schedule does not apply with --schedule-file"), std::string::npos)
+      << both.output;
+  fs::remove_all(dir);
+}
+
 TEST(TrainEndToEndFailures, BadConfigurationFailsBeforeAnyRankStarts) {
   TrainConfig c = small("1f1b", 4);
   c.model.layers = 2;

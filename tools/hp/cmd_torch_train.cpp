@@ -48,8 +48,14 @@ void refuse_options_that_do_not_apply(const TrainArgs& a) {
   const auto& c = a.config;
   auto given = [&](const char* name) { return a.app->count(name) > 0; };
   auto refuse = [](const std::string& msg) { throw std::invalid_argument(msg); };
+  if (given("--schedule-file"))
+    for (const char* o : {"--schedule", "--chunks"})
+      if (given(o))
+        refuse(std::string(o) +
+               " does not apply with --schedule-file (the file is the "
+               "schedule); drop one of them");
   if (c.graph) {
-    for (const char* o : {"--schedule", "--chunks", "--p2p"})
+    for (const char* o : {"--schedule", "--chunks", "--p2p", "--schedule-file"})
       if (given(o))
         refuse(std::string(o) +
                " does not apply to --graph (graph mode is data parallel with "
@@ -99,6 +105,7 @@ uint64_t parse_seed(const std::string& text) {
 void finish_config(TrainArgs& a) {
   auto& c = a.config;
   refuse_options_that_do_not_apply(a);
+  if (!c.schedule_file.empty()) c.schedule = "file:" + c.schedule_file;  // its name in reports
   c.seed = parse_seed(a.seed);
   if (a.app->count("--batch") > 0 && a.batch < 1)
     throw std::invalid_argument("--batch must be at least 1, not " + std::to_string(a.batch));
@@ -219,6 +226,9 @@ void add_train_command(CLI::App& app) {
   t->add_flag("--untied", a->untied,
               "give the gpt its own output head (default: tied to the embedding)");
   t->add_option("--nproc,-p,--pp", c.nproc, "pipeline ranks (processes per pipeline copy)");
+  t->add_option("--schedule-file", c.schedule_file,
+                "run this schedule CSV instead of --schedule (hp schedule tune -o writes one; "
+                "its ranks and microbatches must be --nproc and --microbatches)");
   t->add_option("--dp", c.dp,
                 "copies of the pipeline, data parallel: --pp x --dp processes; each copy "
                 "trains on its own --microbatches and the gradients are averaged over the "
