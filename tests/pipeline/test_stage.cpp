@@ -217,17 +217,22 @@ class RecordingComm : public Comm {
   }
   std::set<const void*> seen() {
     std::lock_guard<std::mutex> lock(mu_);
-    return seen_;
+    std::set<const void*> out;
+    for (const auto& t : seen_)
+      out.insert(t.data_ptr());
+    return out;
   }
 
  private:
+  // Keeps every tensor it saw alive: a freed buffer's address could be
+  // reused by a later tensor of the caller and look like one.
   void see(const at::Tensor& t) {
     std::lock_guard<std::mutex> lock(mu_);
-    seen_.insert(t.data_ptr());
+    seen_.push_back(t);
   }
   std::shared_ptr<Comm> inner_;
   std::mutex mu_;
-  std::set<const void*> seen_;
+  std::vector<at::Tensor> seen_;
 };
 
 // Two stages of a float64 MLP on two ranks with zb-h1 and m microbatches: the
