@@ -260,6 +260,11 @@ struct HostStagingOptions {
 std::shared_ptr<Comm> with_host_staging(std::shared_ptr<Comm> inner,
                                         HostStagingOptions options = {});
 
+/// `comm` as it must be to carry tensors on `device`: itself on the CPU or
+/// over NCCL, else staged through host memory (`with_host_staging`; NOTE
+/// [Ranks on devices] in hp/train/trainer.cpp).
+std::shared_ptr<Comm> for_device(std::shared_ptr<Comm> comm, const c10::Device& device);
+
 /// `inner` with its point-to-point run as a single stream runs NCCL's: each
 /// rank's operations (a batch as one unit) start one after the other in
 /// posting order, and each completes only together with its peer's matching

@@ -161,4 +161,12 @@ std::shared_ptr<Comm> with_host_staging(std::shared_ptr<Comm> inner, HostStaging
   return std::make_shared<HostStagingComm>(std::move(inner), options);
 }
 
+// NOTE [Ranks on devices]: a backend that takes device tensors is NCCL; every
+// other (Gloo, shared memory over Gloo) moves host memory only.
+std::shared_ptr<Comm> for_device(std::shared_ptr<Comm> comm, const c10::Device& device) {
+  TORCH_CHECK(comm != nullptr, "for_device: no Comm given");
+  if (device.is_cpu() || comm->backend_name().find("nccl") != std::string::npos) return comm;
+  return with_host_staging(std::move(comm));
+}
+
 }  // namespace hp::distributed

@@ -96,7 +96,7 @@ double measure_transfer(const torch::Tensor& probe, std::chrono::milliseconds ti
         distributed::CommOptions o;
         o.timeout = timeout;
         auto comm = distributed::Comm::from_file_store(store.string(), r, 2, o);
-        if (!probe.device().is_cpu()) comm = distributed::with_host_staging(comm);
+        comm = distributed::for_device(comm, probe.device());
         one_way[r] = distributed::one_way_latency(*comm, 0, 1, probe.clone());
       } catch (...) {
         errors[r] = std::current_exception();

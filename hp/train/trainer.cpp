@@ -478,8 +478,8 @@ TrainResult run_rank(const TrainConfig& config, std::shared_ptr<distributed::Com
   if (!device.is_cpu()) {
     on_device.reset_device(device);
     // NOTE [Ranks on devices]: CUDA tensors over a CPU backend go through host memory.
-    if (comm->backend_name().find("nccl") == std::string::npos)
-      comm = distributed::with_host_staging(comm);
+    comm = distributed::for_device(comm, device);
+    if (dp_comm) dp_comm = distributed::for_device(dp_comm, device);
   }
 
   // Model chunks of this rank's stages, data, loss.

@@ -100,7 +100,12 @@ class Runtime {
         chunk_forward_(chunk_forward) {
     distributed::CommOptions options;
     options.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
-    comm_ = distributed::Comm::from_process_group(process_group_of(group), options);
+    const torch::Device on =
+        device.is_none() ? torch::Device(torch::kCPU) : device.cast<torch::Device>();
+    // CUDA tensors over Gloo (e.g. two ranks sharing one GPU) go through host
+    // memory; NCCL takes them as they are (NOTE [Ranks on devices]).
+    comm_ = distributed::for_device(
+        distributed::Comm::from_process_group(process_group_of(group), options), on);
     rank_ = comm_->rank();
     if (comm_->world_size() != sched_.num_ranks)
       throw py::value_error("the group has " + std::to_string(comm_->world_size()) +
@@ -159,7 +164,8 @@ class Runtime {
     // run its last microbatch (NOTE [Gradient reduction in the cool-down]).
     pipeline::StageHooks hooks;
     if (!dp_group.is_none()) {
-      dp_ = distributed::Comm::from_process_group(process_group_of(dp_group), options);
+      dp_ = distributed::for_device(
+          distributed::Comm::from_process_group(process_group_of(dp_group), options), on);
       std::map<int, std::vector<torch::Tensor>> stage_params;
       for (const auto& [st, mod] : modules)
         stage_params[st] = mod.parameters;
@@ -183,7 +189,7 @@ class Runtime {
       return s.cast<std::vector<int64_t>>();
     };
     eo.dtype = dtype.cast<c10::ScalarType>();
-    eo.device = device.is_none() ? torch::Device(torch::kCPU) : device.cast<torch::Device>();
+    eo.device = on;
     executor_ = std::make_unique<pipeline::Executor>(sched_, rank_, *stage_, comm_, std::move(eo));
   }
 

@@ -372,6 +372,12 @@ TEST(HostStaging, MovesHostCopiesInPostingOrder) {
     auto x = torch::full({2}, double(r), kF64);
     plain->all_reduce(x);
     EXPECT_EQ(recording->seen().count(x.data_ptr()), 1u);
+    // for_device: the CPU keeps the Comm; a GPU over Gloo stages through host
+    // memory (NOTE [Ranks on devices]; no device is touched to decide).
+    EXPECT_EQ(hp::distributed::for_device(comm, torch::kCPU), comm);
+    auto on_gpu = hp::distributed::for_device(comm, torch::Device(torch::kCUDA, 0));
+    EXPECT_NE(on_gpu, comm);
+    EXPECT_EQ(on_gpu->backend_name(), "gloo+host");
   });
 }
 

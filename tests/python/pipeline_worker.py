@@ -2,7 +2,12 @@
 with torchrun's variables): trains a small float64 model with every schedule
 on hyperparallel's executor over a Gloo group made by torch.distributed, and
 saves its losses and chunk parameters for the test to compare with
-single-process training."""
+single-process training.
+
+    pipeline_worker.py OUT_DIR SCHEDULES [DP [DEVICE]]
+
+DEVICE "cuda" puts the rank of local rank r on GPU r mod the GPU count (two
+ranks may share one GPU: the runtime stages through host memory over Gloo)."""
 
 import os
 import sys
@@ -19,6 +24,10 @@ import hyperparallel as hp  # noqa: E402
 def main():
     out_dir, names = sys.argv[1], sys.argv[2].split(",")
     dp = int(sys.argv[3]) if len(sys.argv) > 3 else 1
+    device = torch.device(sys.argv[4] if len(sys.argv) > 4 else "cpu")
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     world_rank, world = dist.get_rank(), dist.get_world_size()
@@ -36,7 +45,8 @@ def main():
     for name in names:
         m = pm.microbatches(name, p)
         sched = hp.pipeline.schedule(name, ranks=p, microbatches=m)
-        chunks = {c: pm.make_chunk(c, sched.num_chunks) for c in sched.chunks_of_rank(rank)}
+        chunks = {c: pm.make_chunk(c, sched.num_chunks).to(device)
+                  for c in sched.chunks_of_rank(rank)}
         pipe = hp.pipeline.Pipeline(
             chunks,
             sched,
@@ -53,12 +63,14 @@ def main():
             x, y = pm.batch(step, dp * m)  # the global batch; this copy's share below
             rows = m * pm.MB
             x, y = x[replica * rows:(replica + 1) * rows], y[replica * rows:(replica + 1) * rows]
+            x, y = x.to(device), y.to(device)
             opt.zero_grad()
             losses.append(pipe.step(x, y))
             opt.step()
         results[name] = {
             "losses": losses,
-            "chunks": {c: [q.detach().clone() for q in mod.parameters()] for c, mod in chunks.items()},
+            "chunks": {c: [q.detach().cpu() for q in mod.parameters()] for c, mod in chunks.items()},
+            "device": str(next(q for c in chunks.values() for q in c.parameters()).device),
             "backend": pipe._runtime.backend,
         }
     torch.save(results, os.path.join(out_dir, f"rank{world_rank}.pt"))

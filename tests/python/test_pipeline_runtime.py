@@ -101,6 +101,40 @@ def test_pipeline_times_data_parallel_equals_single_process_training(names, tmp_
                         f"{name} rank {world_rank} chunk {c}: max error {err}")
 
 
+CUDA_REASON = (
+    "CUDA is not available (torch.cuda.is_available() is False): two ranks sharing one GPU "
+    "(CUDA stages, transfers staged through host memory over Gloo) are NOT tested on this "
+    "machine; the CPU case runs the same pipelines, and tests/distributed's HostStaging tests "
+    "check the staging on the CPU; run tests/python on a GPU machine (scripts/gpu_check.sh)"
+)
+
+
+@pytest.mark.parametrize("device", [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                  reason=CUDA_REASON)),
+])
+def test_two_ranks_on_one_device_equal_single_process_training(device, tmp_path):
+    # Both ranks on device 0 (on CUDA: NCCL refuses two ranks on one GPU, so
+    # the runtime stages through host memory over the Gloo group).
+    names, p = ["1f1b", "zbv", "dualpipev", "zb-auto"], 2
+    run_ranks(p, [",".join(names), "1", device], tmp_path)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(p)]
+    for name in names:
+        sched = hp.pipeline.schedule(name, ranks=p, microbatches=pm.microbatches(name, p))
+        ref_losses, ref_chunks = pm.reference(sched.num_chunks, sched.num_microbatches)
+        for r, res in enumerate(ranks):
+            got = res[name]
+            assert got["device"] == ("cpu" if device == "cpu" else "cuda:0"), got["device"]
+            for s, (a, b) in enumerate(zip(got["losses"], ref_losses)):
+                assert abs(a - b) <= 1e-9 * max(1.0, abs(b)), f"{name} rank {r} step {s}: {a} vs {b}"
+            for c, tensors in got["chunks"].items():
+                for q, q_ref in zip(tensors, ref_chunks[c]):
+                    err = (q - q_ref).abs().max().item()
+                    assert err <= 1e-9 * max(1.0, q_ref.abs().max().item()), (
+                        f"{name} {device} rank {r} chunk {c}: max error {err}")
+
+
 def test_schedule_names_cover_every_generator():
     # The list above is every generator the library has (afab is gpipe's alias).
     names = set(SCHEDULES) | {"afab"}
