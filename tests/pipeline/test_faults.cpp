@@ -38,8 +38,10 @@
 #include "hp/train/checkpoint.h"
 #include "hp/train/trainer.h"
 #include "tests/common/threads_as_ranks.h"
+#include "tests/common/train_flags.h"
 
 namespace fs = std::filesystem;
+using hp::testing::train_flags;
 using hp::train::TrainConfig;
 using hp::train::TrainResult;
 using Clock = std::chrono::steady_clock;
@@ -510,16 +512,6 @@ HpRun run_hp(const std::string& args, const std::string& env = "") {
   return r;
 }
 
-std::string flags(const TrainConfig& c) {
-  std::ostringstream os;
-  os << "train --no-progress --model gpt --layers " << c.model.layers << " --d-model "
-     << c.model.d_model << " --heads " << c.model.heads << " --seq-len " << c.model.seq_len
-     << " --dtype float64 --untied -p " << c.nproc << " -s " << c.schedule << " -m "
-     << c.microbatches << " --microbatch-size " << c.microbatch_size << " --steps " << c.steps
-     << " --lr " << c.lr << " --seed " << c.seed << " --timeout " << c.timeout_s;
-  return os.str();
-}
-
 // The "Why" list of issue 15, re-run: each a clear error, exit code 1, no rank
 // started, well within 5 s (the time includes loading LibTorch into `hp`).
 TEST(InputFaults, EveryBadInputOfTheIssueIsRefusedAtOnce) {
@@ -530,7 +522,7 @@ TEST(InputFaults, EveryBadInputOfTheIssueIsRefusedAtOnce) {
   auto with = [](const std::function<void(TrainConfig&)>& change, const std::string& extra) {
     TrainConfig c = small(2);
     change(c);
-    return flags(c) + extra;
+    return train_flags(c) + extra;
   };
   auto same = [](TrainConfig&) {};
   const std::vector<Case> cases = {
@@ -596,7 +588,7 @@ TEST(ProcessFaults, KillDuringSaveLosesNothing) {
   auto dir = fresh_dir("kill-save");
   const std::string ckpt = (dir / "ckpt").string();
   HpRun killed =
-      run_hp(flags(c) + " --save-every 2 --checkpoint-dir " + ckpt, "HP_FAULT_KILL=1:save:4");
+      run_hp(train_flags(c) + " --save-every 2 --checkpoint-dir " + ckpt, "HP_FAULT_KILL=1:save:4");
   EXPECT_EQ(killed.exit_code, 128 + SIGKILL) << killed.output;
   EXPECT_TRUE(
       std::regex_search(killed.output, std::regex("rank 1 \\(pid [0-9]+\\): killed by SIGKILL")))
@@ -608,7 +600,7 @@ TEST(ProcessFaults, KillDuringSaveLosesNothing) {
     leftover |= e.path().filename().string().find(".tmp.") != std::string::npos;
   EXPECT_TRUE(leftover) << "the kill should leave a half-written temporary file";
 
-  HpRun resumed = run_hp(flags(c) + " --resume --checkpoint-dir " + ckpt + " --report " +
+  HpRun resumed = run_hp(train_flags(c) + " --resume --checkpoint-dir " + ckpt + " --report " +
                          (dir / "report.json").string());
   ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
   EXPECT_NE(resumed.output.find("skipped step-4: its COMPLETE marker is missing"),
@@ -631,8 +623,8 @@ TEST(ProcessFaults, KillDuringSaveLosesNothing) {
   TrainConfig longer = c;
   longer.steps = 6;
   for (const auto& [args, expected] : std::vector<std::pair<std::string, std::string>>{
-           {flags(heads), "--heads was 2, this run has 4"},
-           {flags(longer) + " --optimizer sgd", "--optimizer was adamw, this run has sgd"}}) {
+           {train_flags(heads), "--heads was 2, this run has 4"},
+           {train_flags(longer) + " --optimizer sgd", "--optimizer was adamw, this run has sgd"}}) {
     HpRun r = run_hp(args + " --resume --checkpoint-dir " + ckpt);
     EXPECT_EQ(r.exit_code, 1) << r.output;
     EXPECT_NE(r.output.find(expected), std::string::npos) << r.output;
@@ -716,14 +708,14 @@ TEST(ProcessFaults, KillOfTheLauncherLeavesNoOrphanAndTheLockRefusesASecondRun) 
   auto dir = fresh_dir("orphans");
   const std::string ckpt = (dir / "ckpt").string();
   std::vector<std::string> args = {HP_BIN};
-  for (const auto& a : split_args(flags(c) + " --save-every 1 --checkpoint-dir " + ckpt))
+  for (const auto& a : split_args(train_flags(c) + " --save-every 1 --checkpoint-dir " + ckpt))
     args.push_back(a);
   Child run = spawn(args);
   run.read_until("hp train: gpt,", 30);  // printed once the folder is locked
   ASSERT_NE(run.output.find("hp train: gpt,"), std::string::npos) << run.output;
 
   const double startup = run_hp("train --help").seconds;  // hp's own start (LibTorch)
-  HpRun second = run_hp(flags(small(4)) + " --save-every 1 --checkpoint-dir " + ckpt);
+  HpRun second = run_hp(train_flags(small(4)) + " --save-every 1 --checkpoint-dir " + ckpt);
   EXPECT_EQ(second.exit_code, 1) << second.output;
   EXPECT_NE(second.output.find("is in use by another run (pid " + std::to_string(run.pid)),
             std::string::npos)
@@ -769,7 +761,7 @@ TEST(ProcessFaults, KillOfTheLauncherLeavesNoOrphanAndTheLockRefusesASecondRun) 
 TEST(ProcessFaults, ARankDeadBeforeConnectingStopsTheRunAtOnce) {
   TrainConfig c = small(2);
   c.timeout_s = 60;
-  HpRun r = run_hp(flags(c), "HP_FAULT_KILL=1:connect");
+  HpRun r = run_hp(train_flags(c), "HP_FAULT_KILL=1:connect");
   EXPECT_EQ(r.exit_code, 128 + SIGKILL) << r.output;
   std::smatch died, stopped;
   ASSERT_TRUE(std::regex_search(

@@ -20,8 +20,10 @@
 #include "hp/train/checkpoint.h"
 #include "hp/train/trainer.h"
 #include "tests/common/netns.h"
+#include "tests/common/train_flags.h"
 
 namespace fs = std::filesystem;
+using hp::testing::train_flags;
 using hp::train::TrainConfig;
 using hp::train::TrainResult;
 
@@ -54,18 +56,6 @@ fs::path fresh_dir(const std::string& name) {
   fs::remove_all(d);
   fs::create_directories(d);
   return d;
-}
-
-// The flags of `hp train` for a config (the subset these tests vary).
-std::string flags(const TrainConfig& c) {
-  std::ostringstream os;
-  os << "train --no-progress --model " << c.model.kind << " --layers " << c.model.layers
-     << " --d-model " << c.model.d_model << " --heads " << c.model.heads << " --seq-len "
-     << c.model.seq_len << " --dtype float64 --untied -p " << c.nproc;
-  if (!c.graph) os << " -s " << c.schedule;  // graph mode takes no schedule
-  os << " -m " << c.microbatches << " --microbatch-size " << c.microbatch_size << " --steps "
-     << c.steps << " --lr " << c.lr << " --seed " << c.seed << " --timeout " << c.timeout_s;
-  return os.str();
 }
 
 TrainConfig small(const std::string& schedule, int p) {
@@ -111,7 +101,7 @@ TEST_P(TrainEndToEnd, LossesAndParametersEqualSingleProcessTraining) {
   auto [schedule, p] = GetParam();
   TrainConfig c = small(schedule, p);
   auto dir = fresh_dir(schedule + std::to_string(p));
-  HpRun r = run_hp(flags(c) + " --report " + (dir / "report.json").string() + " --trace " +
+  HpRun r = run_hp(train_flags(c) + " --report " + (dir / "report.json").string() + " --trace " +
                    (dir / "trace.json").string() + " --save-every 3 --checkpoint-dir " +
                    (dir / "ckpt").string());
   ASSERT_EQ(r.exit_code, 0) << r.output;
@@ -162,7 +152,7 @@ TEST(TrainEndToEndFailures, AKilledRankFailsTheRunFastAndByName) {
   TrainConfig c = small("1f1b", 3);
   c.steps = 5;
   c.timeout_s = 15;
-  HpRun r = run_hp(flags(c), "HP_FAULT_KILL=1:2");
+  HpRun r = run_hp(train_flags(c), "HP_FAULT_KILL=1:2");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_TRUE(std::regex_search(r.output, std::regex("rank 1 \\(pid [0-9]+\\): killed by SIGKILL")))
       << r.output;
@@ -175,7 +165,7 @@ TEST(TrainEndToEndFailures, AKilledRankFailsTheRunFastAndByName) {
 TEST(TrainEndToEnd, SharedMemoryPointToPointEqualsSingleProcessTraining) {
   TrainConfig c = small("zbv", 2);
   auto dir = fresh_dir("shm");
-  HpRun r = run_hp(flags(c) + " --p2p shm --report " + (dir / "report.json").string());
+  HpRun r = run_hp(train_flags(c) + " --p2p shm --report " + (dir / "report.json").string());
   ASSERT_EQ(r.exit_code, 0) << r.output;
   auto ref = hp::train::train_reference(c);
   auto report = read_json(dir / "report.json");
@@ -187,7 +177,7 @@ TEST(TrainEndToEndFailures, AKilledRankIsNamedWithSharedMemoryPointToPoint) {
   TrainConfig c = small("1f1b", 3);
   c.steps = 5;
   c.timeout_s = 15;
-  HpRun r = run_hp(flags(c) + " --p2p shm", "HP_FAULT_KILL=1:2");
+  HpRun r = run_hp(train_flags(c) + " --p2p shm", "HP_FAULT_KILL=1:2");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("lost connection to rank 1"), std::string::npos) << r.output;
   EXPECT_LT(r.seconds, c.timeout_s + 10) << "the surviving ranks must not hang";
@@ -197,13 +187,14 @@ TEST(TrainEndToEndFailures, ResumeContinuesTheSameLossTrajectory) {
   TrainConfig c = small("zb-h1", 2);
   c.steps = 4;
   auto dir = fresh_dir("resume");
-  HpRun whole = run_hp(flags(c) + " --report " + (dir / "whole.json").string());
+  HpRun whole = run_hp(train_flags(c) + " --report " + (dir / "whole.json").string());
   ASSERT_EQ(whole.exit_code, 0) << whole.output;
   TrainConfig half = c;
   half.steps = 2;
-  HpRun first = run_hp(flags(half) + " --save-every 2 --checkpoint-dir " + (dir / "ckpt").string());
+  HpRun first =
+      run_hp(train_flags(half) + " --save-every 2 --checkpoint-dir " + (dir / "ckpt").string());
   ASSERT_EQ(first.exit_code, 0) << first.output;
-  HpRun rest = run_hp(flags(c) + " --resume --checkpoint-dir " + (dir / "ckpt").string() +
+  HpRun rest = run_hp(train_flags(c) + " --resume --checkpoint-dir " + (dir / "ckpt").string() +
                       " --report " + (dir / "rest.json").string());
   ASSERT_EQ(rest.exit_code, 0) << rest.output;
   auto a = read_json(dir / "whole.json"), b = read_json(dir / "rest.json");
@@ -227,7 +218,7 @@ TEST(TrainEndToEnd, TwoRanksOnTwoHostsRendezvousOverTcp) {
   o.command = {"sh", "-c",
                "if [ \"$RANK\" = 0 ]; then NS=" + net.ns[0] + "; else NS=" + net.ns[1] +
                    "; fi; exec ip netns exec $NS env MASTER_ADDR=10.231.0.1 MASTER_PORT=29517 " +
-                   HP_BIN + " " + flags(c) + " --worker --report " +
+                   HP_BIN + " " + train_flags(c) + " --worker --report " +
                    (dir / "report.json").string()};
   o.timeout = std::chrono::seconds(20);
   o.run_timeout = std::chrono::seconds(120);
@@ -250,8 +241,8 @@ TEST(TrainEndToEnd, GraphModeWithFsdpEqualsSingleProcessTraining) {
   TrainConfig c = small("1f1b", 2);
   c.graph = true;
   auto dir = fresh_dir("graph");
-  HpRun r = run_hp(flags(c) + " --graph --report " + (dir / "report.json").string() + " --trace " +
-                   (dir / "trace.json").string());
+  HpRun r = run_hp(train_flags(c) + " --graph --report " + (dir / "report.json").string() +
+                   " --trace " + (dir / "trace.json").string());
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("graph mode on 2 ranks (FSDP, overlapped)"), std::string::npos)
       << r.output;
@@ -285,7 +276,7 @@ TEST(TrainEndToEnd, GraphModeWithFsdpEqualsSingleProcessTraining) {
 TEST(TrainEndToEnd, PipelineTimesDataParallelEqualsSingleProcessTraining) {
   TrainConfig c = small("zb-h1", 2);
   auto dir = fresh_dir("dp");
-  HpRun r = run_hp(flags(c) + " --dp 2 --report " + (dir / "report.json").string());
+  HpRun r = run_hp(train_flags(c) + " --dp 2 --report " + (dir / "report.json").string());
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("4 ranks (pp 2 x dp 2)"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("x 2 data-parallel copies"), std::string::npos) << r.output;
@@ -305,7 +296,7 @@ TEST(TrainEndToEnd, ATunedScheduleFromAReportTrainsLikeOneProcess) {
   TrainConfig c = small("1f1b", 2);
   auto dir = fresh_dir("tuned");
   const std::string report = (dir / "report.json").string(), csv = (dir / "tuned.csv").string();
-  HpRun first = run_hp(flags(c) + " --report " + report);
+  HpRun first = run_hp(train_flags(c) + " --report " + report);
   ASSERT_EQ(first.exit_code, 0) << first.output;
   auto costs = read_json(report)["stage_costs"];
   EXPECT_EQ(costs["unit"], "seconds");
@@ -316,7 +307,7 @@ TEST(TrainEndToEnd, ATunedScheduleFromAReportTrainsLikeOneProcess) {
   HpRun tune = run_hp("schedule tune --costs " + report + " -m " + std::to_string(c.microbatches) +
                       " -o " + csv);
   ASSERT_EQ(tune.exit_code, 0) << tune.output;
-  std::string no_schedule = flags(c);
+  std::string no_schedule = train_flags(c);
   no_schedule.erase(no_schedule.find(" -s 1f1b"), std::string(" -s 1f1b").size());
   HpRun tuned = run_hp(no_schedule + " --schedule-file " + csv + " --report " + report);
   ASSERT_EQ(tuned.exit_code, 0) << tuned.output;
@@ -330,7 +321,7 @@ TEST(TrainEndToEnd, ATunedScheduleFromAReportTrainsLikeOneProcess) {
   HpRun other_m = run_hp(other + " --schedule-file " + csv);
   EXPECT_EQ(other_m.exit_code, 1);
   EXPECT_NE(other_m.output.find("give the same numbers"), std::string::npos) << other_m.output;
-  HpRun both = run_hp(flags(c) + " --schedule-file " + csv);
+  HpRun both = run_hp(train_flags(c) + " --schedule-file " + csv);
   EXPECT_EQ(both.exit_code, 1);
   EXPECT_NE(both.output.find("--schedule does not apply with --schedule-file"), std::string::npos)
       << both.output;
@@ -340,11 +331,11 @@ TEST(TrainEndToEnd, ATunedScheduleFromAReportTrainsLikeOneProcess) {
 TEST(TrainEndToEndFailures, BadConfigurationFailsBeforeAnyRankStarts) {
   TrainConfig c = small("1f1b", 4);
   c.model.layers = 2;
-  HpRun r = run_hp(flags(c));
+  HpRun r = run_hp(train_flags(c));
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_NE(r.output.find("cuttable layers"), std::string::npos) << r.output;
   EXPECT_EQ(r.output.find("hp train: gpt,"), std::string::npos) << "no rank may start";
-  std::string no_mb = flags(small("1f1b", 2));
+  std::string no_mb = train_flags(small("1f1b", 2));
   no_mb = no_mb.substr(0, no_mb.find(" --microbatch-size")) +
           no_mb.substr(no_mb.find(" --steps"));  // --batch instead
   HpRun bad_batch = run_hp(no_mb + " --batch 7");
