@@ -99,30 +99,34 @@ CostModel parse_stage_costs(const std::string& text, const std::string& source) 
   for (const json& s : *st) {
     const std::string where = source + ": stage " + std::to_string(index++);
     if (!s.is_object()) throw std::invalid_argument(where + ": expected an object");
-    static const std::set<std::string> kKeys = {"f",     "i",     "b",     "w",   "comm",
-                                                "mem_b", "mem_w", "stage", "name"};
+    static const std::set<std::string> kKeys = {"f",    "i",     "b",     "w",     "comm",
+                                                "send", "mem_b", "mem_w", "stage", "name"};
     for (auto it = s.begin(); it != s.end(); ++it)
       if (!kKeys.count(it.key()))
-        throw std::invalid_argument(where + ": unknown key '" + escape_bytes(it.key()) +
-                                    "' (known: f, i (or b), w, comm, mem_b, mem_w, stage, name)");
+        throw std::invalid_argument(
+            where + ": unknown key '" + escape_bytes(it.key()) +
+            "' (known: f, i (or b), w, comm, send, mem_b, mem_w, stage, name)");
     if (s.contains("i") && s.contains("b"))
       throw std::invalid_argument(where + ": give \"i\" or \"b\" (the same cost), not both");
     const double f = number(s, "f", 0, true, where);
     const double i = number(s, s.contains("b") ? "b" : "i", 0, true, where);
     const double w = number(s, "w", 0, true, where);
     const double comm = number(s, "comm", 0, false, where);
+    const double send = number(s, "send", 0, false, where);
     const double mem_b = number(s, "mem_b", 1.0, false, where);
     const double mem_w = number(s, "mem_w", 0.5, false, where);
     c.stage_f.push_back(f);
     c.stage_b.push_back(i);
     c.stage_w.push_back(w);
     c.stage_comm.push_back(comm);
+    c.stage_send.push_back(send);
     c.stage_mem_b.push_back(mem_b);
     c.stage_mem_w.push_back(mem_w);
     c.f = std::max(c.f, f);
     c.b = std::max(c.b, i);
     c.w = std::max(c.w, w);
     c.comm = std::max(c.comm, comm);
+    c.send = std::max(c.send, send);
     c.mem_b = std::max(c.mem_b, mem_b);
     c.mem_w = std::max(c.mem_w, mem_w);
   }

@@ -13,14 +13,16 @@ namespace hp::schedule {
 // NOTE [Stage cost file]
 // One object per pipeline stage, in stage order:
 //
-//   {"stages": [{"f": 1.2, "i": 1.1, "w": 0.6, "comm": 0.05,
+//   {"stages": [{"f": 1.2, "i": 1.1, "w": 0.6, "comm": 0.05, "send": 0.01,
 //                "mem_b": 1.0, "mem_w": 0.4}, ...]}
 //
 // f, i and w (the forward, input-gradient and weight-gradient times of one
 // microbatch on that stage, in any one time unit) are required and positive;
 // "b" is accepted for "i" (the Zero Bubble paper's name). comm is the latency
 // of a transfer between this stage and the next (the last stage's is
-// ignored; default 0); mem_b is the activation memory one microbatch holds
+// ignored; default 0); send is the time the stage's rank stays busy posting
+// one output to another rank (NOTE [Sending occupies the sender] in
+// simulate.h; default 0); mem_b is the activation memory one microbatch holds
 // from F until I, mem_w from I until W (defaults 1 and 0.5, any one unit).
 // The same object may sit under the key "stage_costs" of a larger JSON
 // document (a training report). Unknown keys, duplicate keys, missing or
@@ -28,8 +30,9 @@ namespace hp::schedule {
 
 /// Parses a stage cost file (NOTE [Stage cost file]); `source` names it in
 /// errors (std::invalid_argument). The result has one per-stage entry per
-/// stage in stage_f, stage_b, stage_w, stage_comm, stage_mem_b and
-/// stage_mem_w, and f, b, w, mem_b, mem_w set to the stage maxima.
+/// stage in stage_f, stage_b, stage_w, stage_comm, stage_send, stage_mem_b
+/// and stage_mem_w, and f, b, w, comm, send, mem_b, mem_w set to the stage
+/// maxima.
 CostModel parse_stage_costs(const std::string& json_text, const std::string& source);
 
 /// Reads a whole regular file of at most `max_bytes` bytes (kMaxInputBytes,

@@ -7,7 +7,9 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <map>
 #include <stdexcept>
+#include <tuple>
 
 namespace hp::schedule {
 
@@ -51,6 +53,9 @@ void CostModel::check() const {
     nonneg(v, "stage mem_w");
   for (double v : stage_comm)
     nonneg(v, "stage comm");
+  nonneg(send, "send");
+  for (double v : stage_send)
+    nonneg(v, "stage send");
 }
 
 void CostModel::check(int num_stages) const {
@@ -68,16 +73,40 @@ void CostModel::check(int num_stages) const {
   sized(stage_mem_b, "stage_mem_b");
   sized(stage_mem_w, "stage_mem_w");
   sized(stage_comm, "stage_comm");
+  sized(stage_send, "stage_send");
 }
 
 bool CostModel::per_stage() const {
   return !stage_f.empty() || !stage_b.empty() || !stage_w.empty() || !stage_mem_b.empty() ||
-         !stage_mem_w.empty() || !stage_comm.empty();
+         !stage_mem_w.empty() || !stage_comm.empty() || !stage_send.empty();
 }
 
 double CostModel::boundary_cost(const Schedule& s, int upstream, int downstream) const {
   if (s.stage_rank[upstream] == s.stage_rank[downstream]) return 0.0;
   return pick(stage_comm, upstream, s, comm);
+}
+
+double CostModel::send_cost(const Schedule& s, const Action& a) const {
+  double t = 0.0;
+  auto out = [&](int stage, int to) {
+    if (to >= 0 && s.stage_rank[to] != s.stage_rank[stage]) t += pick(stage_send, stage, s, send);
+  };
+  switch (a.op) {
+    case Op::F:
+      out(a.stage, s.next_stage(a.stage, a.microbatch));
+      break;
+    case Op::I:
+    case Op::B:
+      out(a.stage, s.prev_stage(a.stage, a.microbatch));
+      break;
+    case Op::FB:
+      out(a.stage, s.next_stage(a.stage, a.microbatch));
+      out(a.stage2, s.prev_stage(a.stage2, a.microbatch2));
+      break;
+    default:
+      break;
+  }
+  return t;
 }
 
 double CostModel::stage_cost(const Schedule& s, Op op, int stage) const {
@@ -178,7 +207,7 @@ SimResult simulate(const Schedule& s, const CostModel& costs, const SimOptions& 
         if (is_compute(a.op)) {
           double start = std::max(ready, free_at[r]);
           double end = start + costs.cost(s, a);
-          free_at[r] = end;
+          free_at[r] = end + costs.send_cost(s, a);  // NOTE [Sending occupies the sender]
           last_end[r] = end;
           res.rank_busy[r] += end - start;
           if (first_f[r] < 0 && (a.op == Op::F || a.op == Op::FB)) first_f[r] = start;
@@ -245,6 +274,108 @@ SimResult simulate(const Schedule& s, const CostModel& costs, const SimOptions& 
   res.idle_fraction = res.makespan > 0 ? 1.0 - busy_total / (p * res.makespan) : 0.0;
   res.comm_volume = comm_volume(s);
   return res;
+}
+
+// NOTE [Costs from a measured timeline]
+// Per stage, means over the step's microbatches (a rank's total is what its
+// makespan adds up, so a slow outlier counts as what it cost):
+// - F from F events; the backward of a microbatch from a fused B, or from its
+//   I plus its W. A stage that ran both forms gets I and W scaled so that
+//   I + W is the mean backward (the split form is 5-10 % slower than the
+//   fused one on CPU, and the model has one backward per stage), in the
+//   proportion its split I and W had (half and half where it never split).
+// - FB (F of one microbatch beside B of another, one event) is split in
+//   proportion to the stage means of its two halves measured alone, or, where
+//   one half never ran alone, as the event less the other half; where neither
+//   did, one third F (the backward is about twice the forward).
+// - send: the mean time the stage's rank spent posting one of its SENDs
+//   (NOTE [Sending occupies the sender]); sends posted in one batch share the
+//   batch's time equally (their events carry the whole batch's span).
+CostModel costs_from_timeline(const Schedule& s, const Timeline& t, double comm) {
+  const int S = s.num_stages;
+  auto stage_ok = [&](int st) {
+    if (st < 0 || st >= S)
+      throw std::invalid_argument("costs_from_timeline: an event names stage " +
+                                  std::to_string(st) + " but the schedule has " +
+                                  std::to_string(S) + " stages");
+    return st;
+  };
+  struct Sum {
+    double total = 0;
+    int n = 0;
+    void add(double v) { total += v, n++; }
+    double mean() const { return n ? total / n : 0.0; }
+  };
+  std::vector<Sum> f(S), i(S), w(S), back(S), send(S);
+  // Batches of sends: events of one rank with the same span.
+  std::map<std::tuple<int, double, double>, int> batch;
+  for (const Event& e : t.events)
+    if (e.action.op == Op::SEND_F || e.action.op == Op::SEND_B) batch[{e.rank, e.start, e.end}]++;
+  for (const Event& e : t.events) {
+    const double d = e.end - e.start;
+    const Action& a = e.action;
+    switch (a.op) {
+      case Op::F:
+        f[stage_ok(a.stage)].add(d);
+        break;
+      case Op::I:
+        i[stage_ok(a.stage)].add(d);
+        break;
+      case Op::W:
+        w[stage_ok(a.stage)].add(d);
+        break;
+      case Op::B:
+        back[stage_ok(a.stage)].add(d);
+        break;
+      case Op::SEND_F:
+      case Op::SEND_B:
+        send[stage_ok(a.stage)].add(d / batch[{e.rank, e.start, e.end}]);
+        break;
+      default:
+        break;
+    }
+  }
+  // A microbatch's I and W together are one backward of the stage.
+  for (int st = 0; st < S; ++st)
+    if (i[st].n > 0 && w[st].n > 0) {
+      const int pairs = std::min(i[st].n, w[st].n);
+      back[st].total += (i[st].mean() + w[st].mean()) * pairs;
+      back[st].n += pairs;
+    }
+  // FB halves, from what ran alone.
+  const std::vector<Sum> f_alone = f, back_alone = back;
+  for (const Event& e : t.events) {
+    if (e.action.op != Op::FB) continue;
+    const int sf = stage_ok(e.action.stage), sb = stage_ok(e.action.stage2);
+    const double d = e.end - e.start;
+    const bool hf = f_alone[sf].n > 0, hb = back_alone[sb].n > 0;
+    const double fe = f_alone[sf].mean(), be = back_alone[sb].mean();
+    double share = 1.0 / 3;
+    if (hf && hb && fe + be > 0)
+      share = fe / (fe + be);
+    else if (hf && d > 0)
+      share = std::min(1.0, fe / d);
+    else if (hb && d > 0)
+      share = std::max(0.0, 1.0 - be / d);
+    f[sf].add(d * share);
+    back[sb].add(d * (1 - share));
+  }
+  CostModel c;
+  c.comm = comm;
+  c.stage_f.resize(S), c.stage_b.resize(S), c.stage_w.resize(S), c.stage_send.resize(S);
+  Sum all_sends;
+  for (int st = 0; st < S; ++st) {
+    const double bt = back[st].mean();
+    const double ie = i[st].mean(), we = w[st].mean();
+    const double i_share = ie + we > 0 ? ie / (ie + we) : 0.5;
+    c.stage_f[st] = std::max(f[st].n ? f[st].mean() : 1e-6, 1e-9);
+    c.stage_b[st] = std::max(bt * i_share, 1e-9);
+    c.stage_w[st] = std::max(bt * (1 - i_share), 1e-9);
+    c.stage_send[st] = send[st].mean();
+    all_sends.total += send[st].total, all_sends.n += send[st].n;
+  }
+  c.send = all_sends.mean();
+  return c;
 }
 
 SimResult timeline_stats(const Timeline& t) {

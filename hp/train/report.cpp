@@ -67,7 +67,8 @@ std::string report_json(const TrainConfig& c, const TrainResult& r) {
                         {"f", sc.stage_f[st]},
                         {"i", sc.stage_b[st]},
                         {"w", sc.stage_w[st]},
-                        {"comm", sc.comm}});
+                        {"comm", sc.comm},
+                        {"send", st < sc.stage_send.size() ? sc.stage_send[st] : sc.send}});
     if (!stages.empty()) j["stage_costs"] = {{"unit", "seconds"}, {"stages", stages}};
   }
   nlohmann::json ranks = nlohmann::json::array();

@@ -103,52 +103,6 @@ void unpack_events(const torch::Tensor& t, int rank, std::vector<schedule::Event
   }
 }
 
-// Per-stage F, I, W costs measured from a timeline (B and FB split evenly
-// where I and W were never measured apart), for the simulator.
-schedule::CostModel measured_costs(const schedule::Schedule& s,
-                                   const std::vector<schedule::Event>& events, double comm) {
-  const int S = s.num_stages;
-  std::vector<double> f(S, 0), i(S, 0), w(S, 0), b(S, 0);
-  std::vector<int> nf(S, 0), ni(S, 0), nw(S, 0), nb(S, 0);
-  for (const auto& e : events) {
-    double d = e.end - e.start;
-    int st = e.action.stage;
-    switch (e.action.op) {
-      case schedule::Op::F:
-        f[st] += d, nf[st]++;
-        break;
-      case schedule::Op::I:
-        i[st] += d, ni[st]++;
-        break;
-      case schedule::Op::W:
-        w[st] += d, nw[st]++;
-        break;
-      case schedule::Op::B:
-        b[st] += d, nb[st]++;
-        break;
-      case schedule::Op::FB:  // F beside B: one third F, two thirds B
-        f[st] += d / 3, nf[st]++;
-        b[e.action.stage2] += 2 * d / 3, nb[e.action.stage2]++;
-        break;
-      default:
-        break;
-    }
-  }
-  schedule::CostModel c;
-  c.comm = comm;
-  c.stage_f.resize(S), c.stage_b.resize(S), c.stage_w.resize(S);
-  for (int st = 0; st < S; ++st) {
-    double favg = nf[st] ? f[st] / nf[st] : 1e-6;
-    double iavg = ni[st] ? i[st] / ni[st] : 0, wavg = nw[st] ? w[st] / nw[st] : 0;
-    double bavg = nb[st] ? b[st] / nb[st] : iavg + wavg;
-    if (!ni[st] || !nw[st]) iavg = wavg = bavg / 2;
-    c.stage_f[st] = std::max(favg, 1e-9);
-    c.stage_b[st] = std::max(iavg, 1e-9);
-    c.stage_w[st] = std::max(wavg, 1e-9);
-  }
-  return c;
-}
-
 // Replicas (DualPipe copies, a tied head): every copy's gradient becomes the
 // sum over all copies, added in rank order so the copies get the same bits
 // and stay identical (distributed::sum_among_holders).
@@ -661,7 +615,7 @@ TrainResult run_rank(const TrainConfig& config, std::shared_ptr<distributed::Com
   auto measured = schedule::timeline_stats(result.timeline);
   result.measured_bubble = measured.bubble_rate;
   result.measured_makespan = measured.makespan;
-  result.stage_costs = measured_costs(sched, result.timeline.events, comm_cost);
+  result.stage_costs = schedule::costs_from_timeline(sched, result.timeline, comm_cost);
   auto sim = schedule::simulate(sched, result.stage_costs);
   result.simulated_bubble = sim.bubble_rate;
   result.simulated_makespan = sim.makespan;

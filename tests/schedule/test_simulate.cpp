@@ -242,3 +242,139 @@ TEST(ZbAuto, UnderOneSecondAtP32M256) {
   GTEST_SKIP() << "timing is checked in optimised builds";
 #endif
 }
+
+// NOTE [Sending occupies the sender]: a compute action whose output leaves
+// its rank keeps the rank busy `send` longer; the transfer itself still
+// takes `comm` from the producer's end; busy time counts compute only.
+TEST(Simulate, SendingOccupiesTheSender) {
+  // GPipe, p = 2, m = 2, unit costs, B = I + W = 2.
+  hs::Schedule s = hs::build("gpipe", 2, 2);
+  hs::CostModel c = costs(1, 1, 1);
+  EXPECT_NEAR(hs::simulate(s, c).makespan, 9, 1e-12);
+  c.send = 0.25;
+  // Rank 0: F0 [0,1) +0.25, F1 [1.25,2.25). Rank 1: F0 [1,2), F1 [2.25,3.25),
+  // B0 [3.25,5.25) +0.25, B1 [5.5,7.5). Rank 0: B0 [5.25,7.25), B1 [7.5,9.5).
+  hs::SimResult r = hs::simulate(s, c);
+  EXPECT_NEAR(r.makespan, 9.5, 1e-12);
+  EXPECT_NEAR(r.rank_busy[1], 6, 1e-12);  // compute only
+  // The same on the lowered list (SEND/RECV actions take no time themselves).
+  EXPECT_NEAR(hs::simulate(hs::lower(s), c).makespan, 9.5, 1e-12);
+  // Per stage: only stage 1 (rank 1) pays.
+  c.send = 0;
+  c.stage_send = {0, 0.25};
+  EXPECT_NEAR(hs::simulate(s, c).makespan, 9.25, 1e-12);
+  // A hand-off on one rank sends nothing: ZB-V at p = 1.
+  hs::CostModel v = costs(1, 1, 1);
+  v.send = 5;
+  EXPECT_NEAR(hs::simulate(hs::build("zbv", 1, 4), v).makespan, 4 * 3.0, 1e-12);
+  c.stage_send = {0.25};
+  EXPECT_THROW(hs::simulate(s, c), std::invalid_argument);
+  c.stage_send.clear();
+  c.send = -1;
+  EXPECT_THROW(hs::simulate(s, c), std::invalid_argument);
+}
+
+namespace {
+// Per-stage costs that differ from stage to stage (the first and last
+// stages unlike the middle ones, as on a GPT).
+hs::CostModel uneven(int stages, double send) {
+  hs::CostModel c = costs(1, 1, 1, 0.1);
+  for (int st = 0; st < stages; ++st) {
+    c.stage_f.push_back(1.0 + 0.25 * st);
+    c.stage_b.push_back(st == 0 ? 0.05 : 1.25 + 0.5 * (st == stages - 1));
+    c.stage_w.push_back(0.75 + 0.1 * st);
+    c.stage_send.push_back(st % 2 ? send : send / 2);
+  }
+  return c;
+}
+// A simulated run as a runtime would record it: the compute events and,
+// right after each output that leaves its rank, its SEND event.
+hs::Timeline as_measured(const hs::Schedule& s, const hs::CostModel& c) {
+  hs::SimResult r = hs::simulate(s, c);
+  hs::Timeline t = r.timeline;
+  for (const auto& e : r.timeline.events) {
+    auto send = [&](hs::Op op, int stage, int to, int mb) {
+      if (to >= 0 && s.stage_rank[to] != e.rank)
+        t.events.push_back(
+            {e.rank, hs::Action::make(op, stage, mb), e.end, e.end + c.stage_send[stage]});
+    };
+    const hs::Action& a = e.action;
+    if (a.op == hs::Op::F || a.op == hs::Op::FB)
+      send(hs::Op::SEND_F, a.stage, s.next_stage(a.stage, a.microbatch), a.microbatch);
+    if (a.op == hs::Op::I || a.op == hs::Op::B)
+      send(hs::Op::SEND_B, a.stage, s.prev_stage(a.stage, a.microbatch), a.microbatch);
+    if (a.op == hs::Op::FB)
+      send(hs::Op::SEND_B, a.stage2, s.prev_stage(a.stage2, a.microbatch2), a.microbatch2);
+  }
+  return t;
+}
+}  // namespace
+
+// NOTE [Costs from a measured timeline]: the costs a run measured predict
+// that run. On every generator's schedule, costs read back from a simulated
+// run simulate to the same step; F, I, W and send come back exactly where
+// each ran alone.
+TEST(CostsFromTimeline, ReadBackCostsReproduceTheRun) {
+  for (const auto& name : hs::names()) {
+    SCOPED_TRACE(name);
+    hs::Schedule s = hs::lower(hs::build(name, 2, 8));
+    hs::CostModel truth = uneven(s.num_stages, 0.2);
+    hs::Timeline t = as_measured(s, truth);
+    hs::CostModel got = hs::costs_from_timeline(s, t, truth.comm);
+    EXPECT_NEAR(hs::simulate(s, got).makespan, hs::simulate(s, truth).makespan, 1e-9);
+    EXPECT_EQ(got.comm, truth.comm);
+    ASSERT_EQ(got.stage_send.size(), size_t(s.num_stages));
+    for (int st = 0; st < s.num_stages; ++st) {
+      bool split = false, sends = false;
+      for (const auto& e : t.events) {
+        split = split || (e.action.op == hs::Op::I && e.action.stage == st);
+        sends = sends || (hs::is_comm(e.action.op) && e.action.stage == st);
+      }
+      EXPECT_NEAR(got.stage_f[st], truth.stage_f[st], 1e-9) << "stage " << st;
+      EXPECT_NEAR(got.stage_b[st] + got.stage_w[st], truth.stage_b[st] + truth.stage_w[st], 1e-9);
+      if (split) {
+        EXPECT_NEAR(got.stage_b[st], truth.stage_b[st], 1e-9) << "stage " << st;
+      }
+      EXPECT_NEAR(got.stage_send[st], sends ? truth.stage_send[st] : 0.0, 1e-9);
+    }
+  }
+}
+
+TEST(CostsFromTimeline, BatchesFusedBackwardsAndFb) {
+  hs::Schedule s = hs::build("1f1b", 2, 2);
+  auto ev = [](int rank, hs::Action a, double start, double end) {
+    return hs::Event{rank, a, start, end};
+  };
+  using hs::Action;
+  using hs::Op;
+  hs::Timeline t;
+  t.num_ranks = 2;
+  // Stage 0: F 1 and 3 (mean 2); two sends posted in one batch of 1.0: 0.5 each.
+  t.events.push_back(ev(0, Action::make(Op::F, 0, 0), 0, 1));
+  t.events.push_back(ev(0, Action::make(Op::F, 0, 1), 1, 4));
+  t.events.push_back(ev(0, Action::make(Op::SEND_F, 0, 0), 4, 5));
+  t.events.push_back(ev(0, Action::make(Op::SEND_F, 0, 1), 4, 5));
+  // Stage 0's backward: one split (I 1 + W 3), one fused B of 2: I + W is
+  // their mean, 3, in the split's proportion 1:3.
+  t.events.push_back(ev(0, Action::make(Op::I, 0, 0), 5, 6));
+  t.events.push_back(ev(0, Action::make(Op::W, 0, 0), 6, 9));
+  t.events.push_back(ev(0, Action::make(Op::B, 0, 1), 9, 11));
+  // Stage 1: F 2 alone, a fused B of 4 alone and an FB of 6 (F of one
+  // microbatch beside B of the other): the FB splits in the proportion 2:4.
+  t.events.push_back(ev(1, Action::make(Op::F, 1, 0), 0, 2));
+  t.events.push_back(ev(1, Action::overlap(1, 1, 1, 0), 2, 8));
+  t.events.push_back(ev(1, Action::make(Op::B, 1, 1), 8, 12));
+  hs::CostModel c = hs::costs_from_timeline(s, t, 0.5);
+  EXPECT_NEAR(c.stage_f[0], 2, 1e-12);
+  EXPECT_NEAR(c.stage_b[0], 0.75, 1e-12);
+  EXPECT_NEAR(c.stage_w[0], 2.25, 1e-12);
+  EXPECT_NEAR(c.stage_send[0], 0.5, 1e-12);
+  EXPECT_NEAR(c.stage_f[1], 2, 1e-12);
+  EXPECT_NEAR(c.stage_b[1] + c.stage_w[1], 4, 1e-12);
+  EXPECT_NEAR(c.stage_b[1], c.stage_w[1], 1e-12);  // never split: half and half
+  EXPECT_NEAR(c.stage_send[1], 0, 1e-12);
+  EXPECT_NEAR(c.send, 0.5, 1e-12);
+  EXPECT_EQ(c.comm, 0.5);
+  t.events.push_back(ev(1, Action::make(Op::F, 5, 0), 0, 1));
+  EXPECT_THROW(hs::costs_from_timeline(s, t, 0), std::invalid_argument);
+}
