@@ -192,7 +192,8 @@ bool schedule_equal(const hs::Schedule& a, const hs::Schedule& b) {
 
 std::string cost_repr(const hs::CostModel& c) {
   std::string s = "CostModel(f=" + num(c.f) + ", b=" + num(c.b) + ", w=" + num(c.w) +
-                  ", comm=" + num(c.comm) + ", mem_b=" + num(c.mem_b) + ", mem_w=" + num(c.mem_w);
+                  ", comm=" + num(c.comm) + ", send=" + num(c.send) + ", mem_b=" + num(c.mem_b) +
+                  ", mem_w=" + num(c.mem_w);
   auto vec = [&s](const char* n, const std::vector<double>& v) {
     if (!v.empty()) s += std::string(", ") + n + "=" + doubles(v);
   };
@@ -202,6 +203,7 @@ std::string cost_repr(const hs::CostModel& c) {
   vec("stage_mem_b", c.stage_mem_b);
   vec("stage_mem_w", c.stage_mem_w);
   vec("stage_comm", c.stage_comm);
+  vec("stage_send", c.stage_send);
   return s + ")";
 }
 
@@ -459,14 +461,15 @@ void bind_schedule(py::module_& m) {
       "Per-op costs and activation memory for one rank's share of the model. b is the cost "
       "of I (dx, the Zero Bubble paper's B); a fused B costs b + w. The stage_* lists, when "
       "given, hold one absolute value per stage of the schedule they are used with.")
-      .def(py::init([](double f, double b, double w, double comm, double mem_b, double mem_w,
-                       Vec stage_f, Vec stage_b, Vec stage_w, Vec stage_mem_b, Vec stage_mem_w,
-                       Vec stage_comm) {
+      .def(py::init([](double f, double b, double w, double comm, double send, double mem_b,
+                       double mem_w, Vec stage_f, Vec stage_b, Vec stage_w, Vec stage_mem_b,
+                       Vec stage_mem_w, Vec stage_comm, Vec stage_send) {
              hs::CostModel c;
              c.f = f;
              c.b = b;
              c.w = w;
              c.comm = comm;
+             c.send = send;
              c.mem_b = mem_b;
              c.mem_w = mem_w;
              c.stage_f = stage_f.value_or(std::vector<double>{});
@@ -475,18 +478,23 @@ void bind_schedule(py::module_& m) {
              c.stage_mem_b = stage_mem_b.value_or(std::vector<double>{});
              c.stage_mem_w = stage_mem_w.value_or(std::vector<double>{});
              c.stage_comm = stage_comm.value_or(std::vector<double>{});
+             c.stage_send = stage_send.value_or(std::vector<double>{});
              c.check();
              return c;
            }),
            py::arg("f") = 1.0, py::arg("b") = 1.0, py::arg("w") = 1.0, py::kw_only(),
-           py::arg("comm") = 0.0, py::arg("mem_b") = 1.0, py::arg("mem_w") = 0.5,
-           py::arg("stage_f") = py::none(), py::arg("stage_b") = py::none(),
+           py::arg("comm") = 0.0, py::arg("send") = 0.0, py::arg("mem_b") = 1.0,
+           py::arg("mem_w") = 0.5, py::arg("stage_f") = py::none(), py::arg("stage_b") = py::none(),
            py::arg("stage_w") = py::none(), py::arg("stage_mem_b") = py::none(),
-           py::arg("stage_mem_w") = py::none(), py::arg("stage_comm") = py::none())
+           py::arg("stage_mem_w") = py::none(), py::arg("stage_comm") = py::none(),
+           py::arg("stage_send") = py::none())
       .def_readwrite("f", &hs::CostModel::f, "forward")
       .def_readwrite("b", &hs::CostModel::b, "input gradient I (the paper's B)")
       .def_readwrite("w", &hs::CostModel::w, "weight gradient W")
       .def_readwrite("comm", &hs::CostModel::comm, "latency of one cross-rank transfer")
+      .def_readwrite("send", &hs::CostModel::send,
+                     "time the sender stays busy posting one cross-rank transfer (NOTE [Sending "
+                     "occupies the sender])")
       .def_readwrite("mem_b", &hs::CostModel::mem_b, "memory held from F until I (or B)")
       .def_readwrite("mem_w", &hs::CostModel::mem_w, "memory held from I until W")
       .def_readwrite("stage_f", &hs::CostModel::stage_f)
@@ -495,6 +503,7 @@ void bind_schedule(py::module_& m) {
       .def_readwrite("stage_mem_b", &hs::CostModel::stage_mem_b)
       .def_readwrite("stage_mem_w", &hs::CostModel::stage_mem_w)
       .def_readwrite("stage_comm", &hs::CostModel::stage_comm)
+      .def_readwrite("stage_send", &hs::CostModel::stage_send)
       .def(
           "check", [](const hs::CostModel& c) { c.check(); },
           "Raises ValueError unless costs are positive and finite, comm and memory >= 0.")
@@ -506,10 +515,11 @@ void bind_schedule(py::module_& m) {
       .def(py::pickle(
           [](const hs::CostModel& c) {
             return py::make_tuple(c.f, c.b, c.w, c.comm, c.mem_b, c.mem_w, c.stage_f, c.stage_b,
-                                  c.stage_w, c.stage_mem_b, c.stage_mem_w, c.stage_comm);
+                                  c.stage_w, c.stage_mem_b, c.stage_mem_w, c.stage_comm, c.send,
+                                  c.stage_send);
           },
           [](const py::tuple& t) {
-            if (t.size() != 12) value_error("CostModel: bad pickle state");
+            if (t.size() != 14) value_error("CostModel: bad pickle state");
             hs::CostModel c;
             c.f = t[0].cast<double>();
             c.b = t[1].cast<double>();
@@ -523,6 +533,8 @@ void bind_schedule(py::module_& m) {
             c.stage_mem_b = t[9].cast<std::vector<double>>();
             c.stage_mem_w = t[10].cast<std::vector<double>>();
             c.stage_comm = t[11].cast<std::vector<double>>();
+            c.send = t[12].cast<double>();
+            c.stage_send = t[13].cast<std::vector<double>>();
             return c;
           }));
 

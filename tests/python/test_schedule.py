@@ -231,6 +231,22 @@ def test_per_stage_costs():
     assert pickle.loads(pickle.dumps(costs)).stage_comm == comm
 
 
+def test_send_occupies_the_sender():
+    # NOTE [Sending occupies the sender]: a send keeps its rank busy, so a
+    # schedule's step grows with it while the compute it counts does not.
+    sched = hs.build("1f1b", 2, 4)
+    free = hs.simulate(sched, hs.CostModel(f=1, b=1, w=1, comm=0.25))
+    costs = hs.CostModel(f=1, b=1, w=1, comm=0.25, send=0.5)
+    busy = hs.simulate(sched, costs)
+    assert busy.makespan > free.makespan
+    assert busy.rank_busy == pytest.approx(free.rank_busy)
+    per_stage = hs.CostModel(f=1, b=1, w=1, comm=0.25, stage_send=[0.5, 0.5])
+    assert hs.simulate(sched, per_stage).makespan == pytest.approx(busy.makespan)
+    back = pickle.loads(pickle.dumps(per_stage))
+    assert back.stage_send == [0.5, 0.5] and pickle.loads(pickle.dumps(costs)).send == 0.5
+    assert "send=0.5" in repr(costs)
+
+
 def test_stage_cost_file(tmp_path):
     doc = {"stages": [
         {"f": 1.4, "i": 1.4, "w": 0.7, "comm": 0.3},
