@@ -37,10 +37,12 @@
 #include "hp/schedule/generators.h"
 #include "hp/train/checkpoint.h"
 #include "hp/train/trainer.h"
+#include "tests/common/hp_cli.h"
 #include "tests/common/threads_as_ranks.h"
-#include "tests/common/train_flags.h"
 
 namespace fs = std::filesystem;
+using hp::testing::HpRun;
+using hp::testing::run_hp;
 using hp::testing::train_flags;
 using hp::train::TrainConfig;
 using hp::train::TrainResult;
@@ -489,28 +491,6 @@ TEST(InputFaults, DataIsBoundedAndDevicesAreRefusedUnread) {
 }
 
 // ---- real processes ----------------------------------------------------
-
-struct HpRun {
-  int exit_code = -1;
-  std::string output;
-  double seconds = 0;
-};
-
-HpRun run_hp(const std::string& args, const std::string& env = "") {
-  std::string cmd = env + " " + HP_BIN + " " + args + " 2>&1";
-  auto t0 = Clock::now();
-  HpRun r;
-  FILE* pipe = ::popen(cmd.c_str(), "r");
-  if (!pipe) throw std::runtime_error("cannot run " + cmd);
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = std::fread(buf.data(), 1, buf.size(), pipe)) > 0)
-    r.output.append(buf.data(), n);
-  int status = ::pclose(pipe);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  r.seconds = seconds_since(t0);
-  return r;
-}
 
 // The "Why" list of issue 15, re-run: each a clear error, exit code 1, no rank
 // started, well within 5 s (the time includes loading LibTorch into `hp`).

@@ -19,37 +19,17 @@
 #include "hp/launch/launcher.h"
 #include "hp/train/checkpoint.h"
 #include "hp/train/trainer.h"
+#include "tests/common/hp_cli.h"
 #include "tests/common/netns.h"
-#include "tests/common/train_flags.h"
 
 namespace fs = std::filesystem;
+using hp::testing::HpRun;
+using hp::testing::run_hp;
 using hp::testing::train_flags;
 using hp::train::TrainConfig;
 using hp::train::TrainResult;
 
 namespace {
-
-struct HpRun {
-  int exit_code = -1;
-  std::string output;  // stdout and stderr
-  double seconds = 0;
-};
-
-HpRun run_hp(const std::string& args, const std::string& env = "") {
-  std::string cmd = env + " " + HP_BIN + " " + args + " 2>&1";
-  auto t0 = std::chrono::steady_clock::now();
-  HpRun r;
-  FILE* pipe = ::popen(cmd.c_str(), "r");
-  if (!pipe) throw std::runtime_error("cannot run " + cmd);
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = std::fread(buf.data(), 1, buf.size(), pipe)) > 0)
-    r.output.append(buf.data(), n);
-  int status = ::pclose(pipe);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  return r;
-}
 
 fs::path fresh_dir(const std::string& name) {
   auto d = fs::temp_directory_path() / ("hp-e2e-" + std::to_string(::getpid()) + "-" + name);
