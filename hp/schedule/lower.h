@@ -21,7 +21,8 @@ namespace hp::schedule {
 // agree on their messages' order, and no cycle of ranks waiting on each
 // other can form. Each RECV is placed one compute action before its
 // consumer when that order allows (so its data arrives while the rank
-// computes), later when it must. validate() checks per-channel order, that
+// computes), later when it must; a batch lists its SENDs before its RECVs
+// (NOTE [Sends before receives] in lower.cpp). validate() checks per-channel order, that
 // no cycle can form with operations run in posting order (NOTE [Batch
 // order]), and that no rank waits forever for its inputs.
 

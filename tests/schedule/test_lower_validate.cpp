@@ -49,9 +49,10 @@ TEST(Lower, OneFOneBPlacesSendAfterProducerRecvBeforeConsumer) {
 // case one step on); rank 0 keeps receiving each B one compute action ahead.
 TEST(Lower, ReceivesEarlyWithoutACycle) {
   hs::Schedule low = hs::lower(hs::build("1f1b", 2, 4));
+  // Each batch posts its sends before its receives (NOTE [Sends before receives]).
   EXPECT_EQ(hs::format_actions(low.actions[1]),
-            "1RECV_F0 1RECV_F1 1F0 1B0 1SEND_B0 1F1 1B1 1RECV_F2 1SEND_B1 1F2 1B2 1RECV_F3 "
-            "1SEND_B2 1F3 1B3 1SEND_B3");
+            "1RECV_F0 1RECV_F1 1F0 1B0 1SEND_B0 1F1 1B1 1SEND_B1 1RECV_F2 1F2 1B2 1SEND_B2 "
+            "1RECV_F3 1F3 1B3 1SEND_B3");
   EXPECT_EQ(hs::format_actions(low.actions[0]),
             "0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0F2 0SEND_F2 0B1 0RECV_B2 0F3 "
             "0SEND_F3 0B2 0RECV_B3 0B3");
