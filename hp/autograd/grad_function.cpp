@@ -389,6 +389,48 @@ Grads GradFunction::operator()(const TensorList& sens, bool keep_graph) {
   return out;
 }
 
+// NOTE [Fused backward into .grad]
+// operator() asks the engine for every weight's gradient as an output and
+// then adds each into .grad: the first microbatch's gradients are copied,
+// and every add runs after the whole backward, when the gradient is no
+// longer in cache. backward() instead lets the engine's AccumulateGrad nodes
+// take each gradient as it is made (the first one without a copy). Measured
+// on the last stage of the peer benchmark's GPT (d_model 128, seq 64,
+// microbatch 4, one thread): 31.7 ms for operator() against 29.1 ms for
+// loss.backward() and 30.0 ms for backward(inputs=...) with dx. So the fused
+// backward of a training step runs the engine in accumulating mode, limited
+// to the input and weight edges (what backward(inputs=...) does): dx lands
+// in each input's .grad, is taken from there and the .grad cleared again.
+// That needs every input and weight to be a leaf with, for inputs, no .grad
+// of its own (a pipeline stage's inputs are detached leaves); otherwise it
+// is operator(). Same values, bit for bit: the same sums in the same order.
+TensorList GradFunction::backward_into_grad(const TensorList& sens, bool keep_graph) {
+  auto& m = *impl_;
+  bool leaves = m.state == Impl::State::Fresh;
+  for (size_t i = 0; i < m.inputs.size(); ++i)
+    if (m.input_edges[i].is_valid())
+      leaves = leaves && m.inputs[i].is_leaf() && !m.inputs[i].grad().defined();
+  for (const auto& w : m.weights)
+    leaves = leaves && w.is_leaf();
+  if (!leaves) return (*this)(sens, keep_graph).input_grads;
+  TensorList full_sens = m.resolve_sens(sens);
+  std::vector<Edge> wanted = m.valid_input_edges();
+  wanted.insert(wanted.end(), m.weight_edges.begin(), m.weight_edges.end());
+  Engine::get_default_engine().execute(m.output_edges, full_sens, keep_graph,
+                                       /*create_graph=*/false, /*accumulate_grad=*/true, wanted);
+  TensorList dx(m.inputs.size());
+  for (size_t i = 0; i < m.inputs.size(); ++i) {
+    if (!m.input_edges[i].is_valid()) continue;
+    auto& slot = const_cast<torch::Tensor&>(m.inputs[i]).mutable_grad();
+    dx[i] = or_zeros(slot, m.inputs[i]);
+    slot = torch::Tensor();
+  }
+  for (const auto& w : m.weights)
+    if (!w.grad().defined()) const_cast<torch::Tensor&>(w).mutable_grad() = torch::zeros_like(w);
+  if (!keep_graph) m.release();
+  return dx;
+}
+
 std::pair<TensorList, GradFunction> forward_and_gradfn(
     const std::function<TensorList(const TensorList&)>& fn, const TensorList& inputs,
     const ForwardAndGradOptions& options) {

@@ -88,6 +88,12 @@ class GradFunction {
   /// that do not split. Accumulates dw into `.grad()` too.
   Grads operator()(const TensorList& sens = {}, bool keep_graph = false);
 
+  /// The fused backward of a training step: dx as operator() returns it; dw
+  /// goes only into `.grad()` (a weight with no path to the outputs gets zeros
+  /// there too), through the engine's own accumulation as `backward()` does,
+  /// and is not returned (NOTE [Fused backward into .grad]).
+  TensorList backward_into_grad(const TensorList& sens = {}, bool keep_graph = false);
+
   /// Runs dw as one engine call per weight group instead of one call for all
   /// (NOTE [One engine call for dw]); results are identical. Default off.
   GradFunction& separate_dw_calls(bool on);

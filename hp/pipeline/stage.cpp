@@ -75,13 +75,13 @@ void PipelineStage::backward_weight(int stage, int mb) {
 torch::Tensor PipelineStage::backward(int stage, int mb, const torch::Tensor& grad_output) {
   Slot& s = slot(stage, mb, "B");
   TORCH_CHECK(!s.input_done, "stage ", stage, " microbatch ", mb, ": B after I");
-  autograd::Grads grads;
+  autograd::TensorList dxs;
   auto run = [&] {
-    grads = (*s.grad_fn)(grad_output.defined() ? autograd::TensorList{grad_output}
-                                               : autograd::TensorList{});
+    dxs = s.grad_fn->backward_into_grad(grad_output.defined() ? autograd::TensorList{grad_output}
+                                                              : autograd::TensorList{});
   };
   hooks_.around_backward ? hooks_.around_backward(stage, mb, 'B', run) : run();
-  torch::Tensor dx = grads.input_grads.empty() ? torch::Tensor() : grads.input_grads[0];
+  torch::Tensor dx = dxs.empty() ? torch::Tensor() : dxs[0];
   finish(stage, mb);
   return dx;
 }

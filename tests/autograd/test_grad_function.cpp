@@ -111,6 +111,29 @@ hp::autograd::SplitStats check_split(const Fn& fn, const TensorList& inputs,
     expect_close(grads.input_grads[i], ref.dx[i], "fused dx " + std::to_string(i));
   for (size_t i = 0; i < grads.weight_grads.size(); ++i)
     expect_close(grads.weight_grads[i], ref.dw[i], "fused dw " + std::to_string(i));
+  // The fused backward of a training step: dw only in .grad (NOTE [Fused
+  // backward into .grad]), bit for bit what operator() put there.
+  TensorList fused_grad;
+  for (auto& w : weights)
+    fused_grad.push_back(w.grad().clone());
+  for (auto& w : weights)
+    w.mutable_grad() = torch::Tensor();
+  auto [outs3, into] = forward_and_gradfn(fn, inputs, opts);
+  TensorList dx3 = into.backward_into_grad(sens);
+  EXPECT_EQ(dx3.size(), positions.size());
+  for (size_t i = 0; i < dx3.size(); ++i) {
+    expect_close(dx3[i], ref.dx[i], "backward_into_grad dx " + std::to_string(i));
+    EXPECT_TRUE(torch::equal(dx3[i], grads.input_grads[i])) << "dx " << i;
+  }
+  for (size_t i = 0; i < weights.size(); ++i) {
+    expect_close(weights[i].grad(), ref.dw[i], "backward_into_grad .grad " + std::to_string(i));
+    EXPECT_TRUE(torch::equal(weights[i].grad(), fused_grad[i])) << "weight " << i;
+  }
+  for (const auto& x : inputs) {
+    if (x.defined()) {
+      EXPECT_FALSE(x.grad().defined()) << "an input's .grad is left as it was";
+    }
+  }
   for (auto& w : weights)
     w.mutable_grad() = torch::Tensor();
   return stats;
@@ -332,6 +355,43 @@ TEST_F(SplitTest, RepeatedMicrobatchesAccumulate) {
   pending[1].compute_weight_grad();
   expect_close(w.grad(), ref_w, "accumulated dw");
   expect_close(b.grad(), ref_b, "accumulated db");
+  // Fused backwards accumulate the same, through operator() and through the
+  // engine's own accumulation (backward_into_grad), bit for bit.
+  std::vector<torch::Tensor> sums;
+  for (bool into : {false, true}) {
+    w.mutable_grad() = torch::Tensor();
+    b.mutable_grad() = torch::Tensor();
+    for (auto& x : xs) {
+      auto [out, gf] = forward_and_gradfn(fn, {x}, ForwardAndGradOptions().weights({w, b}));
+      if (into) {
+        gf.backward_into_grad();
+      } else {
+        gf();
+      }
+    }
+    expect_close(w.grad(), ref_w, "fused accumulated dw");
+    sums.push_back(w.grad().clone());
+    sums.push_back(b.grad().clone());
+  }
+  EXPECT_TRUE(torch::equal(sums[0], sums[2]));
+  EXPECT_TRUE(torch::equal(sums[1], sums[3]));
+}
+
+TEST_F(SplitTest, BackwardIntoGradFallsBackOnANonLeafInput) {
+  // An input that is not a leaf (here 2a) keeps its .grad empty; the result
+  // is operator()'s.
+  auto a = torch::randn({4, 5}, kF64).requires_grad_(true);
+  auto w = param({5, 5});
+  auto x = a * 2;
+  Fn fn = [&](const TensorList& in) { return TensorList{torch::tanh(in[0].matmul(w)).matmul(w)}; };
+  auto r = reference(fn, {x.detach()}, {w}, {0}, {torch::ones({4, 5}, kF64)}, false);
+  w.mutable_grad() = torch::Tensor();
+  auto [out, gf] = forward_and_gradfn(fn, {x}, ForwardAndGradOptions().weights({w}));
+  TensorList dx = gf.backward_into_grad();
+  expect_close(dx[0], r.dx[0], "dx of a non-leaf input");
+  expect_close(w.grad(), r.dw[0], ".grad");
+  EXPECT_FALSE(a.grad().defined()) << "nothing flows past the input";
+  EXPECT_THROW(gf.backward_into_grad(), c10::Error);  // the graph is freed
 }
 
 TEST_F(SplitTest, UndefinedInputsAreIgnored) {
