@@ -22,9 +22,9 @@ namespace hp::schedule {
 // other can form. Each RECV is placed one compute action before its
 // consumer when that order allows (so its data arrives while the rank
 // computes), later when it must; a batch lists its SENDs before its RECVs
-// (NOTE [Sends before receives] in lower.cpp). validate() checks per-channel order, that
-// no cycle can form with operations run in posting order (NOTE [Batch
-// order]), and that no rank waits forever for its inputs.
+// (NOTE [Sends before receives] in lower.cpp). validate() checks
+// per-channel order, that no cycle can form with operations run in posting
+// order (NOTE [Batch order]), and that no rank waits forever for its inputs.
 
 /// Returns a copy of s with SEND/RECV actions added (s must be compute-only).
 /// Throws std::invalid_argument if s is already lowered.
