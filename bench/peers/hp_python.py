@@ -37,7 +37,9 @@ def worker(args):
     chunks = models.gpt_chunks(config, sched.chunks_of_rank(rank), sched.num_chunks, args.seed)
     pipe = hp.pipeline.Pipeline(chunks, sched, loss_fn=models.gpt_loss,
                                 activation_shape=config.activation_shape(s["microbatch_size"]),
-                                timeout=args.timeout)
+                                timeout=args.timeout,
+                                receive_lookahead=args.receive_lookahead,
+                                keep_freed_memory=not args.malloc_default)
     parameters = [q for c in chunks.values() for q in c.parameters()]
     optimizer = torch.optim.AdamW(parameters, lr=args.lr, weight_decay=args.weight_decay)
 
@@ -83,6 +85,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     common.add_run_arguments(ap)
     ap.add_argument("--chunks", type=int, default=2, help="virtual stages per rank (interleaved)")
+    ap.add_argument("--receive-lookahead", type=int, default=None,
+                    help="Pipeline(receive_lookahead=...): receives posted N batches ahead "
+                         "(default: the transport's, 1 on Gloo)")
+    ap.add_argument("--malloc-default", action="store_true",
+                    help="Pipeline(keep_freed_memory=False): leave glibc's malloc as it is")
     argv = sys.argv[1:]
     args = ap.parse_args(argv)
     if args.worker:

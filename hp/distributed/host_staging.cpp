@@ -45,6 +45,7 @@ class HostStagingComm : public Comm {
   int world_size() const override { return inner_->world_size(); }
   std::chrono::milliseconds timeout() const override { return inner_->timeout(); }
   std::string backend_name() const override { return inner_->backend_name() + "+host"; }
+  bool early_receives_are_free() const override { return inner_->early_receives_are_free(); }
 
   Work isend(const at::Tensor& tensor, int dst) override {
     return batch({P2POp::send(tensor, dst)})[0];

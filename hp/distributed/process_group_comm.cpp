@@ -91,6 +91,7 @@ class ProcessGroupComm : public Comm, public std::enable_shared_from_this<Proces
   int world_size() const override { return int(root_ranks_.size()); }
   std::chrono::milliseconds timeout() const override { return options_.timeout; }
   std::string backend_name() const override { return backend_; }
+  bool early_receives_are_free() const override { return backend_ == "gloo"; }
 
   Work isend(const at::Tensor& tensor, int dst) override {
     auto w = post(P2POp::send(tensor, dst));

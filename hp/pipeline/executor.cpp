@@ -217,6 +217,13 @@ struct Executor::State {
   std::vector<Span> spans;                      // the events, in the order they happened
   std::vector<std::pair<int, int>> comm_spans;  // batch postings, receive waits, the drain
   std::vector<std::pair<int, int>>* waits_of_running = nullptr;
+  // The action list's batches (runs of SEND/RECV actions) as [first, last),
+  // the batch starting at each index, and the receives posted ahead this step
+  // (NOTE [Receives posted ahead]).
+  std::vector<std::pair<size_t, size_t>> batches;
+  std::map<size_t, size_t> batch_at;
+  size_t lookahead = 0;
+  std::vector<char> posted_ahead;
 
   State(const schedule::Schedule& s, int r, PipelineStage& st, std::shared_ptr<distributed::Comm> c,
         ExecutorOptions o)
@@ -232,6 +239,27 @@ struct Executor::State {
     } else {
       timer = opts.device.is_cpu() ? make_host_timer() : make_device_timer(opts.device);
     }
+    for (size_t i = 0; i < actions.size();) {
+      if (!schedule::is_comm(actions[i].op)) {
+        ++i;
+        continue;
+      }
+      size_t j = i;
+      while (j < actions.size() && schedule::is_comm(actions[j].op))
+        ++j;
+      batch_at[i] = batches.size();
+      batches.emplace_back(i, j);
+      i = j;
+    }
+    const bool free_early = comm->early_receives_are_free();
+    TORCH_CHECK(opts.receive_lookahead >= -1, "ExecutorOptions::receive_lookahead is ",
+                opts.receive_lookahead, "; give a number of batches, or -1 for the Comm's default");
+    TORCH_CHECK(opts.receive_lookahead <= 0 || free_early, "ExecutorOptions::receive_lookahead is ",
+                opts.receive_lookahead, ", but the ", comm->backend_name(),
+                " Comm does not say that receives posted ahead are free (where a rank's "
+                "operations run in posting order, as on NCCL, they would hold back its sends; "
+                "NOTE [Receives posted ahead])");
+    lookahead = opts.receive_lookahead >= 0 ? size_t(opts.receive_lookahead) : free_early ? 1 : 0;
   }
 
   int rank_of(int stage_id) const { return sched.stage_rank.at(stage_id); }
@@ -299,27 +327,58 @@ struct Executor::State {
     return distributed::P2POp::send(t, rank_of(consumer));
   }
 
+  // NOTE [Receives posted ahead]
+  // Gloo's TCP transport moves a message only once both ends posted it: a
+  // posted receive writes a "ready" note to the sender, and a send posted
+  // after that note arrived is written at once by the posting thread; a send
+  // posted before it waits for the sender's event-loop thread to answer the
+  // note. That thread shares the core with the rank's main thread, which is
+  // computing by then, and the scheduler lets the computation run on to its
+  // next tick: on the benchmark host (4 ms ticks) one message in five on
+  // 1F1B arrived 1-5 ms after its send was posted, 38 of a step's 50 ms of
+  // waiting (seen with `perf sched`: the sender's event-loop thread woken by
+  // the note, then runnable for 4.3 ms behind its own rank's compute). In
+  // 1F1B's steady state a receive is posted right when the peer's send is
+  // (each after one F and one B), so which comes first is a coin toss.
+  // Posting each batch's receives one batch earlier settles it, at the cost
+  // of one more receive buffer per channel. Only where the Comm says it is
+  // free: on NCCL a rank's operations run in posting order on one stream, so
+  // an early receive would hold back the sends behind it.
+  //
   // Posts actions[i, j) (consecutive SEND/RECV actions) as one batch, in
-  // list order (NOTE [Executor protocol]).
+  // list order (NOTE [Executor protocol]), with the RECVs of the next
+  // `lookahead` batches after them (their order kept: every channel's
+  // receives are still posted in list order).
   void post_batch(size_t i, size_t j) {
+    std::vector<size_t> which;
+    for (size_t k = i; k < j; ++k)
+      if (!posted_ahead[k]) which.push_back(k);
+    const size_t b = batch_at.at(i);
+    for (size_t ahead = b + 1; ahead <= b + lookahead && ahead < batches.size(); ++ahead)
+      for (size_t k = batches[ahead].first; k < batches[ahead].second; ++k)
+        if (!is_send(actions[k].op) && !posted_ahead[k]) {
+          posted_ahead[k] = 1;
+          which.push_back(k);
+        }
+    if (which.empty()) return;
     std::vector<distributed::P2POp> ops;
-    std::vector<torch::Tensor> buffers(j - i);
-    std::vector<std::function<void()>> on_done(j - i);
-    for (size_t k = i; k < j; ++k) {
-      const Action& a = actions[k];
-      ops.push_back(is_send(a.op) ? send_op(a, on_done[k - i]) : recv_op(a, buffers[k - i]));
+    std::vector<torch::Tensor> buffers(which.size());
+    std::vector<std::function<void()>> on_done(which.size());
+    for (size_t n = 0; n < which.size(); ++n) {
+      const Action& a = actions[which[n]];
+      ops.push_back(is_send(a.op) ? send_op(a, on_done[n]) : recv_op(a, buffers[n]));
     }
     auto works = comm->batch(ops);
-    for (size_t k = i; k < j; ++k) {
-      const Action& a = actions[k];
+    for (size_t n = 0; n < which.size(); ++n) {
+      const Action& a = actions[which[n]];
       if (is_send(a.op)) {
         // The reaper holds the sent tensor while the send runs; the data is
         // freed by on_done (outputs: their storage is swapped out) or when
         // the reaper drops it (gradients).
-        reaper->add(works[k - i], ops[k - i].tensor, std::move(on_done[k - i]));
+        reaper->add(works[n], ops[n].tensor, std::move(on_done[n]));
       } else {
         recvs.emplace(std::make_tuple(a.op == Op::RECV_F ? 0 : 1, a.stage, a.microbatch),
-                      Posted{works[k - i], buffers[k - i]});
+                      Posted{works[n], buffers[n]});
       }
     }
   }
@@ -442,6 +501,7 @@ struct Executor::State {
     spans.clear();
     comm_spans.clear();
     waits_of_running = nullptr;
+    posted_ahead.assign(actions.size(), 0);
     stage.reset();
     reaper = std::make_unique<SendReaper>(opts.device);
     timer->start();

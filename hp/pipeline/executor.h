@@ -72,6 +72,11 @@ struct ExecutorOptions {
   /// Makes the step's timer; unset: the host clock on the CPU, the device's
   /// events elsewhere (NOTE [Timing on the device]).
   std::function<std::unique_ptr<StepTimer>()> make_timer;
+  /// With each batch, also post the RECVs of the next `receive_lookahead`
+  /// batches (NOTE [Receives posted ahead] in executor.cpp). -1, the default:
+  /// 1 where the Comm says early receives are free (Gloo), else 0. More than
+  /// 0 on a Comm that does not say so (NCCL) is refused.
+  int receive_lookahead = -1;
 };
 
 /// What one step did on this rank.
@@ -102,7 +107,9 @@ struct StepStats {
 //   coalesced group on NCCL). Lowering places every RECV where it should be
 //   posted - early enough that its data arrives while the rank computes, in
 //   one order the two ranks of every message agree on (NOTE [Lowering and
-//   message order]) - so the executor never reorders.
+//   message order]) - so the executor never reorders. Where the Comm allows
+//   it (Gloo) it posts receives a batch ahead, each channel's still in list
+//   order (NOTE [Receives posted ahead] in executor.cpp).
 // * A RECV's buffer is waited for by its consumer (F for RECV_F, I/B for
 //   RECV_B); the wait is the receive's timed event.
 // * A SEND's data is the output (F) or input gradient (I/B) it names; a

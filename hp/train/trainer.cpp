@@ -265,6 +265,9 @@ void TrainConfig::validate() const {
   auto need = [](bool ok, const std::string& msg) {
     if (!ok) throw std::invalid_argument(msg);
   };
+  need(receive_lookahead >= -1, "--receive-lookahead " + std::to_string(receive_lookahead) +
+                                    " is out of range: a number of batches, or -1 for the "
+                                    "transport's default");
   need(nproc >= 1 && nproc <= kMaxRanks, "--nproc " + std::to_string(nproc) +
                                              " is out of range: 1 to " + std::to_string(kMaxRanks) +
                                              " ranks (each rank is a process)");
@@ -488,6 +491,7 @@ TrainResult run_rank(const TrainConfig& config, std::shared_ptr<distributed::Com
   };
   eopts.dtype = config.model.dtype;
   eopts.device = device;
+  eopts.receive_lookahead = config.receive_lookahead;
   pipeline::Executor executor(sched, rank, stage, comm, eopts);
 
   // Parameters: this rank's tensors, and the replicas to sum across stages.

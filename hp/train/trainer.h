@@ -58,7 +58,10 @@ struct TrainConfig {
   /// r mod the GPU count; ranks that share a GPU exchange through host
   /// memory) or "auto" (cuda when there is a GPU). NOTE [Ranks on devices].
   std::string device = "cpu";
-  int timeout_s = 60;    ///< every communication's timeout
+  int timeout_s = 60;  ///< every communication's timeout
+  /// Receives posted this many batches ahead; -1: the transport's default
+  /// (NOTE [Receives posted ahead] in hp/pipeline/executor.cpp).
+  int receive_lookahead = -1;
   bool progress = true;  ///< progress bar on rank 0
   /// Graph mode (hp/compile): data parallel over the ranks with FSDP, the
   /// train step captured once and replayed; schedule and chunks do not apply.

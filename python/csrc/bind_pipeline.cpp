@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "bindings.h"
+#include "hp/core/memory.h"
 #include "hp/distributed/collectives.h"
 #include "hp/distributed/comm.h"
 #include "hp/pipeline/data_parallel.h"
@@ -93,7 +94,7 @@ class Runtime {
           const std::map<int, py::object>& chunk_forward,
           const std::map<int, std::vector<torch::Tensor>>& chunk_parameters, py::object loss,
           py::object activation_shape, py::object dtype, py::object device, double timeout_s,
-          const py::object& dp_group)
+          const py::object& dp_group, int receive_lookahead)
       : sched_(schedule_from_csv(schedule_csv)),
         loss_(std::move(loss)),
         activation_shape_(std::move(activation_shape)),
@@ -190,6 +191,7 @@ class Runtime {
     };
     eo.dtype = dtype.cast<c10::ScalarType>();
     eo.device = on;
+    eo.receive_lookahead = receive_lookahead;
     executor_ = std::make_unique<pipeline::Executor>(sched_, rank_, *stage_, comm_, std::move(eo));
   }
 
@@ -274,6 +276,10 @@ class Runtime {
 void bind_pipeline(py::module_& m) {
   auto sub = m.def_submodule("pipeline", "the pipeline runtime over a torch.distributed group");
   sub.def(
+      "keep_freed_memory_mapped", [] { keep_freed_memory_mapped(); },
+      "Keeps freed CPU memory in the process for reuse instead of returning it to the kernel "
+      "after every large free (NOTE [glibc malloc and page faults] in hp/core/memory.cpp).");
+  sub.def(
       "schedule_csv",
       [](const std::string& name, int ranks, int microbatches, int chunks) {
         schedule::BuildOptions o;
@@ -317,10 +323,10 @@ void bind_pipeline(py::module_& m) {
                        const std::map<int, py::object>& forward,
                        const std::map<int, std::vector<torch::Tensor>>& parameters, py::object loss,
                        py::object shape, py::object dtype, py::object device, double timeout_s,
-                       const py::object& dp_group) {
+                       const py::object& dp_group, int receive_lookahead) {
              try {
                return std::make_unique<Runtime>(csv, group, forward, parameters, loss, shape, dtype,
-                                                device, timeout_s, dp_group);
+                                                device, timeout_s, dp_group, receive_lookahead);
              } catch (const std::invalid_argument& e) {
                throw py::value_error(e.what());
              }
@@ -328,7 +334,7 @@ void bind_pipeline(py::module_& m) {
            py::arg("schedule_csv"), py::arg("group"), py::arg("chunk_forward"),
            py::arg("chunk_parameters"), py::arg("loss"), py::arg("activation_shape"),
            py::arg("dtype"), py::arg("device") = py::none(), py::arg("timeout_s") = 300.0,
-           py::arg("dp_group") = py::none())
+           py::arg("dp_group") = py::none(), py::arg("receive_lookahead") = -1)
       .def("step", &Runtime::step, py::arg("inputs"),
            "Runs one step of this rank's actions; returns the loss and timings.")
       .def_property_readonly("rank", &Runtime::rank)

@@ -3,15 +3,22 @@
 // stream-ordered transport (p = 2 and 4), train a float64 model; losses and
 // final parameters must equal single-process gradient accumulation, and each
 // rank must run exactly its action list.
+#include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <filesystem>
+#include <map>
+#include <mutex>
+#include <set>
 #include <thread>
 
 #include "hp/distributed/comm.h"
+#include "hp/pipeline/executor.h"
+#include "hp/pipeline/stage.h"
 #include "hp/recompute/session.h"
 #include "hp/schedule/generators.h"
+#include "hp/schedule/lower.h"
 #include "hp/train/trainer.h"
 #include "tests/common/threads_as_ranks.h"
 
@@ -210,6 +217,204 @@ TEST(Pipeline, TimelineSeparatesComputeFromWaiting) {
       EXPECT_GT(first_f_start + 10e-3, producer);
     }
   }
+}
+
+// NOTE [Receives posted ahead]: a Comm that records the receive buffers'
+// shapes of each batch it is given, in order, and passes everything to Gloo.
+class RecvRecorder : public hp::distributed::Comm {
+ public:
+  RecvRecorder(std::shared_ptr<Comm> inner, bool free) : inner_(std::move(inner)), free_(free) {}
+  int rank() const override { return inner_->rank(); }
+  int world_size() const override { return inner_->world_size(); }
+  std::chrono::milliseconds timeout() const override { return inner_->timeout(); }
+  std::string backend_name() const override { return inner_->backend_name() + "+recorded"; }
+  bool early_receives_are_free() const override { return free_; }
+  hp::distributed::Work isend(const at::Tensor& t, int dst) override {
+    return batch({hp::distributed::P2POp::send(t, dst)})[0];
+  }
+  hp::distributed::Work irecv(const at::Tensor& t, int src) override {
+    return batch({hp::distributed::P2POp::recv(t, src)})[0];
+  }
+  std::vector<hp::distributed::Work> batch(
+      const std::vector<hp::distributed::P2POp>& ops) override {
+    std::vector<std::vector<int64_t>> shapes;
+    for (const auto& op : ops)
+      if (op.kind == hp::distributed::P2POp::Kind::Recv) shapes.push_back(op.tensor.sizes().vec());
+    batches.push_back(shapes);
+    return inner_->batch(ops);
+  }
+  void all_reduce(const at::Tensor& t, hp::distributed::ReduceOp op) override {
+    inner_->all_reduce(t, op);
+  }
+  void all_gather(std::vector<at::Tensor>& out, const at::Tensor& in) override {
+    inner_->all_gather(out, in);
+  }
+  void broadcast(const at::Tensor& t, int root) override { inner_->broadcast(t, root); }
+  void barrier() override { inner_->barrier(); }
+  std::shared_ptr<Comm> split(const std::vector<int>& ranks) override {
+    return inner_->split(ranks);
+  }
+  std::vector<std::vector<std::vector<int64_t>>> batches;  // each batch's receive shapes
+
+ private:
+  std::shared_ptr<Comm> inner_;
+  bool free_;
+};
+
+// A chain of stages s = 0, 1, ...: tanh(x @ w_s) with w_s of shape
+// [8 + s, 9 + s], so that a buffer's shape names its stage; microbatch mb has
+// 1 + mb rows, so that it names its microbatch too.
+torch::Tensor chain_weight(int s) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(100 + s);
+  return (at::randn({8 + s, 9 + s}, gen, torch::kFloat64) / 3).requires_grad_(true);
+}
+torch::Tensor chain_input(int mb) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(200 + mb);
+  return at::randn({1 + mb, 8}, gen, torch::kFloat64);
+}
+std::vector<int64_t> chain_shape(int stage, int mb) {
+  return {1 + mb, 9 + stage};
+}
+
+// The receive shapes of each batch the executor should post with `lookahead`:
+// a batch's own actions not posted yet, then the receives of the next
+// `lookahead` batches not posted yet (NOTE [Receives posted ahead]).
+std::vector<std::vector<std::vector<int64_t>>> expected_batches(const hp::schedule::Schedule& s,
+                                                                int rank, int lookahead) {
+  using hp::schedule::Op;
+  const auto& acts = s.actions[rank];
+  std::vector<std::pair<size_t, size_t>> runs;
+  for (size_t i = 0; i < acts.size();) {
+    size_t j = i;
+    while (j < acts.size() && hp::schedule::is_comm(acts[j].op))
+      ++j;
+    if (j > i) runs.emplace_back(i, j);
+    i = std::max(j, i + 1);
+  }
+  auto shape = [&](const hp::schedule::Action& a) {
+    const bool fwd = a.op == Op::RECV_F;
+    return chain_shape(fwd ? s.prev_stage(a.stage, a.microbatch) : a.stage, a.microbatch);
+  };
+  auto is_recv = [](const hp::schedule::Action& a) {
+    return a.op == Op::RECV_F || a.op == Op::RECV_B;
+  };
+  std::set<size_t> posted;
+  std::vector<std::vector<std::vector<int64_t>>> out;
+  for (size_t b = 0; b < runs.size(); ++b) {
+    std::vector<size_t> call;
+    for (size_t k = runs[b].first; k < runs[b].second; ++k)
+      if (!posted.count(k)) call.push_back(k);
+    for (size_t ahead = b + 1; ahead <= b + lookahead && ahead < runs.size(); ++ahead)
+      for (size_t k = runs[ahead].first; k < runs[ahead].second; ++k)
+        if (is_recv(acts[k]) && posted.insert(k).second) call.push_back(k);
+    if (call.empty()) continue;
+    std::vector<std::vector<int64_t>> shapes;
+    for (size_t k : call)
+      if (is_recv(acts[k])) shapes.push_back(shape(acts[k]));
+    out.push_back(shapes);
+  }
+  return out;
+}
+
+// Receives posted ahead change only when a receive is posted: each channel's
+// receives keep their list order, every batch posts exactly what it should,
+// and two steps of training give the gradients of plain autograd (twice: the
+// second step starts over). Two ranks as threads over Gloo; schedules with one
+// and two stages per rank, a rank receiving both directions' messages from
+// one peer (zbv, interleaved-1f1b).
+TEST(Executor, ReceivesPostedAheadKeepEveryChannelsOrder) {
+  const int m = 6;
+  for (const std::string name : {"zb-h1", "zbv", "interleaved-1f1b"}) {
+    const auto sched = hp::schedule::lower(hp::schedule::build(name, 2, m));
+    const int S = sched.num_stages;
+    // Plain autograd: the whole chain, the mean over microbatches of sum(y^2).
+    std::vector<torch::Tensor> ref_w, ref_grad;
+    for (int s = 0; s < S; ++s)
+      ref_w.push_back(chain_weight(s));
+    torch::Tensor loss = torch::zeros({}, torch::kFloat64);
+    for (int mb = 0; mb < m; ++mb) {
+      torch::Tensor h = chain_input(mb);
+      for (int s = 0; s < S; ++s)
+        h = torch::tanh(h.matmul(ref_w[s]));
+      loss = loss + h.pow(2).sum() / m;
+    }
+    for (auto& g : torch::autograd::grad({loss}, ref_w))
+      ref_grad.push_back(g);
+    for (int lookahead : {0, 1, 3}) {
+      SCOPED_TRACE(name + " lookahead " + std::to_string(lookahead));
+      std::vector<std::vector<std::vector<std::vector<int64_t>>>> recorded(2);
+      std::map<int, torch::Tensor> grads;
+      std::vector<double> loss_sums(2, 0.0);
+      std::mutex mu;
+      hp::testing::run_ranks_as_threads(2, [&](int r, std::shared_ptr<hp::distributed::Comm> c) {
+        auto rec = std::make_shared<RecvRecorder>(c, true);
+        std::map<int, hp::pipeline::StageModule> modules;
+        std::map<int, torch::Tensor> w;
+        for (int s : sched.stages_of_rank(r)) {
+          w[s] = chain_weight(s);
+          torch::Tensor ws = w[s];
+          modules[s] = {[ws](const torch::Tensor& x) { return torch::tanh(x.matmul(ws)); }, {ws}};
+        }
+        hp::pipeline::PipelineStage stage(
+            modules, [m](const torch::Tensor& y, int) { return y.pow(2).sum() / m; });
+        hp::pipeline::ExecutorOptions opts;
+        opts.input = chain_input;
+        opts.activation_shape = chain_shape;
+        opts.dtype = torch::kFloat64;
+        opts.receive_lookahead = lookahead;
+        hp::pipeline::Executor executor(sched, r, stage, rec, opts);
+        double l = 0;
+        for (int step = 0; step < 2; ++step) {
+          rec->batches.clear();
+          l += executor.run_step().loss_sum;
+        }
+        std::lock_guard<std::mutex> lock(mu);
+        recorded[r] = rec->batches;  // the second step's
+        loss_sums[r] = l;
+        for (auto& [s, ws] : w)
+          grads[s] = ws.grad();
+      });
+      for (int r = 0; r < 2; ++r)
+        EXPECT_EQ(recorded[r], expected_batches(sched, r, lookahead)) << "rank " << r;
+      EXPECT_NEAR(loss_sums[0] + loss_sums[1], 2 * loss.item<double>(), 1e-12);
+      ASSERT_EQ(int(grads.size()), S);
+      for (int s = 0; s < S; ++s)
+        EXPECT_TRUE(torch::allclose(grads[s], 2 * ref_grad[s], 1e-12, 1e-12)) << "stage " << s;
+    }
+  }
+}
+
+// A Comm whose operations may run in posting order (NCCL's stream) does not
+// get receives posted ahead by default, and refuses them when asked for.
+TEST(Executor, ReceivesPostedAheadOnlyWhereTheCommSaysFree) {
+  hp::testing::run_ranks_as_threads(2, [&](int r, std::shared_ptr<hp::distributed::Comm> c) {
+    EXPECT_TRUE(c->early_receives_are_free()) << "Gloo";
+    EXPECT_FALSE(hp::distributed::with_stream_ordered_p2p(c)->early_receives_are_free());
+    auto rec = std::make_shared<RecvRecorder>(c, false);
+    const auto sched = hp::schedule::lower(hp::schedule::build("1f1b", 2, 4));
+    std::map<int, hp::pipeline::StageModule> modules;
+    torch::Tensor w = chain_weight(r);
+    modules[r] = {[w](const torch::Tensor& x) { return torch::tanh(x.matmul(w)); }, {w}};
+    hp::pipeline::PipelineStage stage(modules,
+                                      [](const torch::Tensor& y, int) { return y.pow(2).sum(); });
+    hp::pipeline::ExecutorOptions opts;
+    opts.input = chain_input;
+    opts.activation_shape = chain_shape;
+    opts.dtype = torch::kFloat64;
+    hp::pipeline::Executor executor(sched, r, stage, rec, opts);  // default: none ahead
+    executor.run_step();
+    EXPECT_EQ(rec->batches, expected_batches(sched, r, 0));
+    opts.receive_lookahead = 1;
+    try {
+      hp::pipeline::Executor refused(sched, r, stage, rec, opts);
+      ADD_FAILURE() << "receive_lookahead 1 accepted on a Comm that does not say it is free";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("receive_lookahead is 1"), std::string::npos)
+          << e.what();
+    }
+    opts.receive_lookahead = -2;
+    EXPECT_THROW(hp::pipeline::Executor(sched, r, stage, c, opts), c10::Error);
+  });
 }
 
 // The same training with point-to-point over shared memory (collectives on

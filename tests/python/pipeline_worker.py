@@ -4,10 +4,12 @@ on hyperparallel's executor over a Gloo group made by torch.distributed, and
 saves its losses and chunk parameters for the test to compare with
 single-process training.
 
-    pipeline_worker.py OUT_DIR SCHEDULES [DP [DEVICE]]
+    pipeline_worker.py OUT_DIR SCHEDULES [DP [DEVICE [LOOKAHEAD]]]
 
 DEVICE "cuda" puts the rank of local rank r on GPU r mod the GPU count (two
-ranks may share one GPU: the runtime stages through host memory over Gloo)."""
+ranks may share one GPU: the runtime stages through host memory over Gloo).
+LOOKAHEAD is Pipeline's receive_lookahead; given, the runtime also leaves
+glibc's malloc as it is (keep_freed_memory=False): the non-default paths."""
 
 import os
 import sys
@@ -25,6 +27,7 @@ def main():
     out_dir, names = sys.argv[1], sys.argv[2].split(",")
     dp = int(sys.argv[3]) if len(sys.argv) > 3 else 1
     device = torch.device(sys.argv[4] if len(sys.argv) > 4 else "cpu")
+    lookahead = int(sys.argv[5]) if len(sys.argv) > 5 else None
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
         torch.cuda.set_device(device)
@@ -55,6 +58,8 @@ def main():
             timeout=60,
             group=group,
             dp_group=dp_group,
+            receive_lookahead=lookahead,
+            keep_freed_memory=None if lookahead is None else False,
         )
         params = [q for c in chunks.values() for q in c.parameters()]
         opt = torch.optim.SGD(params, lr=pm.LR)

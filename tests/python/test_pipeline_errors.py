@@ -75,6 +75,11 @@ def test_pipeline_arguments(one_rank_group):
         hp.pipeline.Pipeline({1: lin()}, s1, **good)
     with pytest.raises(TypeError, match="ProcessGroup"):
         hp.pipeline.Pipeline({0: lin()}, s1, loss_fn=mse, activation_shape=(2, 4), group=42)
+    for bad in (-1, 1.5, "2", True):
+        with pytest.raises(ValueError, match="receive_lookahead"):
+            hp.pipeline.Pipeline({0: lin()}, s1, receive_lookahead=bad, **good)
+    with pytest.raises(TypeError, match="keep_freed_memory"):
+        hp.pipeline.Pipeline({0: lin()}, s1, keep_freed_memory="yes", **good)
     # The group has 1 rank, the schedule 2.
     s2 = hp.pipeline.schedule("1f1b", ranks=2, microbatches=2)
     with pytest.raises(ValueError, match="1 ranks but the schedule has 2"):
