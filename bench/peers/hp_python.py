@@ -85,9 +85,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     common.add_run_arguments(ap)
     ap.add_argument("--chunks", type=int, default=2, help="virtual stages per rank (interleaved)")
-    ap.add_argument("--receive-lookahead", type=int, default=None,
+    ap.add_argument("--receive-lookahead", type=int, default=0,
                     help="Pipeline(receive_lookahead=...): receives posted N batches ahead "
-                         "(default: the transport's, 1 on Gloo)")
+                         "(default 0)")
     ap.add_argument("--malloc-default", action="store_true",
                     help="Pipeline(keep_freed_memory=False): leave glibc's malloc as it is")
     argv = sys.argv[1:]

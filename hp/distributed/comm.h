@@ -163,8 +163,9 @@ class Comm {
   /// Whether a posted receive never holds back this rank's later operations
   /// (Gloo: each channel is matched on its own and posting never blocks), so
   /// that a runtime may post receives ahead of where a schedule lists them
-  /// (NOTE [Receives posted ahead] in hp/pipeline/executor.cpp). False, the
-  /// default, where a rank's operations run in posting order (NCCL's stream).
+  /// when asked to (NOTE [Receives posted ahead] in hp/pipeline/executor.cpp).
+  /// False, the default, where a rank's operations run in posting order
+  /// (NCCL's stream).
   virtual bool early_receives_are_free() const { return false; }
 
   /// Sends `tensor` to rank `dst`; matched in posting order with dst's

@@ -252,14 +252,14 @@ struct Executor::State {
       i = j;
     }
     const bool free_early = comm->early_receives_are_free();
-    TORCH_CHECK(opts.receive_lookahead >= -1, "ExecutorOptions::receive_lookahead is ",
-                opts.receive_lookahead, "; give a number of batches, or -1 for the Comm's default");
+    TORCH_CHECK(opts.receive_lookahead >= 0, "ExecutorOptions::receive_lookahead is ",
+                opts.receive_lookahead, "; give a number of batches (0: none ahead)");
     TORCH_CHECK(opts.receive_lookahead <= 0 || free_early, "ExecutorOptions::receive_lookahead is ",
                 opts.receive_lookahead, ", but the ", comm->backend_name(),
                 " Comm does not say that receives posted ahead are free (where a rank's "
                 "operations run in posting order, as on NCCL, they would hold back its sends; "
                 "NOTE [Receives posted ahead])");
-    lookahead = opts.receive_lookahead >= 0 ? size_t(opts.receive_lookahead) : free_early ? 1 : 0;
+    lookahead = size_t(opts.receive_lookahead);
   }
 
   int rank_of(int stage_id) const { return sched.stage_rank.at(stage_id); }
@@ -333,17 +333,24 @@ struct Executor::State {
   // after that note arrived is written at once by the posting thread; a send
   // posted before it waits for the sender's event-loop thread to answer the
   // note. That thread shares the core with the rank's main thread, which is
-  // computing by then, and the scheduler lets the computation run on to its
-  // next tick: on the benchmark host (4 ms ticks) one message in five on
-  // 1F1B arrived 1-5 ms after its send was posted, 38 of a step's 50 ms of
-  // waiting (seen with `perf sched`: the sender's event-loop thread woken by
-  // the note, then runnable for 4.3 ms behind its own rank's compute). In
-  // 1F1B's steady state a receive is posted right when the peer's send is
-  // (each after one F and one B), so which comes first is a coin toss.
-  // Posting each batch's receives one batch earlier settles it, at the cost
-  // of one more receive buffer per channel. Only where the Comm says it is
-  // free: on NCCL a rank's operations run in posting order on one stream, so
-  // an early receive would hold back the sends behind it.
+  // computing by then, and the scheduler may let the computation run on to
+  // its next tick: on the benchmark host (4 ms ticks, 1F1B, 32 microbatches
+  // of 2 KB) one message in five arrived 1-5 ms after its send was posted
+  // (seen with `perf sched`: the sender's event-loop thread woken by the
+  // note, then runnable for 4.3 ms behind its own rank's compute). Posting
+  // each batch's receives a batch earlier (ExecutorOptions::receive_lookahead
+  // 1) cut that lateness from 8.5-9.9 to 1-3 ms per step, and in the compute
+  // setting from 3.8-4.4 to 0.2-0.3 ms, yet the steps got slower in paired
+  // runs (PyTorch / hp step 1.23 -> 1.03 on 1F1B and 1.41 -> 1.21 on GPipe
+  // in the overhead setting, 1.20 -> 0.91 on 1F1B in the compute one): the
+  // data now lands while the receiver computes (its event-loop thread
+  // preempts the computation to read it), the sender writes it inline on its
+  // compute thread, and more arrivals meet a posting thread holding the
+  // connection's lock (NOTE [Sends before receives] in lower.cpp). So none
+  // are posted ahead by default; the option stays for hosts where transport
+  // threads have cores of their own. Only where the Comm says it is free: on
+  // NCCL a rank's operations run in posting order on one stream, so an
+  // early receive would hold back the sends behind it.
   //
   // Posts actions[i, j) (consecutive SEND/RECV actions) as one batch, in
   // list order (NOTE [Executor protocol]), with the RECVs of the next

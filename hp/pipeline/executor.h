@@ -73,10 +73,10 @@ struct ExecutorOptions {
   /// events elsewhere (NOTE [Timing on the device]).
   std::function<std::unique_ptr<StepTimer>()> make_timer;
   /// With each batch, also post the RECVs of the next `receive_lookahead`
-  /// batches (NOTE [Receives posted ahead] in executor.cpp). -1, the default:
-  /// 1 where the Comm says early receives are free (Gloo), else 0. More than
-  /// 0 on a Comm that does not say so (NCCL) is refused.
-  int receive_lookahead = -1;
+  /// batches (NOTE [Receives posted ahead] in executor.cpp; measured slower
+  /// on the benchmark host, so 0 by default). More than 0 is refused on a
+  /// Comm that does not say early receives are free (NCCL).
+  int receive_lookahead = 0;
 };
 
 /// What one step did on this rank.
@@ -107,9 +107,10 @@ struct StepStats {
 //   coalesced group on NCCL). Lowering places every RECV where it should be
 //   posted - early enough that its data arrives while the rank computes, in
 //   one order the two ranks of every message agree on (NOTE [Lowering and
-//   message order]) - so the executor never reorders. Where the Comm allows
-//   it (Gloo) it posts receives a batch ahead, each channel's still in list
-//   order (NOTE [Receives posted ahead] in executor.cpp).
+//   message order]) - so the executor never reorders. Asked to
+//   (ExecutorOptions::receive_lookahead) where the Comm allows it (Gloo), it
+//   posts receives batches ahead, each channel's still in list order (NOTE
+//   [Receives posted ahead] in executor.cpp).
 // * A RECV's buffer is waited for by its consumer (F for RECV_F, I/B for
 //   RECV_B); the wait is the receive's timed event.
 // * A SEND's data is the output (F) or input gradient (I/B) it names; a

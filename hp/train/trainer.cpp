@@ -265,9 +265,8 @@ void TrainConfig::validate() const {
   auto need = [](bool ok, const std::string& msg) {
     if (!ok) throw std::invalid_argument(msg);
   };
-  need(receive_lookahead >= -1, "--receive-lookahead " + std::to_string(receive_lookahead) +
-                                    " is out of range: a number of batches, or -1 for the "
-                                    "transport's default");
+  need(receive_lookahead >= 0, "--receive-lookahead " + std::to_string(receive_lookahead) +
+                                   " is out of range: a number of batches (0: none ahead)");
   need(nproc >= 1 && nproc <= kMaxRanks, "--nproc " + std::to_string(nproc) +
                                              " is out of range: 1 to " + std::to_string(kMaxRanks) +
                                              " ranks (each rank is a process)");

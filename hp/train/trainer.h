@@ -59,9 +59,9 @@ struct TrainConfig {
   /// memory) or "auto" (cuda when there is a GPU). NOTE [Ranks on devices].
   std::string device = "cpu";
   int timeout_s = 60;  ///< every communication's timeout
-  /// Receives posted this many batches ahead; -1: the transport's default
-  /// (NOTE [Receives posted ahead] in hp/pipeline/executor.cpp).
-  int receive_lookahead = -1;
+  /// Receives posted this many batches ahead (Gloo only; NOTE [Receives
+  /// posted ahead] in hp/pipeline/executor.cpp).
+  int receive_lookahead = 0;
   bool progress = true;  ///< progress bar on rank 0
   /// Graph mode (hp/compile): data parallel over the ranks with FSDP, the
   /// train step captured once and replayed; schedule and chunks do not apply.

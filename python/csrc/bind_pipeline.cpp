@@ -334,7 +334,7 @@ void bind_pipeline(py::module_& m) {
            py::arg("schedule_csv"), py::arg("group"), py::arg("chunk_forward"),
            py::arg("chunk_parameters"), py::arg("loss"), py::arg("activation_shape"),
            py::arg("dtype"), py::arg("device") = py::none(), py::arg("timeout_s") = 300.0,
-           py::arg("dp_group") = py::none(), py::arg("receive_lookahead") = -1)
+           py::arg("dp_group") = py::none(), py::arg("receive_lookahead") = 0)
       .def("step", &Runtime::step, py::arg("inputs"),
            "Runs one step of this rank's actions; returns the loss and timings.")
       .def_property_readonly("rank", &Runtime::rank)

@@ -136,11 +136,12 @@ class Pipeline:
             mean over the copies. Each copy is given its own part of the
             global batch.
         receive_lookahead: post each receive this many batches of
-            sends and receives ahead of where the schedule lists it (None:
-            the transport's default, 1 on Gloo, where a receive posted
-            before its send saves the sender a round trip through its
-            event-loop thread; 0 on NCCL, where it would hold back the
-            rank's later operations and more than 0 is refused).
+            sends and receives ahead of where the schedule lists it (Gloo
+            only; NCCL, whose operations run in posting order, refuses more
+            than 0). Default 0: ahead, a send finds its receive posted and
+            goes out at once, but on the benchmark host the steps were
+            slower (NOTE [Receives posted ahead] in
+            hp/pipeline/executor.cpp).
         keep_freed_memory: on the CPU (the default there), keep memory that
             tensors free in the process for the next ones instead of handing
             it back to the kernel after every large free, as ``hp train``
@@ -165,7 +166,7 @@ class Pipeline:
         parameters: Optional[Mapping[int, Sequence[torch.Tensor]]] = None,
         timeout: float = 300.0,
         dp_group: Optional[dist.ProcessGroup] = None,
-        receive_lookahead: Optional[int] = None,
+        receive_lookahead: int = 0,
         keep_freed_memory: Optional[bool] = None,
     ):
         if not isinstance(schedule, PipelineSchedule):
@@ -177,15 +178,13 @@ class Pipeline:
             raise TypeError("chunks must be a non-empty dict {chunk index: module or callable}")
         if not callable(loss_fn):
             raise TypeError("loss_fn must be callable: loss_fn(output, target) -> tensor")
-        if receive_lookahead is None:
-            receive_lookahead = -1
-        elif (
+        if (
             not isinstance(receive_lookahead, int)
             or isinstance(receive_lookahead, bool)
             or receive_lookahead < 0
         ):
             raise ValueError(
-                f"receive_lookahead must be None or an int >= 0, got {receive_lookahead!r}"
+                f"receive_lookahead must be an int >= 0, got {receive_lookahead!r}"
             )
         if group is None:
             if not dist.is_initialized():

@@ -384,8 +384,8 @@ TEST(Executor, ReceivesPostedAheadKeepEveryChannelsOrder) {
   }
 }
 
-// A Comm whose operations may run in posting order (NCCL's stream) does not
-// get receives posted ahead by default, and refuses them when asked for.
+// None are posted ahead by default, and a Comm whose operations may run in
+// posting order (NCCL's stream) refuses them when asked for.
 TEST(Executor, ReceivesPostedAheadOnlyWhereTheCommSaysFree) {
   hp::testing::run_ranks_as_threads(2, [&](int r, std::shared_ptr<hp::distributed::Comm> c) {
     EXPECT_TRUE(c->early_receives_are_free()) << "Gloo";
@@ -404,6 +404,10 @@ TEST(Executor, ReceivesPostedAheadOnlyWhereTheCommSaysFree) {
     hp::pipeline::Executor executor(sched, r, stage, rec, opts);  // default: none ahead
     executor.run_step();
     EXPECT_EQ(rec->batches, expected_batches(sched, r, 0));
+    auto free = std::make_shared<RecvRecorder>(c, true);
+    hp::pipeline::Executor on_free(sched, r, stage, free, opts);  // free, still none by default
+    on_free.run_step();
+    EXPECT_EQ(free->batches, expected_batches(sched, r, 0));
     opts.receive_lookahead = 1;
     try {
       hp::pipeline::Executor refused(sched, r, stage, rec, opts);
@@ -412,7 +416,7 @@ TEST(Executor, ReceivesPostedAheadOnlyWhereTheCommSaysFree) {
       EXPECT_NE(std::string(e.what()).find("receive_lookahead is 1"), std::string::npos)
           << e.what();
     }
-    opts.receive_lookahead = -2;
+    opts.receive_lookahead = -1;
     EXPECT_THROW(hp::pipeline::Executor(sched, r, stage, c, opts), c10::Error);
   });
 }

@@ -58,7 +58,7 @@ def main():
             timeout=60,
             group=group,
             dp_group=dp_group,
-            receive_lookahead=lookahead,
+            receive_lookahead=0 if lookahead is None else lookahead,
             keep_freed_memory=None if lookahead is None else False,
         )
         params = [q for c in chunks.values() for q in c.parameters()]

@@ -75,7 +75,7 @@ def test_pipeline_arguments(one_rank_group):
         hp.pipeline.Pipeline({1: lin()}, s1, **good)
     with pytest.raises(TypeError, match="ProcessGroup"):
         hp.pipeline.Pipeline({0: lin()}, s1, loss_fn=mse, activation_shape=(2, 4), group=42)
-    for bad in (-1, 1.5, "2", True):
+    for bad in (-1, 1.5, "2", True, None):
         with pytest.raises(ValueError, match="receive_lookahead"):
             hp.pipeline.Pipeline({0: lin()}, s1, receive_lookahead=bad, **good)
     with pytest.raises(TypeError, match="keep_freed_memory"):

@@ -268,8 +268,7 @@ void add_train_command(CLI::App& app) {
       ->check(CLI::IsMember({"cpu", "cuda", "auto"}));
   t->add_option("--timeout", c.timeout_s, "seconds any communication may take");
   t->add_option("--receive-lookahead", c.receive_lookahead,
-                "post receives N batches ahead (-1: the transport's default, 1 on Gloo, 0 on "
-                "NCCL and shm)");
+                "post receives N batches ahead of the schedule (default 0; Gloo only)");
   t->add_flag("--graph", c.graph,
               "graph mode: capture the train step once, replay it on every rank, FSDP over the "
               "ranks (data parallel; --schedule and --chunks do not apply)");
