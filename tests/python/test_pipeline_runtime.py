@@ -55,6 +55,18 @@ def run_ranks(p: int, args, tmp_path, timeout=600):
     return outs
 
 
+def assert_equals_reference(got, ref_losses, ref_chunks, what):
+    """One rank's saved result (losses and chunk parameters) against
+    single-process training, to 1e-9 relative (float64)."""
+    for s, (a, b) in enumerate(zip(got["losses"], ref_losses)):
+        assert abs(a - b) <= 1e-9 * max(1.0, abs(b)), f"{what} step {s}: {a} vs {b}"
+    for c, tensors in got["chunks"].items():
+        for q, q_ref in zip(tensors, ref_chunks[c]):
+            err = (q - q_ref).abs().max().item()
+            assert err <= 1e-9 * max(1.0, q_ref.abs().max().item()), (
+                f"{what} chunk {c}: max error {err}")
+
+
 @pytest.mark.parametrize("p", [2, 4])
 def test_every_schedule_equals_single_process_training(p, tmp_path):
     run_ranks(p, [",".join(SCHEDULES)], tmp_path)
@@ -66,15 +78,9 @@ def test_every_schedule_equals_single_process_training(p, tmp_path):
         for r, res in enumerate(ranks):
             got = res[name]
             assert got["backend"] == "gloo", got["backend"]
-            for s, (a, b) in enumerate(zip(got["losses"], ref_losses)):
-                assert abs(a - b) <= 1e-9 * max(1.0, abs(b)), f"{name} rank {r} step {s}: {a} vs {b}"
             assert sorted(got["chunks"]) == sched.chunks_of_rank(r), name
-            for c, tensors in got["chunks"].items():
-                seen.add(c)
-                for q, q_ref in zip(tensors, ref_chunks[c]):
-                    err = (q - q_ref).abs().max().item()
-                    assert err <= 1e-9 * max(1.0, q_ref.abs().max().item()), (
-                        f"{name} p={p} rank {r} chunk {c}: max error {err}")
+            seen.update(got["chunks"])
+            assert_equals_reference(got, ref_losses, ref_chunks, f"{name} p={p} rank {r}")
         assert seen == set(range(sched.num_chunks)), name
 
 
@@ -91,14 +97,8 @@ def test_pipeline_times_data_parallel_equals_single_process_training(names, tmp_
         ref_losses, ref_chunks = pm.reference(sched.num_chunks, dp * sched.num_microbatches)
         for world_rank, res in enumerate(ranks):
             got, r = res[name], world_rank % p
-            for s, (a, b) in enumerate(zip(got["losses"], ref_losses)):
-                assert abs(a - b) <= 1e-9 * max(1.0, abs(b)), f"{name} rank {world_rank} step {s}"
             assert sorted(got["chunks"]) == sched.chunks_of_rank(r), name
-            for c, tensors in got["chunks"].items():
-                for q, q_ref in zip(tensors, ref_chunks[c]):
-                    err = (q - q_ref).abs().max().item()
-                    assert err <= 1e-9 * max(1.0, q_ref.abs().max().item()), (
-                        f"{name} rank {world_rank} chunk {c}: max error {err}")
+            assert_equals_reference(got, ref_losses, ref_chunks, f"{name} rank {world_rank}")
 
 
 @pytest.mark.parametrize("lookahead", [1, 3])
@@ -113,14 +113,8 @@ def test_receives_posted_ahead_equal_single_process_training(lookahead, tmp_path
         sched = hp.pipeline.schedule(name, ranks=p, microbatches=pm.microbatches(name, p))
         ref_losses, ref_chunks = pm.reference(sched.num_chunks, sched.num_microbatches)
         for r, res in enumerate(ranks):
-            got = res[name]
-            for s, (a, b) in enumerate(zip(got["losses"], ref_losses)):
-                assert abs(a - b) <= 1e-9 * max(1.0, abs(b)), f"{name} rank {r} step {s}: {a} vs {b}"
-            for c, tensors in got["chunks"].items():
-                for q, q_ref in zip(tensors, ref_chunks[c]):
-                    err = (q - q_ref).abs().max().item()
-                    assert err <= 1e-9 * max(1.0, q_ref.abs().max().item()), (
-                        f"{name} lookahead {lookahead} rank {r} chunk {c}: max error {err}")
+            assert_equals_reference(res[name], ref_losses, ref_chunks,
+                                    f"{name} lookahead {lookahead} rank {r}")
 
 
 CUDA_REASON = (
@@ -148,13 +142,7 @@ def test_two_ranks_on_one_device_equal_single_process_training(device, tmp_path)
         for r, res in enumerate(ranks):
             got = res[name]
             assert got["device"] == ("cpu" if device == "cpu" else "cuda:0"), got["device"]
-            for s, (a, b) in enumerate(zip(got["losses"], ref_losses)):
-                assert abs(a - b) <= 1e-9 * max(1.0, abs(b)), f"{name} rank {r} step {s}: {a} vs {b}"
-            for c, tensors in got["chunks"].items():
-                for q, q_ref in zip(tensors, ref_chunks[c]):
-                    err = (q - q_ref).abs().max().item()
-                    assert err <= 1e-9 * max(1.0, q_ref.abs().max().item()), (
-                        f"{name} {device} rank {r} chunk {c}: max error {err}")
+            assert_equals_reference(got, ref_losses, ref_chunks, f"{name} {device} rank {r}")
 
 
 def test_schedule_names_cover_every_generator():
