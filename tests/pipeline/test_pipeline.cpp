@@ -20,6 +20,7 @@
 #include "hp/schedule/generators.h"
 #include "hp/schedule/lower.h"
 #include "hp/train/trainer.h"
+#include "tests/common/forwarding_comm.h"
 #include "tests/common/threads_as_ranks.h"
 
 using hp::train::TrainConfig;
@@ -221,20 +222,12 @@ TEST(Pipeline, TimelineSeparatesComputeFromWaiting) {
 
 // NOTE [Receives posted ahead]: a Comm that records the receive buffers'
 // shapes of each batch it is given, in order, and passes everything to Gloo.
-class RecvRecorder : public hp::distributed::Comm {
+class RecvRecorder : public hp::testing::ForwardingComm {
  public:
-  RecvRecorder(std::shared_ptr<Comm> inner, bool free) : inner_(std::move(inner)), free_(free) {}
-  int rank() const override { return inner_->rank(); }
-  int world_size() const override { return inner_->world_size(); }
-  std::chrono::milliseconds timeout() const override { return inner_->timeout(); }
+  RecvRecorder(std::shared_ptr<Comm> inner, bool free)
+      : ForwardingComm(std::move(inner)), free_(free) {}
   std::string backend_name() const override { return inner_->backend_name() + "+recorded"; }
   bool early_receives_are_free() const override { return free_; }
-  hp::distributed::Work isend(const at::Tensor& t, int dst) override {
-    return batch({hp::distributed::P2POp::send(t, dst)})[0];
-  }
-  hp::distributed::Work irecv(const at::Tensor& t, int src) override {
-    return batch({hp::distributed::P2POp::recv(t, src)})[0];
-  }
   std::vector<hp::distributed::Work> batch(
       const std::vector<hp::distributed::P2POp>& ops) override {
     std::vector<std::vector<int64_t>> shapes;
@@ -243,21 +236,9 @@ class RecvRecorder : public hp::distributed::Comm {
     batches.push_back(shapes);
     return inner_->batch(ops);
   }
-  void all_reduce(const at::Tensor& t, hp::distributed::ReduceOp op) override {
-    inner_->all_reduce(t, op);
-  }
-  void all_gather(std::vector<at::Tensor>& out, const at::Tensor& in) override {
-    inner_->all_gather(out, in);
-  }
-  void broadcast(const at::Tensor& t, int root) override { inner_->broadcast(t, root); }
-  void barrier() override { inner_->barrier(); }
-  std::shared_ptr<Comm> split(const std::vector<int>& ranks) override {
-    return inner_->split(ranks);
-  }
   std::vector<std::vector<std::vector<int64_t>>> batches;  // each batch's receive shapes
 
  private:
-  std::shared_ptr<Comm> inner_;
   bool free_;
 };
 

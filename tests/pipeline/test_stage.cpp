@@ -22,6 +22,7 @@
 #include "hp/schedule/lower.h"
 #include "hp/train/profile.h"
 #include "hp/train/trainer.h"
+#include "tests/common/forwarding_comm.h"
 #include "tests/common/threads_as_ranks.h"
 
 using hp::distributed::Comm;
@@ -145,31 +146,16 @@ const torch::Device kFakeDevice(c10::DeviceType::PrivateUse1, 0);
 // A Comm whose works report stream-ordered waits (as NCCL's on CUDA do): on
 // the CPU wait() must still block, but the executor can only tell from
 // blocks_host(), which is what its count of host synchronizations reads.
-class StreamOrderedWorks : public Comm {
+class StreamOrderedWorks : public hp::testing::ForwardingComm {
  public:
-  explicit StreamOrderedWorks(std::shared_ptr<Comm> inner) : inner_(std::move(inner)) {}
-  int rank() const override { return inner_->rank(); }
-  int world_size() const override { return inner_->world_size(); }
-  std::chrono::milliseconds timeout() const override { return inner_->timeout(); }
+  using ForwardingComm::ForwardingComm;
   std::string backend_name() const override { return inner_->backend_name() + "+streams"; }
-  Work isend(const at::Tensor& t, int dst) override { return batch({P2POp::send(t, dst)})[0]; }
-  Work irecv(const at::Tensor& t, int src) override { return batch({P2POp::recv(t, src)})[0]; }
+  bool early_receives_are_free() const override { return false; }  // as NCCL
   std::vector<Work> batch(const std::vector<P2POp>& ops) override {
     std::vector<Work> out;
     for (auto& w : inner_->batch(ops))
       out.push_back(Work(std::make_shared<Ordered>(w)));
     return out;
-  }
-  void all_reduce(const at::Tensor& t, hp::distributed::ReduceOp op) override {
-    inner_->all_reduce(t, op);
-  }
-  void all_gather(std::vector<at::Tensor>& out, const at::Tensor& in) override {
-    inner_->all_gather(out, in);
-  }
-  void broadcast(const at::Tensor& t, int root) override { inner_->broadcast(t, root); }
-  void barrier() override { inner_->barrier(); }
-  std::shared_ptr<Comm> split(const std::vector<int>& ranks) override {
-    return inner_->split(ranks);
   }
 
  private:
@@ -179,19 +165,12 @@ class StreamOrderedWorks : public Comm {
     bool blocks_host() const override { return false; }
     Work inner;
   };
-  std::shared_ptr<Comm> inner_;
 };
 
 // A Comm that records the storage of every tensor handed to it.
-class RecordingComm : public Comm {
+class RecordingComm : public hp::testing::ForwardingComm {
  public:
-  explicit RecordingComm(std::shared_ptr<Comm> inner) : inner_(std::move(inner)) {}
-  int rank() const override { return inner_->rank(); }
-  int world_size() const override { return inner_->world_size(); }
-  std::chrono::milliseconds timeout() const override { return inner_->timeout(); }
-  std::string backend_name() const override { return inner_->backend_name(); }
-  Work isend(const at::Tensor& t, int dst) override { return see(t), inner_->isend(t, dst); }
-  Work irecv(const at::Tensor& t, int src) override { return see(t), inner_->irecv(t, src); }
+  using ForwardingComm::ForwardingComm;
   std::vector<Work> batch(const std::vector<P2POp>& ops) override {
     for (const auto& op : ops)
       see(op.tensor);
@@ -211,7 +190,6 @@ class RecordingComm : public Comm {
     see(t);
     inner_->broadcast(t, root);
   }
-  void barrier() override { inner_->barrier(); }
   std::shared_ptr<Comm> split(const std::vector<int>& ranks) override {
     return std::make_shared<RecordingComm>(inner_->split(ranks));
   }
@@ -230,7 +208,6 @@ class RecordingComm : public Comm {
     std::lock_guard<std::mutex> lock(mu_);
     seen_.push_back(t);
   }
-  std::shared_ptr<Comm> inner_;
   std::mutex mu_;
   std::vector<at::Tensor> seen_;
 };
