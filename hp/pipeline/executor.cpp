@@ -518,9 +518,7 @@ struct Executor::State {
       const Action& a = actions[i];
       const int start = timer->mark();
       if (schedule::is_comm(a.op)) {
-        size_t j = i;
-        while (j < n && schedule::is_comm(actions[j].op))
-          ++j;
+        const size_t j = batches[batch_at.at(i)].second;  // the batch's end
         try {
           post_batch(i, j);
         } catch (const distributed::CommError& e) {
