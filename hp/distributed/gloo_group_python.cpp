@@ -84,9 +84,20 @@ class GilHolder {
   PyGILState_STATE state_;
 };
 
+// NOTE [Every thread through the once-flag]
+// Py_IsInitialized() turns true half-way through start_interpreter, before
+// its `import torch` has finished. A rank thread that checked it first and
+// skipped the once-flag took the GIL at the import's next switch and ran
+// torch.distributed while the first thread was still importing it, the
+// concurrent import that deadlocked above. (The likely cause of a rare
+// "rendezvous of 4 ranks did not complete ... Wait timeout" of tests that
+// run ranks as threads beside other test processes; not proven, as it did
+// not recur often enough to catch in a debugger.) So every thread waits on
+// the once-flag, which is free when Python hosts us (import hyperparallel).
 void ensure_python() {
-  if (Py_IsInitialized()) return;  // hosted by Python, or started before
-  std::call_once(g_init, start_interpreter);
+  std::call_once(g_init, [] {
+    if (!Py_IsInitialized()) start_interpreter();
+  });
 }
 
 }  // namespace
