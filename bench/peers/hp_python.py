@@ -25,23 +25,47 @@ import common  # noqa: E402
 COMPUTE = ("F", "I", "W", "B")
 
 
+class HpSide:
+    """This rank's part of the schedule on hyperparallel.pipeline.Pipeline over
+    the GPT's chunks, on `group` (default: the world)."""
+
+    def __init__(self, args, rank, world, config, group=None):
+        import torch
+
+        import hyperparallel as hp
+        from hyperparallel import models
+
+        s = common.SETTINGS[args.setting]
+        m = s["microbatches"]
+        self.sched = hp.pipeline.schedule(args.schedule, ranks=world, microbatches=m,
+                                          chunks=args.chunks)
+        chunks = models.gpt_chunks(config, self.sched.chunks_of_rank(rank),
+                                   self.sched.num_chunks, args.seed)
+        self.pipe = hp.pipeline.Pipeline(
+            chunks, self.sched, loss_fn=models.gpt_loss,
+            activation_shape=config.activation_shape(s["microbatch_size"]), group=group,
+            timeout=args.timeout, receive_lookahead=args.receive_lookahead,
+            keep_freed_memory=not args.malloc_default)
+        parameters = [q for c in chunks.values() for q in c.parameters()]
+        self.optimizer = torch.optim.AdamW(parameters, lr=args.lr,
+                                           weight_decay=args.weight_decay)
+
+    def step(self, x, y):
+        """One timed step's work: Pipeline.step (which all-reduces the loss)
+        and the optimizer's step. Returns the loss."""
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.pipe.step(x, y)
+        self.optimizer.step()
+        return float(loss)
+
+
 def worker(args):
     rank, world, torch, dist = common.setup_rank(args)
-    import hyperparallel as hp
-    from hyperparallel import models
-
     s = common.SETTINGS[args.setting]
     config, data = common.model_and_data(args.setting, args.seed)
     m = s["microbatches"]
-    sched = hp.pipeline.schedule(args.schedule, ranks=world, microbatches=m, chunks=args.chunks)
-    chunks = models.gpt_chunks(config, sched.chunks_of_rank(rank), sched.num_chunks, args.seed)
-    pipe = hp.pipeline.Pipeline(chunks, sched, loss_fn=models.gpt_loss,
-                                activation_shape=config.activation_shape(s["microbatch_size"]),
-                                timeout=args.timeout,
-                                receive_lookahead=args.receive_lookahead,
-                                keep_freed_memory=not args.malloc_default)
-    parameters = [q for c in chunks.values() for q in c.parameters()]
-    optimizer = torch.optim.AdamW(parameters, lr=args.lr, weight_decay=args.weight_decay)
+    side = HpSide(args, rank, world, config)
+    sched, pipe = side.sched, side.pipe
 
     result = {"losses": [], "step_seconds": [], "busy_seconds": [], "comm_wait_seconds": [],
               "overhead_seconds": [], "makespan_seconds": []}
@@ -49,11 +73,9 @@ def worker(args):
     with common.Profile(args, rank):
         for step in range(args.steps):
             x, y = data.batch(step, m)
-            optimizer.zero_grad(set_to_none=True)
             dist.barrier()
             t0 = now()
-            loss = pipe.step(x, y)
-            optimizer.step()
+            loss = side.step(x, y)
             t1 = now()
             st = pipe.last_stats
             # An FB action's text is "2F0+1B3"; compute events are every non-transfer one.
@@ -94,7 +116,7 @@ def main():
     args = ap.parse_args(argv)
     if args.worker:
         worker(args)
-        return 0
+        common.end_rank()
     return common.launch(os.path.abspath(__file__), args.nproc, argv, args.timeout, args.threads)
 
 

@@ -58,119 +58,151 @@ def placement(schedule, p):
     return len(owner), stages, owner
 
 
+class TorchSide:
+    """This rank's part of PyTorch's schedule over the GPT's chunks, built on
+    `group` (default: the world). With `instrument`, the stage's per-action
+    calls, the loss and the engine calls are timed (`events`, `kernels`);
+    without, nothing is wrapped (paired.py, where both sides share a process)."""
+
+    def __init__(self, args, rank, world, config, group=None, instrument=True):
+        import torch
+        import torch.distributed.pipelining as pp
+
+        from hyperparallel import models, torch_export
+
+        s = common.SETTINGS[args.setting]
+        m, rows, T = s["microbatches"], s["microbatch_size"], s["seq_len"]
+        num_stages, stages_of, owner = placement(args.schedule, world)
+        self.events = []  # (kind, start, end) from the step's start
+        self.kernels = []  # durations
+        self.t0 = 0.0
+        now = time.perf_counter
+
+        def timed(kind, fn):
+            def wrapper(*a, **k):
+                t = now()
+                try:
+                    return fn(*a, **k)
+                finally:
+                    kk = kind if kind != "B" or k.get("full_backward", True) else "I"
+                    self.events.append((kk, t - self.t0, now() - self.t0))
+            return wrapper
+
+        def loss_fn(out, target):
+            if not instrument:
+                return models.gpt_loss(out, target) / m
+            t = now()
+            loss = models.gpt_loss(out, target) / m
+            e = now()
+            self.events.append(("L", t - self.t0, e - self.t0))
+            self.kernels.append(e - t)
+            return loss
+
+        def kernel_timed(fn):
+            def wrapper(*a, **k):
+                t = now()
+                try:
+                    return fn(*a, **k)
+                finally:
+                    self.kernels.append(now() - t)
+            return wrapper
+
+        if instrument:
+            # The engine calls the stage's backward functions look up at each call.
+            torch.autograd.grad = kernel_timed(torch.autograd.grad)
+            torch.autograd.backward = kernel_timed(torch.autograd.backward)
+
+        def time_module_forward(module):
+            started = [0.0]
+            module.register_forward_pre_hook(lambda mod, inp: started.__setitem__(0, now()))
+            module.register_forward_hook(
+                lambda mod, inp, out: self.kernels.append(now() - started[0]))
+
+        my_stages, self.modules = [], []
+        for st in stages_of[rank]:
+            chunk = models.GPT(config, args.seed, chunk=st, num_chunks=num_stages)
+            example_in = (torch.zeros(rows, T, dtype=torch.int64) if st == 0
+                          else torch.zeros(rows, T, config.d_model))
+            example_out = torch.zeros(rows, T,
+                                      config.vocab if st == num_stages - 1 else config.d_model)
+            stage = pp.PipelineStage(chunk, st, num_stages, torch.device("cpu"),
+                                     input_args=(example_in,), output_args=(example_out,),
+                                     group=group)
+            if instrument:
+                time_module_forward(chunk)
+                stage.forward_one_chunk = timed("F", stage.forward_one_chunk)
+                stage.backward_one_chunk = timed("B", stage.backward_one_chunk)
+                stage.backward_weight_one_chunk = timed("W", stage.backward_weight_one_chunk)
+            my_stages.append(stage)
+            self.modules.append(chunk)
+        if SCHEDULES[args.schedule][0] == "v":
+            # Torch's first-step handshake sends to the neighbour stage at the V's
+            # turn, on this same rank: Gloo cannot send to itself (NOTE [Gloo and
+            # the V turn] in hyperparallel/torch_export.py).
+            torch_export.skip_local_handshake(my_stages)
+
+        cls = getattr(pp, "Schedule" + args.schedule)
+        # (torch's V schedules place stages r and 2p-1-r on rank r themselves)
+        stages_arg = my_stages[0] if SCHEDULES[args.schedule][0] == "single" else my_stages
+        self.schedule = cls(stages_arg, m, loss_fn=loss_fn, scale_grads=False)
+        self.optimizer = torch.optim.AdamW([q for mod in self.modules for q in mod.parameters()],
+                                           lr=args.lr, weight_decay=args.weight_decay)
+        self.has_first = 0 in stages_of[rank]
+        self.has_last = num_stages - 1 in stages_of[rank]
+        self.stages_of, self.num_stages = stages_of, num_stages
+        self.group = group
+
+    def step(self, x, y):
+        """One timed step's work: the schedule's step, the optimizer's and the
+        all-reduce of the step's loss. Returns the loss."""
+        import torch
+        import torch.distributed as dist
+
+        self.optimizer.zero_grad(set_to_none=True)
+        self.events.clear()
+        self.kernels.clear()
+        self.t0 = time.perf_counter()
+        losses = []
+        call_args = (x,) if self.has_first else ()
+        if self.has_last:
+            self.schedule.step(*call_args, target=y, losses=losses)
+        else:
+            self.schedule.step(*call_args)
+        self.optimizer.step()
+        loss = torch.tensor([float(sum(v.item() for v in losses))], dtype=torch.float64)
+        dist.all_reduce(loss, group=self.group)
+        return float(loss.item())
+
+
 def worker(args):
     rank, world, torch, dist = common.setup_rank(args)
-    import torch.distributed.pipelining as pp
-
-    from hyperparallel import models, torch_export
-
     s = common.SETTINGS[args.setting]
     config, data = common.model_and_data(args.setting, args.seed)
-    m, rows, T = s["microbatches"], s["microbatch_size"], s["seq_len"]
-    num_stages, stages_of, owner = placement(args.schedule, world)
-
-    events = []  # (kind, start, end) from the step's start
-    kernels = []  # durations
-    clock = {"t0": 0.0}
+    m = s["microbatches"]
+    side = TorchSide(args, rank, world, config)
+    stages_of, num_stages = side.stages_of, side.num_stages
     now = time.perf_counter
-
-    def timed(kind, fn):
-        def wrapper(*a, **k):
-            t = now()
-            try:
-                return fn(*a, **k)
-            finally:
-                kk = kind if kind != "B" or k.get("full_backward", True) else "I"
-                events.append((kk, t - clock["t0"], now() - clock["t0"]))
-        return wrapper
-
-    def loss_fn(out, target):
-        t = now()
-        loss = models.gpt_loss(out, target) / m
-        e = now()
-        events.append(("L", t - clock["t0"], e - clock["t0"]))
-        kernels.append(e - t)
-        return loss
-
-    def kernel_timed(fn):
-        def wrapper(*a, **k):
-            t = now()
-            try:
-                return fn(*a, **k)
-            finally:
-                kernels.append(now() - t)
-        return wrapper
-
-    # The engine calls the stage's backward functions look up at each call.
-    torch.autograd.grad = kernel_timed(torch.autograd.grad)
-    torch.autograd.backward = kernel_timed(torch.autograd.backward)
-
-    def time_module_forward(module):
-        started = [0.0]
-        module.register_forward_pre_hook(lambda mod, inp: started.__setitem__(0, now()))
-        module.register_forward_hook(lambda mod, inp, out: kernels.append(now() - started[0]))
-
-    my_stages, modules = [], []
-    for st in stages_of[rank]:
-        chunk = models.GPT(config, args.seed, chunk=st, num_chunks=num_stages)
-        example_in = (torch.zeros(rows, T, dtype=torch.int64) if st == 0
-                      else torch.zeros(rows, T, config.d_model))
-        example_out = torch.zeros(rows, T, config.vocab if st == num_stages - 1 else config.d_model)
-        time_module_forward(chunk)
-        stage = pp.PipelineStage(chunk, st, num_stages, torch.device("cpu"),
-                                 input_args=(example_in,), output_args=(example_out,))
-        stage.forward_one_chunk = timed("F", stage.forward_one_chunk)
-        stage.backward_one_chunk = timed("B", stage.backward_one_chunk)
-        stage.backward_weight_one_chunk = timed("W", stage.backward_weight_one_chunk)
-        my_stages.append(stage)
-        modules.append(chunk)
-    if SCHEDULES[args.schedule][0] == "v":
-        # Torch's first-step handshake sends to the neighbour stage at the V's
-        # turn, on this same rank: Gloo cannot send to itself (NOTE [Gloo and
-        # the V turn] in hyperparallel/torch_export.py).
-        torch_export.skip_local_handshake(my_stages)
-
-    cls = getattr(pp, "Schedule" + args.schedule)
-    # (torch's V schedules place stages r and 2p-1-r on rank r themselves)
-    stages_arg = my_stages[0] if SCHEDULES[args.schedule][0] == "single" else my_stages
-    schedule = cls(stages_arg, m, loss_fn=loss_fn, scale_grads=False)
-
-    parameters = [q for mod in modules for q in mod.parameters()]
-    optimizer = torch.optim.AdamW(parameters, lr=args.lr, weight_decay=args.weight_decay)
-    has_first = 0 in stages_of[rank]
-    has_last = num_stages - 1 in stages_of[rank]
 
     result = {"losses": [], "step_seconds": [], "busy_seconds": [], "kernel_seconds": [],
               "makespan_seconds": []}
     with common.Profile(args, rank):
         for step in range(args.steps):
             x, y = data.batch(step, m)
-            optimizer.zero_grad(set_to_none=True)
-            events.clear()
-            kernels.clear()
             dist.barrier()
-            clock["t0"] = t0 = now()
-            losses = []
-            call_args = (x,) if has_first else ()
-            if has_last:
-                schedule.step(*call_args, target=y, losses=losses)
-            else:
-                schedule.step(*call_args)
-            optimizer.step()
-            loss = torch.tensor([float(sum(l.item() for l in losses))], dtype=torch.float64)
-            dist.all_reduce(loss)
+            t0 = now()
+            loss = side.step(x, y)
             t1 = now()
+            events, kernels = side.events, side.kernels
             busy = sum(e - b for _, b, e in events)
             last_end = max((e for _, _, e in events), default=0.0)
             everyone = common.gather_last_step(dist, torch, world, busy, last_end, [sum(kernels)])
-            result["losses"].append(float(loss.item()))
+            result["losses"].append(loss)
             result["step_seconds"].append(t1 - t0)
             result["busy_seconds"].append([r[0] for r in everyone])
             result["makespan_seconds"].append(max(r[1] for r in everyone))
             result["kernel_seconds"].append([r[2] for r in everyone])
             if rank == 0 and args.verbose:
-                print(f"step {step}: loss {result['losses'][-1]:.6f} {(t1 - t0) * 1e3:.1f} ms",
-                      file=sys.stderr)
+                print(f"step {step}: loss {loss:.6f} {(t1 - t0) * 1e3:.1f} ms", file=sys.stderr)
     if rank == 0:
         result.update({"side": "torch", "schedule": args.schedule, "nproc": world,
                        "stages": num_stages,
@@ -191,7 +223,7 @@ def main():
         ap.error(f"--schedule: one of {', '.join(SCHEDULES)}")
     if args.worker:
         worker(args)
-        return 0
+        common.end_rank()
     return common.launch(os.path.abspath(__file__), args.nproc, argv, args.timeout, args.threads)
 
 

@@ -1,0 +1,247 @@
+#!/usr/bin/env python3
+"""PyTorch's pipelining against our Python runtime, step by step in the same
+processes: a paired comparison that the host's drift cannot tilt.
+
+    .venv/bin/python bench/peers/paired.py --rounds 2 --steps 24
+
+compare.py runs each side in its own processes, one after the other; on a
+shared host whose speed drifts by 30 % within seconds its per-round ratios
+scatter (bench/peers/README.md). Here each row starts 2 ranks (pinned to
+cores 0 and 1, one intra-op thread) that build both sides on two Gloo groups
+of their own: PyTorch's Schedule<NAME> over its PipelineStages
+(torch_pipelining.TorchSide, not instrumented) and hyperparallel.pipeline.Pipeline
+(hp_python.HpSide), each with its own copy of the same GPT chunks and its own
+AdamW. Then the two sides take turns: step k of one, step k of the other
+(who goes first alternates with k), each after a barrier. Each pair of steps
+ran within half a second of each other, so its ratio (PyTorch's step over
+ours, above 1: we are faster) is nearly free of the host's drift; a row's
+ratio is the median of its pairs over all rounds, with the middle half of
+the pairs (25th to 75th percentile) beside it. The first step of each side
+is warm-up and not counted. Both sides start from the same values and see
+the same batches: their losses must agree (relative 1e-4). Beside the times,
+the CPU time each rank's main thread spent in a step (the model's compute
+and the runtime's own work; waits cost none), the median over steps of the
+busiest rank's: where the two sides' CPU times are close, the step is the
+model's own compute and no runtime can be much faster.
+
+One process holds both sides, so they share what is process-wide: the
+Python runtime keeps freed memory mapped (Pipeline(keep_freed_memory)), which
+PyTorch's side then gets too.
+"""
+import argparse
+import copy
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import common  # noqa: E402
+from compare import GOALS, PAIRS  # noqa: E402
+
+HP_OF = {theirs: (ours, chunks) for theirs, ours, chunks in PAIRS}
+
+
+def worker(args):
+    rank, world, torch, dist = common.setup_rank(args)
+    import hp_python
+    import torch_pipelining
+
+    config, data = common.model_and_data(args.setting, args.seed)
+    m = common.SETTINGS[args.setting]["microbatches"]
+    ours, chunks = HP_OF[args.schedule]
+    hp_args = copy.copy(args)
+    hp_args.schedule, hp_args.chunks = ours, chunks
+    hp_args.receive_lookahead, hp_args.malloc_default = 0, False
+    sides = {
+        "torch": torch_pipelining.TorchSide(args, rank, world, config,
+                                            group=dist.new_group(backend="gloo"),
+                                            instrument=False),
+        "hp-py": hp_python.HpSide(hp_args, rank, world, config,
+                                  group=dist.new_group(backend="gloo")),
+    }
+    names = list(sides)
+    result = {k: {"step_seconds": [], "losses": [], "cpu_seconds": []} for k in names}
+    now, cpu = time.perf_counter, time.thread_time
+    for step in range(args.steps):
+        x, y = data.batch(step, m)
+        for k in (names if step % 2 == 0 else names[::-1]):
+            dist.barrier()
+            t0, c0 = now(), cpu()
+            loss = sides[k].step(x, y)
+            t1, c1 = now(), cpu()
+            # This thread's CPU time in the step, every rank's: the compute
+            # and each runtime's own work, not its waits.
+            spent = torch.zeros(world, dtype=torch.float64)
+            spent[rank] = c1 - c0
+            dist.all_reduce(spent)
+            result[k]["cpu_seconds"].append(spent.tolist())
+            result[k]["step_seconds"].append(t1 - t0)
+            result[k]["losses"].append(loss)
+        if rank == 0 and args.verbose:
+            print(f"step {step}: " + " ".join(
+                f"{k} {result[k]['step_seconds'][-1] * 1e3:.1f} ms" for k in names),
+                file=sys.stderr)
+    if rank == 0:
+        result.update({"setting": args.setting, "schedule": args.schedule, "hp_schedule": ours,
+                       "nproc": world, "torch_version": torch.__version__})
+        common.write_result(args.out, result)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def quantile(xs, q):
+    xs = sorted(xs)
+    if not xs:
+        return float("nan")
+    i = q * (len(xs) - 1)
+    lo = int(i)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (i - lo)
+
+
+def summarize(runs):
+    """A row's numbers from its runs (one per round)."""
+    pairs, rounds, torch_steps, hp_steps, diff = [], [], [], [], 0.0
+    cpu = {"torch": [], "hp-py": []}  # the busiest rank's CPU seconds per step
+    for r in runs:
+        for k in cpu:
+            cpu[k] += [max(c) for c in r[k]["cpu_seconds"][1:]]
+        t, h = r["torch"]["step_seconds"][1:], r["hp-py"]["step_seconds"][1:]
+        ps = [a / b for a, b in zip(t, h)]
+        pairs += ps
+        rounds.append(statistics.median(ps))
+        torch_steps += t
+        hp_steps += h
+        for a, b in zip(r["torch"]["losses"], r["hp-py"]["losses"]):
+            diff = max(diff, abs(a - b) / max(abs(a), 1e-30))
+    return {"torch_ms": statistics.median(torch_steps) * 1e3,
+            "hp_ms": statistics.median(hp_steps) * 1e3,
+            "torch_cpu_ms": statistics.median(cpu["torch"]) * 1e3,
+            "hp_cpu_ms": statistics.median(cpu["hp-py"]) * 1e3,
+            "ratio": statistics.median(pairs), "q25": quantile(pairs, 0.25),
+            "q75": quantile(pairs, 0.75), "per_round": rounds, "pairs": len(pairs),
+            "max_loss_rel_diff": diff}
+
+
+def render(report):
+    out = []
+    for setting, rows in report["settings"].items():
+        spec = common.SETTINGS[setting]
+        out.append(f"**{setting}**: gpt, {spec['layers']} layers, d_model {spec['d_model']}, "
+                   f"{spec['heads']} heads, seq {spec['seq_len']}, {spec['microbatches']} "
+                   f"microbatches of {spec['microbatch_size']}, 2 ranks, "
+                   f"{report['args']['steps']} steps x {report['args']['rounds']} rounds\n")
+        out.append("| PyTorch schedule | hp schedule | PyTorch step ms | hp Python step ms | "
+                   "PyTorch / hp Python, paired (middle half) | per round | "
+                   "CPU ms per step, busiest rank (PyTorch / hp Python) | losses agree |")
+        out.append("|---|---|---|---|---|---|---|---|")
+        for name, s in rows.items():
+            agree = "yes" if s["max_loss_rel_diff"] <= report["args"]["tolerance"] else "NO"
+            out.append(
+                f"| {name} | {HP_OF[name][0]} | {s['torch_ms']:.1f} | {s['hp_ms']:.1f} | "
+                f"{s['ratio']:.2f} ({s['q25']:.2f}-{s['q75']:.2f}) | "
+                f"{', '.join(f'{x:.2f}' for x in s['per_round'])} | "
+                f"{s['torch_cpu_ms']:.1f} / {s['hp_cpu_ms']:.1f} | "
+                f"{agree} ({s['max_loss_rel_diff']:.1e}) |")
+        goal = GOALS[("hp-py", setting)]
+        low = min(rows.items(), key=lambda kv: kv[1]["ratio"])
+        met = "met" if low[1]["ratio"] >= goal else "NOT met"
+        out.append(f"\nhp Python: goal >= {goal}x on every row: {met} "
+                   f"(lowest {low[1]['ratio']:.2f}x, {low[0]})\n")
+    return "\n".join(out)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=24, help="steps of each side per run")
+    ap.add_argument("--settings", default="compute,overhead")
+    ap.add_argument("--schedules", default=",".join(p[0] for p in PAIRS),
+                    help="PyTorch names, e.g. 1F1B,GPipe")
+    ap.add_argument("--tolerance", type=float, default=1e-4)
+    ap.add_argument("--json", default="", help="write every run's steps and the summary here")
+    ap.add_argument("--markdown", default="")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--weight-decay", type=float, default=0.0)
+    ap.add_argument("--timeout", type=float, default=600)
+    # one rank of one row (internal)
+    ap.add_argument("--worker", action="store_true")
+    ap.add_argument("--setting", default="")
+    ap.add_argument("--schedule", default="")
+    ap.add_argument("--out", default="")
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--no-pin", action="store_true")
+    ap.add_argument("--verbose", action="store_true")
+    args = ap.parse_args()
+    if args.worker:
+        worker(args)
+        common.end_rank()
+    settings = [s for s in args.settings.split(",") if s]
+    schedules = [s for s in args.schedules.split(",") if s]
+    for s in settings:
+        if s not in common.SETTINGS:
+            ap.error(f"--settings: {s!r} is not one of {', '.join(common.SETTINGS)}")
+    for s in schedules:
+        if s not in HP_OF:
+            ap.error(f"--schedules: {s!r} is not one of {', '.join(HP_OF)}")
+    if args.steps < 3:
+        ap.error("--steps must be at least 3 (the first is warm-up)")
+    runs = {s: {n: [] for n in schedules} for s in settings}
+    total, done, failed = args.rounds * len(settings) * len(schedules), 0, []
+    started = time.monotonic()
+    scratch = tempfile.mkdtemp(prefix="hp-paired-")
+    out = os.path.join(scratch, "run.json")
+    for rnd in range(args.rounds):
+        for setting in settings:
+            order = schedules[rnd % len(schedules):] + schedules[:rnd % len(schedules)]
+            for name in order:
+                argv = ["--setting", setting, "--schedule", name, "--out", out,
+                        "--steps", str(args.steps), "--seed", str(args.seed),
+                        "--lr", str(args.lr), "--weight-decay", str(args.weight_decay),
+                        "--timeout", str(args.timeout)]
+                rc = common.launch(os.path.abspath(__file__), args.nproc, argv, args.timeout,
+                                   args.threads)
+                done += 1
+                if rc != 0 or not os.path.exists(out):
+                    failed.append(f"round {rnd + 1} {setting} {name}")
+                    print(f"[{done}/{total}] {setting} {name}: FAILED", file=sys.stderr)
+                    continue
+                with open(out) as f:
+                    r = json.load(f)
+                os.remove(out)
+                runs[setting][name].append(r)
+                s = summarize([r])
+                print(f"[{done}/{total}] round {rnd + 1} {setting} {name}: PyTorch "
+                      f"{s['torch_ms']:.1f} ms, hp Python {s['hp_ms']:.1f} ms, paired "
+                      f"{s['ratio']:.2f} ({time.monotonic() - started:.0f} s)", file=sys.stderr)
+    shutil.rmtree(scratch, ignore_errors=True)
+    report = {"args": vars(args), "settings": {}, "runs": runs, "failed": failed,
+              "date": time.strftime("%Y-%m-%d")}
+    for setting in settings:
+        report["settings"][setting] = {n: summarize(rs) for n, rs in runs[setting].items() if rs}
+    text = render(report)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(text + "\n")
+    disagree = [f"{st} {n}" for st, rows in report["settings"].items() for n, s in rows.items()
+                if s["max_loss_rel_diff"] > args.tolerance]
+    if disagree:
+        print("losses disagree: " + ", ".join(disagree), file=sys.stderr)
+    if failed:
+        print("failed runs: " + ", ".join(failed), file=sys.stderr)
+    return 1 if disagree or failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
