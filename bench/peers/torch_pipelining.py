@@ -8,9 +8,9 @@ to core r. Writes per-step losses and times as JSON.
     .venv/bin/python bench/peers/torch_pipelining.py --setting overhead --schedule 1F1B \
         --out run.json
 
-Timed step (the same work as `hp train`'s): after a barrier, schedule.step
-(every microbatch's forward and backward), optimizer.step, and the
-all-reduce of the step's loss. Compute is the time inside the stage's
+Timed step (the same work as `hp train`'s): after a barrier, the optimizer's
+zero_grad, schedule.step (every microbatch's forward and backward),
+optimizer.step, and the all-reduce of the step's loss. Compute is the time inside the stage's
 per-action calls (forward_one_chunk, backward_one_chunk, which is I when the
 schedule splits the backward, backward_weight_one_chunk) and the loss; the
 schedules wait for their receives outside those calls, so, like hp's
