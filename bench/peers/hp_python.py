@@ -10,9 +10,10 @@ losses and times as JSON, in torch_pipelining.py's form.
 
 Timed step (the same work as the other sides'): after a barrier, the
 optimizer's zero_grad, Pipeline.step (every microbatch's forward and backward,
-and the all-reduce of the step's loss) and optimizer.step. Compute, comm wait and overhead per rank
-are the executor's own (Pipeline.last_stats, NOTE [Compute events exclude
-waits]); the makespan is the last compute action's end over the ranks.
+and the all-reduce of the step's loss) and optimizer.step. Compute, comm wait
+and overhead per rank are the executor's own (Pipeline.last_stats, NOTE
+[Compute events exclude waits]); the makespan is the last compute action's
+end over the ranks.
 """
 import argparse
 import os

@@ -41,7 +41,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import common  # noqa: E402
-from compare import GOALS, PAIRS  # noqa: E402
+from compare import GOALS, PAIRS, max_rel_diff  # noqa: E402
 
 HP_OF = {theirs: (ours, chunks) for theirs, ours, chunks in PAIRS}
 
@@ -117,8 +117,7 @@ def summarize(runs):
         rounds.append(statistics.median(ps))
         torch_steps += t
         hp_steps += h
-        for a, b in zip(r["torch"]["losses"], r["hp-py"]["losses"]):
-            diff = max(diff, abs(a - b) / max(abs(a), 1e-30))
+        diff = max(diff, max_rel_diff(r["hp-py"]["losses"], r["torch"]["losses"]))
     return {"torch_ms": statistics.median(torch_steps) * 1e3,
             "hp_ms": statistics.median(hp_steps) * 1e3,
             "torch_cpu_ms": statistics.median(cpu["torch"]) * 1e3,
