@@ -244,10 +244,14 @@ class Comm {
 /// `inner` with its point-to-point between ranks of the same host moved to
 /// shared-memory rings (NOTE [Shared-memory point-to-point]); collectives and
 /// split() stay on `inner`, messages over 8 MiB (or that find a ring full) go
-/// over a group split from it. Every rank of `inner` calls it (it
-/// rendezvouses over `inner`). Same Work and CommError behaviour, including
-/// the timeout and naming a peer whose process is gone.
-std::shared_ptr<Comm> with_shared_memory_p2p(std::shared_ptr<Comm> inner);
+/// over a group split from it - or, with `overflow_on_inner`, over `inner`'s
+/// own point-to-point, for a caller whose `inner` carries no point-to-point
+/// of its own (NOTE [Overflow of a borrowed group] in shm_p2p.cpp). Every
+/// rank of `inner` calls it (it rendezvouses over `inner`). Same Work and
+/// CommError behaviour, including the timeout and naming a peer whose
+/// process is gone.
+std::shared_ptr<Comm> with_shared_memory_p2p(std::shared_ptr<Comm> inner,
+                                             bool overflow_on_inner = false);
 
 /// Options of `with_host_staging`.
 struct HostStagingOptions {

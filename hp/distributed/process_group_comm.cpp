@@ -218,8 +218,7 @@ class ProcessGroupComm : public Comm, public std::enable_shared_from_this<Proces
         sub = detail::make_gloo_group(store, my, int(ranks.size()), shared_->endpoint,
                                       options_.timeout);
       } else {
-        sub = compat::split_process_group(*pg_, ranks, options_.timeout,
-                                          "hp/" + name + "/" + std::to_string(n));
+        sub = compat::split_process_group(*pg_, ranks, options_.timeout, borrowed_split_name(name));
       }
       return std::make_shared<ProcessGroupComm>(shared_, sub, roots, options_);
     } catch (const std::exception& e) {
@@ -228,6 +227,34 @@ class ProcessGroupComm : public Comm, public std::enable_shared_from_this<Proces
                           message_of(std::current_exception()),
                       {}, false);
     }
+  }
+
+  // NOTE [Names of borrowed groups' splits]
+  // c10d names a split's rendezvous after the name it is given, in the
+  // parent's store. Our own counter (split_counts) lives with one Comm, and a
+  // program may borrow one group for several Comms (a Pipeline per model,
+  // one after the other) and different groups with the same member ranks
+  // (the pipelines of a data-parallel mesh, each over its ranks 0..p-1):
+  // with "hp/<ranks>/<n>" alone those splits would meet under one name. So
+  // the name carries the parent's group name (c10d's, unique in the job and
+  // equal on its members) and a count of this process's splits of that
+  // parent, which the members agree on because splitting is collective.
+  // (Unique names did not cure the hang of NOTE [Overflow of a borrowed
+  // group] in shm_p2p.cpp.)
+  std::string borrowed_split_name(const std::string& members) const {
+    static std::mutex mu;
+    static std::map<std::string, int> made;
+#if HP_TORCH_AT_LEAST(2, 8)
+    const std::string parent = pg_->getGroupName() + "/" + members;
+#else
+    const std::string parent = members;  // compat::split_process_group refuses before 2.8
+#endif
+    int n;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      n = made[parent]++;
+    }
+    return "hp/" + parent + "/" + std::to_string(n);
   }
 
   /// Builds and throws the CommError for a failed `what` (see NOTE [Naming the lost peer]).

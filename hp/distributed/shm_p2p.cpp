@@ -151,7 +151,7 @@ struct PendingRecv {
 
 class ShmComm : public Comm, public std::enable_shared_from_this<ShmComm> {
  public:
-  explicit ShmComm(std::shared_ptr<Comm> inner) : inner_(std::move(inner)) {
+  ShmComm(std::shared_ptr<Comm> inner, bool overflow_on_inner) : inner_(std::move(inner)) {
     const int n = inner_->world_size(), me = inner_->rank();
     auto nonce = at::empty({1}, at::kLong);
     if (me == 0) nonce.fill_(static_cast<int64_t>(std::random_device{}() & 0x7fffffff));
@@ -194,7 +194,17 @@ class ShmComm : public Comm, public std::enable_shared_from_this<ShmComm> {
     std::vector<int> everyone(n);
     for (int q = 0; q < n; ++q)
       everyone[q] = q;
-    overflow_ = inner_->split(everyone);
+    // NOTE [Overflow of a borrowed group]
+    // Redirected messages need a channel whose order between two ranks is
+    // theirs alone. A group split from `inner` gives one whatever else uses
+    // `inner`. A group that Python made (Pipeline(p2p="shm")) carries no
+    // point-to-point but ours while a step runs, so its own channel serves;
+    // and splitting such a group is not safe: splits of the pipelines'
+    // subgroups of a torch DeviceMesh (pp x dp, Gloo, torch 2.11) hung in
+    // Gloo's connect on one rank while its peer had finished the same split,
+    // in about half of the runs that made 5 pipelines in turn; with no split,
+    // 4 of 4 such runs passed.
+    overflow_ = overflow_on_inner ? inner_ : inner_->split(everyone);
   }
   ~ShmComm() override { unmap(); }
 
@@ -433,9 +443,9 @@ class ShmComm : public Comm, public std::enable_shared_from_this<ShmComm> {
 
 }  // namespace
 
-std::shared_ptr<Comm> with_shared_memory_p2p(std::shared_ptr<Comm> inner) {
+std::shared_ptr<Comm> with_shared_memory_p2p(std::shared_ptr<Comm> inner, bool overflow_on_inner) {
   TORCH_CHECK(inner != nullptr, "with_shared_memory_p2p: no Comm given");
-  return std::make_shared<ShmComm>(std::move(inner));
+  return std::make_shared<ShmComm>(std::move(inner), overflow_on_inner);
 }
 
 }  // namespace hp::distributed

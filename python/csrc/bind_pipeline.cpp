@@ -94,7 +94,7 @@ class Runtime {
           const std::map<int, py::object>& chunk_forward,
           const std::map<int, std::vector<torch::Tensor>>& chunk_parameters, py::object loss,
           py::object activation_shape, py::object dtype, py::object device, double timeout_s,
-          const py::object& dp_group, int receive_lookahead)
+          const py::object& dp_group, int receive_lookahead, const std::string& p2p)
       : sched_(schedule_from_csv(schedule_csv)),
         loss_(std::move(loss)),
         activation_shape_(std::move(activation_shape)),
@@ -105,8 +105,22 @@ class Runtime {
         device.is_none() ? torch::Device(torch::kCPU) : device.cast<torch::Device>();
     // CUDA tensors over Gloo (e.g. two ranks sharing one GPU) go through host
     // memory; NCCL takes them as they are (NOTE [Ranks on devices]).
-    comm_ = distributed::for_device(
-        distributed::Comm::from_process_group(process_group_of(group), options), on);
+    auto borrowed = distributed::Comm::from_process_group(process_group_of(group), options);
+    if (p2p == "shm") {
+      // NOTE [Shared-memory point-to-point] in hp/distributed/shm_p2p.cpp.
+      if (!on.is_cpu())
+        throw py::value_error(
+            "p2p='shm' moves CPU tensors between the processes of one host; "
+            "this pipeline runs on " +
+            on.str() + ": use p2p='group'");
+      if (borrowed->backend_name() != "gloo")
+        throw py::value_error("p2p='shm' goes beside a Gloo group; this group's backend is " +
+                              borrowed->backend_name() + ": use p2p='group'");
+      borrowed = distributed::with_shared_memory_p2p(borrowed, /*overflow_on_inner=*/true);
+    } else if (p2p != "group") {
+      throw py::value_error("p2p must be 'group' or 'shm', got '" + p2p + "'");
+    }
+    comm_ = distributed::for_device(borrowed, on);
     rank_ = comm_->rank();
     if (comm_->world_size() != sched_.num_ranks)
       throw py::value_error("the group has " + std::to_string(comm_->world_size()) +
@@ -323,10 +337,11 @@ void bind_pipeline(py::module_& m) {
                        const std::map<int, py::object>& forward,
                        const std::map<int, std::vector<torch::Tensor>>& parameters, py::object loss,
                        py::object shape, py::object dtype, py::object device, double timeout_s,
-                       const py::object& dp_group, int receive_lookahead) {
+                       const py::object& dp_group, int receive_lookahead, const std::string& p2p) {
              try {
                return std::make_unique<Runtime>(csv, group, forward, parameters, loss, shape, dtype,
-                                                device, timeout_s, dp_group, receive_lookahead);
+                                                device, timeout_s, dp_group, receive_lookahead,
+                                                p2p);
              } catch (const std::invalid_argument& e) {
                throw py::value_error(e.what());
              }
@@ -334,7 +349,8 @@ void bind_pipeline(py::module_& m) {
            py::arg("schedule_csv"), py::arg("group"), py::arg("chunk_forward"),
            py::arg("chunk_parameters"), py::arg("loss"), py::arg("activation_shape"),
            py::arg("dtype"), py::arg("device") = py::none(), py::arg("timeout_s") = 300.0,
-           py::arg("dp_group") = py::none(), py::arg("receive_lookahead") = 0)
+           py::arg("dp_group") = py::none(), py::arg("receive_lookahead") = 0,
+           py::arg("p2p") = "group")
       .def("step", &Runtime::step, py::arg("inputs"),
            "Runs one step of this rank's actions; returns the loss and timings.")
       .def_property_readonly("rank", &Runtime::rank)

@@ -142,6 +142,16 @@ class Pipeline:
             goes out at once, but on the benchmark host the steps were
             slower (NOTE [Receives posted ahead] in
             hp/pipeline/executor.cpp).
+        p2p: how activations and gradients travel between the ranks.
+            ``"group"`` (default): point-to-point operations of ``group``.
+            ``"shm"``: between ranks of one host, rings in shared memory
+            (``/dev/shm``, 32 MiB per direction and pair of such ranks, made
+            in the constructor and unlinked once mapped), the group for the
+            rest (ranks on other hosts, collectives, messages over 8 MiB).
+            For a Gloo group on the CPU: Gloo carries each message over
+            loopback TCP with two thread wake-ups per message, whose threads
+            share the ranks' cores; the rings take neither (NOTE
+            [Shared-memory point-to-point] in hp/distributed/shm_p2p.cpp).
         keep_freed_memory: on the CPU (the default there), keep memory that
             tensors free in the process for the next ones instead of handing
             it back to the kernel after every large free, as ``hp train``
@@ -168,6 +178,7 @@ class Pipeline:
         dp_group: Optional[dist.ProcessGroup] = None,
         receive_lookahead: int = 0,
         keep_freed_memory: Optional[bool] = None,
+        p2p: str = "group",
     ):
         if not isinstance(schedule, PipelineSchedule):
             raise TypeError(
@@ -186,6 +197,10 @@ class Pipeline:
             raise ValueError(
                 f"receive_lookahead must be an int >= 0, got {receive_lookahead!r}"
             )
+        if not isinstance(p2p, str):
+            raise TypeError(f"p2p must be a str ('group' or 'shm'), got {type(p2p).__name__}")
+        if p2p not in ("group", "shm"):
+            raise ValueError(f"p2p must be 'group' or 'shm', got {p2p!r}")
         if group is None:
             if not dist.is_initialized():
                 raise RuntimeError(
@@ -241,6 +256,7 @@ class Pipeline:
             float(timeout),
             dp_group,
             receive_lookahead,
+            p2p,
         )
         self.rank = self._runtime.rank
         self.last_stats: Dict[str, object] = {}

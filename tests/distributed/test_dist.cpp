@@ -430,8 +430,10 @@ TEST(DistOrdered, CrossedReceivesDeadlockOnlyInPostingOrder) {
 // Gloo behind a header in the ring, in order. Mixed in: a receive posted
 // before its send, a message over 8 MiB (always over Gloo), and collectives
 // on the wrapped Comm. Messages are matched by order alone; contents are
-// checked element by element.
-TEST(DistSharedMemory, FullRingsEarlyReceiveLargeMessagesAndCollectives) {
+// checked element by element. `overflow_on_inner`: the messages that leave
+// the rings go over the wrapped Comm itself instead of a split of it (NOTE
+// [Overflow of a borrowed group] in shm_p2p.cpp).
+void exchange_through_full_rings(bool overflow_on_inner) {
   TempDir dir;
   std::vector<std::string> errors(2);
   std::vector<std::thread> ts;
@@ -441,7 +443,7 @@ TEST(DistSharedMemory, FullRingsEarlyReceiveLargeMessagesAndCollectives) {
         hp::distributed::CommOptions o;
         o.timeout = std::chrono::seconds(20);
         auto c = hp::distributed::with_shared_memory_p2p(
-            Comm::from_file_store(dir.path + "/s", r, 2, o));
+            Comm::from_file_store(dir.path + "/s", r, 2, o), overflow_on_inner);
         const int peer = 1 - r;
         if (c->backend_name() != "gloo+shm") errors[r] += "backend " + c->backend_name() + "; ";
         const int64_t n = (1 << 20) / 8;  // 1 MiB of doubles
@@ -482,6 +484,14 @@ TEST(DistSharedMemory, FullRingsEarlyReceiveLargeMessagesAndCollectives) {
     t.join();
   for (int r = 0; r < 2; ++r)
     EXPECT_EQ(errors[r], "") << "rank " << r;
+}
+
+TEST(DistSharedMemory, FullRingsEarlyReceiveLargeMessagesAndCollectives) {
+  exchange_through_full_rings(/*overflow_on_inner=*/false);
+}
+
+TEST(DistSharedMemory, OverflowOnTheWrappedCommKeepsTheOrder) {
+  exchange_through_full_rings(/*overflow_on_inner=*/true);
 }
 
 // A receive whose message never comes fails after the timeout, saying so.

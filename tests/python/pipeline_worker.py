@@ -4,12 +4,13 @@ on hyperparallel's executor over a Gloo group made by torch.distributed, and
 saves its losses and chunk parameters for the test to compare with
 single-process training.
 
-    pipeline_worker.py OUT_DIR SCHEDULES [DP [DEVICE [LOOKAHEAD]]]
+    pipeline_worker.py OUT_DIR SCHEDULES [DP [DEVICE [LOOKAHEAD [P2P]]]]
 
 DEVICE "cuda" puts the rank of local rank r on GPU r mod the GPU count (two
 ranks may share one GPU: the runtime stages through host memory over Gloo).
 LOOKAHEAD is Pipeline's receive_lookahead; given, the runtime also leaves
-glibc's malloc as it is (keep_freed_memory=False): the non-default paths."""
+glibc's malloc as it is (keep_freed_memory=False): the non-default paths.
+P2P is Pipeline's p2p ("group" or "shm")."""
 
 import os
 import sys
@@ -28,6 +29,7 @@ def main():
     dp = int(sys.argv[3]) if len(sys.argv) > 3 else 1
     device = torch.device(sys.argv[4] if len(sys.argv) > 4 else "cpu")
     lookahead = int(sys.argv[5]) if len(sys.argv) > 5 else None
+    p2p = sys.argv[6] if len(sys.argv) > 6 else "group"
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
         torch.cuda.set_device(device)
@@ -60,6 +62,7 @@ def main():
             dp_group=dp_group,
             receive_lookahead=0 if lookahead is None else lookahead,
             keep_freed_memory=None if lookahead is None else False,
+            p2p=p2p,
         )
         params = [q for c in chunks.values() for q in c.parameters()]
         opt = torch.optim.SGD(params, lr=pm.LR)

@@ -117,6 +117,25 @@ def test_receives_posted_ahead_equal_single_process_training(lookahead, tmp_path
                                     f"{name} lookahead {lookahead} rank {r}")
 
 
+@pytest.mark.parametrize("dp", [1, 2])
+def test_shared_memory_transfers_equal_single_process_training(dp, tmp_path):
+    # p2p="shm": activations and gradients between the ranks go through
+    # shared-memory rings beside the Gloo group (NOTE [Shared-memory
+    # point-to-point] in hp/distributed/shm_p2p.cpp); with dp = 2 the rings
+    # sit beside a subgroup of the world and the replicas' all-reduce stays
+    # on Gloo.
+    names, p = ["1f1b", "interleaved-zb", "zbv", "dualpipev", "zb-auto"], 2
+    run_ranks(p * dp, [",".join(names), str(dp), "cpu", "0", "shm"], tmp_path)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(p * dp)]
+    for name in names:
+        sched = hp.pipeline.schedule(name, ranks=p, microbatches=pm.microbatches(name, p))
+        ref_losses, ref_chunks = pm.reference(sched.num_chunks, dp * sched.num_microbatches)
+        for world_rank, res in enumerate(ranks):
+            got = res[name]
+            assert got["backend"] == "gloo+shm", got["backend"]
+            assert_equals_reference(got, ref_losses, ref_chunks, f"{name} shm rank {world_rank}")
+
+
 CUDA_REASON = (
     "CUDA is not available (torch.cuda.is_available() is False): two ranks sharing one GPU "
     "(CUDA stages, transfers staged through host memory over Gloo) are NOT tested on this "
