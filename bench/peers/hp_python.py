@@ -46,17 +46,23 @@ class HpSide:
             chunks, self.sched, loss_fn=models.gpt_loss,
             activation_shape=config.activation_shape(s["microbatch_size"]), group=group,
             timeout=args.timeout, receive_lookahead=args.receive_lookahead,
-            keep_freed_memory=not args.malloc_default)
+            keep_freed_memory=not args.malloc_default, p2p=getattr(args, "p2p", "group"))
         parameters = [q for c in chunks.values() for q in c.parameters()]
         self.optimizer = torch.optim.AdamW(parameters, lr=args.lr,
                                            weight_decay=args.weight_decay)
+        self.last_outside = 0.0
 
     def step(self, x, y):
         """One timed step's work: Pipeline.step (which all-reduces the loss)
         and the optimizer's step. Returns the loss."""
+        t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
+        t1 = time.perf_counter()
         loss = self.pipe.step(x, y)
+        t2 = time.perf_counter()
         self.optimizer.step()
+        # The step's work outside the schedule's actions, which any runtime has too.
+        self.last_outside = (t1 - t0) + (time.perf_counter() - t2)
         return float(loss)
 
 
@@ -111,6 +117,9 @@ def main():
     ap.add_argument("--receive-lookahead", type=int, default=0,
                     help="Pipeline(receive_lookahead=...): receives posted N batches ahead "
                          "(default 0)")
+    ap.add_argument("--p2p", default="group", choices=["group", "shm"],
+                    help="Pipeline(p2p=...): the group's point-to-point (default) or "
+                         "shared-memory rings between the ranks")
     ap.add_argument("--malloc-default", action="store_true",
                     help="Pipeline(keep_freed_memory=False): leave glibc's malloc as it is")
     argv = sys.argv[1:]

@@ -57,6 +57,7 @@ def worker(args):
     hp_args = copy.copy(args)
     hp_args.schedule, hp_args.chunks = ours, chunks
     hp_args.receive_lookahead, hp_args.malloc_default = 0, False
+    hp_args.p2p = args.hp_p2p
     sides = {
         "torch": torch_pipelining.TorchSide(args, rank, world, config,
                                             group=dist.new_group(backend="gloo"),
@@ -66,6 +67,7 @@ def worker(args):
     }
     names = list(sides)
     result = {k: {"step_seconds": [], "losses": [], "cpu_seconds": []} for k in names}
+    actions, outside = {}, []  # our side's compute seconds per action kind; the rest of a step
     now, cpu = time.perf_counter, time.thread_time
     for step in range(args.steps):
         x, y = data.batch(step, m)
@@ -82,16 +84,65 @@ def worker(args):
             result[k]["cpu_seconds"].append(spent.tolist())
             result[k]["step_seconds"].append(t1 - t0)
             result[k]["losses"].append(loss)
+            if k == "hp-py" and step > 0:
+                for text, start, end in sides[k].pipe.last_stats["events"]:
+                    if "SEND" not in text and "RECV" not in text:
+                        actions.setdefault(action_kind(text), []).append(end - start)
+                outside.append(sides[k].last_outside)
         if rank == 0 and args.verbose:
             print(f"step {step}: " + " ".join(
                 f"{k} {result[k]['step_seconds'][-1] * 1e3:.1f} ms" for k in names),
                 file=sys.stderr)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, {"actions": actions, "outside": outside})
     if rank == 0:
+        result["ideal_seconds"] = ideal_step(sides["hp-py"].sched.csv, everyone)
         result.update({"setting": args.setting, "schedule": args.schedule, "hp_schedule": ours,
                        "nproc": world, "torch_version": torch.__version__})
         common.write_result(args.out, result)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def action_kind(text):
+    """"1F3" -> "1F"; an overlapped pair "2F0+1B3" -> "2F+1B"."""
+    return "+".join(part.rstrip("0123456789") for part in text.split("+"))
+
+
+def ideal_step(csv, ranks):
+    """The step of a runtime that costs nothing: the schedule simulated with
+    each stage's median F, I, W (or B) seconds as our side measured them on
+    every rank, transfers taking no time, plus the busiest rank's median time
+    outside the actions (the optimizer's step and zero_grad). Medians leave out
+    the host's pauses that the measured steps meet, so this is below what any
+    runtime of this schedule and module could reach here."""
+    from hyperparallel import schedule as hs
+
+    s = hs.from_csv(csv)
+    seconds = {}
+    for r in ranks:
+        for kind, xs in r["actions"].items():
+            seconds.setdefault(kind, []).extend(xs)
+    med = {kind: statistics.median(xs) for kind, xs in seconds.items()}
+    tiny = 1e-9  # the simulator wants positive costs; B alone is b + w
+    f, b, w = [], [], []
+    for st in range(s.num_stages):
+        f.append(med.get(f"{st}F", tiny))
+        if f"{st}I" in med:
+            b.append(med[f"{st}I"])
+            w.append(med.get(f"{st}W", tiny))
+        else:
+            b.append(med.get(f"{st}B", tiny))
+            w.append(tiny)
+    for kind, x in med.items():  # a stage whose B ran only inside overlapped pairs
+        if "+" in kind:
+            sf, sb = (int(part[:-1]) for part in kind.split("+"))
+            if f"{sb}I" not in med and f"{sb}B" not in med:
+                b[sb] = max(tiny, x - f[sf])
+    costs = hs.CostModel(comm=0.0, stage_f=f, stage_b=b, stage_w=w)
+    makespan = hs.simulate(s, costs, record_timeline=False).makespan
+    steps = zip(*(r["outside"] for r in ranks))
+    return makespan + statistics.median(max(xs) for xs in steps)
 
 
 def quantile(xs, q):
@@ -106,7 +157,7 @@ def quantile(xs, q):
 
 def summarize(runs):
     """A row's numbers from its runs (one per round)."""
-    pairs, rounds, torch_steps, hp_steps, diff = [], [], [], [], 0.0
+    pairs, rounds, torch_steps, hp_steps, diff, ideal, bound = [], [], [], [], 0.0, [], []
     cpu = {"torch": [], "hp-py": []}  # the busiest rank's CPU seconds per step
     for r in runs:
         for k in cpu:
@@ -118,13 +169,18 @@ def summarize(runs):
         torch_steps += t
         hp_steps += h
         diff = max(diff, max_rel_diff(r["hp-py"]["losses"], r["torch"]["losses"]))
+        if "ideal_seconds" in r:
+            ideal.append(r["ideal_seconds"])
+            bound.append(statistics.median(t) / r["ideal_seconds"])
     return {"torch_ms": statistics.median(torch_steps) * 1e3,
             "hp_ms": statistics.median(hp_steps) * 1e3,
             "torch_cpu_ms": statistics.median(cpu["torch"]) * 1e3,
             "hp_cpu_ms": statistics.median(cpu["hp-py"]) * 1e3,
             "ratio": statistics.median(pairs), "q25": quantile(pairs, 0.25),
             "q75": quantile(pairs, 0.75), "per_round": rounds, "pairs": len(pairs),
-            "max_loss_rel_diff": diff}
+            "max_loss_rel_diff": diff,
+            "ideal_ms": statistics.median(ideal) * 1e3 if ideal else float("nan"),
+            "torch_over_ideal": statistics.median(bound) if bound else float("nan")}
 
 
 def render(report):
@@ -134,11 +190,13 @@ def render(report):
         out.append(f"**{setting}**: gpt, {spec['layers']} layers, d_model {spec['d_model']}, "
                    f"{spec['heads']} heads, seq {spec['seq_len']}, {spec['microbatches']} "
                    f"microbatches of {spec['microbatch_size']}, 2 ranks, "
-                   f"{report['args']['steps']} steps x {report['args']['rounds']} rounds\n")
+                   f"{report['args']['steps']} steps x {report['args']['rounds']} rounds, "
+                   f"our side's p2p={report['args']['hp_p2p']}\n")
         out.append("| PyTorch schedule | hp schedule | PyTorch step ms | hp Python step ms | "
                    "PyTorch / hp Python, paired (middle half) | per round | "
-                   "CPU ms per step, busiest rank (PyTorch / hp Python) | losses agree |")
-        out.append("|---|---|---|---|---|---|---|---|")
+                   "CPU ms per step, busiest rank (PyTorch / hp Python) | "
+                   "ideal step ms (PyTorch / ideal) | losses agree |")
+        out.append("|---|---|---|---|---|---|---|---|---|")
         for name, s in rows.items():
             agree = "yes" if s["max_loss_rel_diff"] <= report["args"]["tolerance"] else "NO"
             out.append(
@@ -146,6 +204,7 @@ def render(report):
                 f"{s['ratio']:.2f} ({s['q25']:.2f}-{s['q75']:.2f}) | "
                 f"{', '.join(f'{x:.2f}' for x in s['per_round'])} | "
                 f"{s['torch_cpu_ms']:.1f} / {s['hp_cpu_ms']:.1f} | "
+                f"{s['ideal_ms']:.1f} ({s['torch_over_ideal']:.2f}) | "
                 f"{agree} ({s['max_loss_rel_diff']:.1e}) |")
         goal = GOALS[("hp-py", setting)]
         low = min(rows.items(), key=lambda kv: kv[1]["ratio"])
@@ -162,6 +221,9 @@ def main():
     ap.add_argument("--settings", default="compute,overhead")
     ap.add_argument("--schedules", default=",".join(p[0] for p in PAIRS),
                     help="PyTorch names, e.g. 1F1B,GPipe")
+    ap.add_argument("--hp-p2p", default="group", choices=["group", "shm"],
+                    help="our side's Pipeline(p2p=...): the Gloo group's point-to-point "
+                         "(default, as PyTorch's side) or shared-memory rings")
     ap.add_argument("--tolerance", type=float, default=1e-4)
     ap.add_argument("--json", default="", help="write every run's steps and the summary here")
     ap.add_argument("--markdown", default="")
@@ -204,7 +266,7 @@ def main():
                 argv = ["--setting", setting, "--schedule", name, "--out", out,
                         "--steps", str(args.steps), "--seed", str(args.seed),
                         "--lr", str(args.lr), "--weight-decay", str(args.weight_decay),
-                        "--timeout", str(args.timeout)]
+                        "--timeout", str(args.timeout), "--hp-p2p", args.hp_p2p]
                 rc = common.launch(os.path.abspath(__file__), args.nproc, argv, args.timeout,
                                    args.threads)
                 done += 1
