@@ -106,6 +106,24 @@ Ring map_ring(const std::string& name, bool create, int rank) {
     throw CommError("rank " + std::to_string(rank) + ": shared-memory point-to-point: cannot " +
                         (create ? "create " : "open ") + name + ": " + std::strerror(errno),
                     {}, false);
+  // NOTE [Rings take their memory up front]: a tmpfs file's size is only a
+  // promise; a ring sized with ftruncate alone in a /dev/shm too small for it
+  // (a container's default is 64 MiB) would kill the process with SIGBUS at
+  // the first write past the room left, mid-step. posix_fallocate takes the
+  // pages now, so a full /dev/shm is an error here that says so.
+  if (create) {
+    if (int err = posix_fallocate(fd, 0, static_cast<off_t>(kMapBytes)); err != 0) {
+      close(fd);
+      shm_unlink(name.c_str());
+      throw CommError("rank " + std::to_string(rank) +
+                          ": shared-memory point-to-point: cannot reserve " +
+                          std::to_string(kMapBytes >> 20) + " MiB for " + name + " in /dev/shm (" +
+                          std::strerror(err) +
+                          "): give /dev/shm more room (docker run --shm-size) or use the "
+                          "group's point-to-point",
+                      {}, false);
+    }
+  }
   if (create && ftruncate(fd, static_cast<off_t>(kMapBytes)) != 0) {
     int err = errno;
     close(fd);

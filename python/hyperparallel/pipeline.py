@@ -146,7 +146,8 @@ class Pipeline:
             ``"group"`` (default): point-to-point operations of ``group``.
             ``"shm"``: between ranks of one host, rings in shared memory
             (``/dev/shm``, 32 MiB per direction and pair of such ranks, made
-            in the constructor and unlinked once mapped), the group for the
+            and reserved in the constructor - a ``/dev/shm`` without room is
+            a RuntimeError then - and unlinked once mapped), the group for the
             rest (ranks on other hosts, collectives, messages over 8 MiB).
             For a Gloo group on the CPU: Gloo carries each message over
             loopback TCP with two thread wake-ups per message, whose threads

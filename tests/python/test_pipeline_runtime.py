@@ -136,6 +136,35 @@ def test_shared_memory_transfers_equal_single_process_training(dp, tmp_path):
             assert_equals_reference(got, ref_losses, ref_chunks, f"{name} shm rank {world_rank}")
 
 
+def test_shared_memory_without_room_is_an_error_at_construction(tmp_path):
+    # A /dev/shm smaller than the rings (a container's default is 64 MiB):
+    # Pipeline(p2p="shm") fails on every rank, naming /dev/shm, instead of a
+    # SIGBUS mid-step (NOTE [Rings take their memory up front] in
+    # hp/distributed/shm_p2p.cpp). The ranks run in a mount namespace of
+    # their own with a 16 MiB /dev/shm.
+    probe = subprocess.run(["unshare", "-m", "sh", "-c",
+                            "mount -t tmpfs -o size=16m tmpfs /dev/shm"],
+                           capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip("cannot make a small /dev/shm here (unshare -m and mount need root with "
+                    f"CAP_SYS_ADMIN: {probe.stderr.strip()[:200]}): the error for a full "
+                    "/dev/shm is NOT tested on this machine")
+    port = free_port()
+    worker = os.path.join(HERE, "pipeline_worker.py")
+    ranks = " ".join(
+        f"RANK={r} LOCAL_RANK={r} {sys.executable} {worker} {tmp_path} 1f1b 1 cpu 0 shm "
+        f"2> {tmp_path}/err{r} &" for r in range(2))
+    env = dict(os.environ, WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    script = f"mount -t tmpfs -o size=16m tmpfs /dev/shm || exit 1; {ranks} wait"
+    subprocess.run(["unshare", "-m", "sh", "-c", script], env=env, timeout=300, check=True)
+    for r in range(2):
+        err = (tmp_path / f"err{r}").read_text()
+        assert "cannot reserve 32 MiB" in err and "in /dev/shm" in err, err[-2000:]
+        assert "RuntimeError" in err, err[-2000:]
+        assert not (tmp_path / f"rank{r}.pt").exists()
+
+
 CUDA_REASON = (
     "CUDA is not available (torch.cuda.is_available() is False): two ranks sharing one GPU "
     "(CUDA stages, transfers staged through host memory over Gloo) are NOT tested on this "
