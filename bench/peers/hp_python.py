@@ -46,15 +46,16 @@ class HpSide:
             chunks, self.sched, loss_fn=models.gpt_loss,
             activation_shape=config.activation_shape(s["microbatch_size"]), group=group,
             timeout=args.timeout, receive_lookahead=args.receive_lookahead,
-            keep_freed_memory=not args.malloc_default, p2p=getattr(args, "p2p", "group"))
+            keep_freed_memory=not args.malloc_default, p2p=args.p2p)
         parameters = [q for c in chunks.values() for q in c.parameters()]
         self.optimizer = torch.optim.AdamW(parameters, lr=args.lr,
                                            weight_decay=args.weight_decay)
         self.last_outside = 0.0
 
     def step(self, x, y):
-        """One timed step's work: Pipeline.step (which all-reduces the loss)
-        and the optimizer's step. Returns the loss."""
+        """One timed step's work: the optimizer's zero_grad, Pipeline.step
+        (which all-reduces the loss) and the optimizer's step; last_outside
+        keeps the seconds of the two optimizer calls. Returns the loss."""
         t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         t1 = time.perf_counter()

@@ -22,7 +22,11 @@ the same batches: their losses must agree (relative 1e-4). Beside the times,
 the CPU time each rank's main thread spent in a step (the model's compute
 and the runtime's own work; waits cost none), the median over steps of the
 busiest rank's: where the two sides' CPU times are close, the step is the
-model's own compute and no runtime can be much faster.
+model's own compute and no runtime can be much faster. Last, an ideal step
+per row: the schedule simulated with our side's median action times and free
+transfers (ideal_step), with PyTorch's step over it. --hp-p2p shm runs our
+side with Pipeline(p2p="shm") (shared-memory rings between the ranks);
+PyTorch's side always uses its Gloo group.
 
 One process holds both sides, so they share what is process-wide: the
 Python runtime keeps freed memory mapped (Pipeline(keep_freed_memory)), which
@@ -114,8 +118,11 @@ def ideal_step(csv, ranks):
     each stage's median F, I, W (or B) seconds as our side measured them on
     every rank, transfers taking no time, plus the busiest rank's median time
     outside the actions (the optimizer's step and zero_grad). Medians leave out
-    the host's pauses that the measured steps meet, so this is below what any
-    runtime of this schedule and module could reach here."""
+    the host's pauses that the measured steps meet, so this is optimistic:
+    about the best a runtime of this schedule and module could do here. Not a
+    bound where overlapped F+B pairs run (DualPipeV): a pair measured as one
+    action costs less than its F and B measured apart, which the simulator
+    adds up."""
     from hyperparallel import schedule as hs
 
     s = hs.from_csv(csv)

@@ -116,6 +116,8 @@ class Runtime {
       if (borrowed->backend_name() != "gloo")
         throw py::value_error("p2p='shm' goes beside a Gloo group; this group's backend is " +
                               borrowed->backend_name() + ": use p2p='group'");
+      // Making the rings waits on every rank of the group: without the GIL.
+      py::gil_scoped_release release;
       borrowed = distributed::with_shared_memory_p2p(borrowed, /*overflow_on_inner=*/true);
     } else if (p2p != "group") {
       throw py::value_error("p2p must be 'group' or 'shm', got '" + p2p + "'");

@@ -36,6 +36,10 @@ def test_both_sides_take_turns_and_agree_step_for_step(tmp_path):
         s = report["settings"]["overhead"][name]
         assert s["pairs"] == 2  # the first step of each side is warm-up
         assert s["q25"] <= s["ratio"] <= s["q75"]
+        # The ideal step: a simulated schedule of our side's own action times
+        # plus the optimizer's, so a positive time of the order of our step.
+        assert 0.2 * s["hp_ms"] < s["ideal_ms"] < 2 * s["hp_ms"], s
+        assert s["torch_over_ideal"] > 0
     assert "PyTorch / hp Python, paired" in r.stdout
 
 
