@@ -360,7 +360,8 @@ def main():
                          "loop per core; see AwakeCores)")
     ap.add_argument("--hp-p2p", default="gloo", choices=["gloo", "shm"],
                     help="hp train's point-to-point transport between the ranks (hp train "
-                         "--p2p); PyTorch and the Python runtime use the Gloo group")
+                         "--p2p); PyTorch uses the Gloo group, the Python runtime "
+                         "Pipeline's default p2p (auto)")
     ap.add_argument("--timeout", type=int, default=600)
     ap.add_argument("--json", default="", help="write every measurement here")
     ap.add_argument("--markdown", default="", help="write the tables here too")

@@ -118,9 +118,10 @@ def main():
     ap.add_argument("--receive-lookahead", type=int, default=0,
                     help="Pipeline(receive_lookahead=...): receives posted N batches ahead "
                          "(default 0)")
-    ap.add_argument("--p2p", default="group", choices=["group", "shm"],
-                    help="Pipeline(p2p=...): the group's point-to-point (default) or "
-                         "shared-memory rings between the ranks")
+    ap.add_argument("--p2p", default="auto", choices=["auto", "group", "shm"],
+                    help="Pipeline(p2p=...): its default (auto: shared-memory rings between "
+                         "the ranks where every rank could reserve them), the group's "
+                         "point-to-point, or the rings insisted on")
     ap.add_argument("--malloc-default", action="store_true",
                     help="Pipeline(keep_freed_memory=False): leave glibc's malloc as it is")
     argv = sys.argv[1:]

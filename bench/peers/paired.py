@@ -24,9 +24,10 @@ and the runtime's own work; waits cost none), the median over steps of the
 busiest rank's: where the two sides' CPU times are close, the step is the
 model's own compute and no runtime can be much faster. Last, an ideal step
 per row: the schedule simulated with our side's median action times and free
-transfers (ideal_step), with PyTorch's step over it. --hp-p2p shm runs our
-side with Pipeline(p2p="shm") (shared-memory rings between the ranks);
-PyTorch's side always uses its Gloo group.
+transfers (ideal_step), with PyTorch's step over it. Our side runs with
+Pipeline's default p2p ("auto": shared-memory rings between the ranks, as
+every rank here can reserve them); --hp-p2p group gives it the Gloo group's
+point-to-point instead. PyTorch's side always uses its Gloo group.
 
 One process holds both sides, so they share what is process-wide: the
 Python runtime keeps freed memory mapped (Pipeline(keep_freed_memory)), which
@@ -228,9 +229,10 @@ def main():
     ap.add_argument("--settings", default="compute,overhead")
     ap.add_argument("--schedules", default=",".join(p[0] for p in PAIRS),
                     help="PyTorch names, e.g. 1F1B,GPipe")
-    ap.add_argument("--hp-p2p", default="group", choices=["group", "shm"],
-                    help="our side's Pipeline(p2p=...): the Gloo group's point-to-point "
-                         "(default, as PyTorch's side) or shared-memory rings")
+    ap.add_argument("--hp-p2p", default="auto", choices=["auto", "group", "shm"],
+                    help="our side's Pipeline(p2p=...): its default (auto: shared-memory "
+                         "rings where every rank could reserve them), the Gloo group's "
+                         "point-to-point (as PyTorch's side), or the rings insisted on")
     ap.add_argument("--tolerance", type=float, default=1e-4)
     ap.add_argument("--json", default="", help="write every run's steps and the summary here")
     ap.add_argument("--markdown", default="")

@@ -24,6 +24,7 @@ void Work::wait() {
 namespace {
 struct DoneWork : Work::Impl {
   void wait() override {}
+  bool completed() const override { return true; }
 };
 }  // namespace
 

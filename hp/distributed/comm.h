@@ -84,6 +84,8 @@ class Work {
     virtual void wait() = 0;
     /// False when wait() only orders the caller's current device stream.
     virtual bool blocks_host() const { return true; }
+    /// True when the operation completed when it was posted (wait() is free).
+    virtual bool completed() const { return false; }
   };
   Work() = default;
   explicit Work(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -96,6 +98,9 @@ class Work {
   /// (true for CPU backends) or only orders its current device stream after
   /// it (NCCL over CUDA tensors).
   bool blocks_host() const { return impl_ != nullptr && impl_->blocks_host(); }
+  /// Whether the operation is known to be complete: waited, or complete when
+  /// posted (Work::done(), e.g. a send copied into a shared-memory ring).
+  bool completed() const { return done_ || (impl_ != nullptr && impl_->completed()); }
   /// A Work that is already complete.
   static Work done();
 
@@ -241,17 +246,37 @@ class Comm {
                                                   const CommOptions& options = {});
 };
 
+/// Options of `with_shared_memory_p2p`.
+struct SharedMemoryOptions {
+  /// Messages that leave the rings (over 8 MiB, or finding a ring full) go
+  /// over `inner`'s own point-to-point instead of a group split from it: for
+  /// a caller whose `inner` carries no point-to-point of its own (NOTE
+  /// [Overflow of a borrowed group] in shm_p2p.cpp).
+  bool overflow_on_inner = false;
+  /// The pairs of ranks that exchange messages (in either direction): rings
+  /// are made only between these (two per pair, 32 MiB each), the others' go
+  /// over `inner`. Empty: every pair of ranks of one host. Every rank gives
+  /// the same pairs (checked).
+  std::vector<std::pair<int, int>> links;
+};
+
 /// `inner` with its point-to-point between ranks of the same host moved to
 /// shared-memory rings (NOTE [Shared-memory point-to-point]); collectives and
-/// split() stay on `inner`, messages over 8 MiB (or that find a ring full) go
-/// over a group split from it - or, with `overflow_on_inner`, over `inner`'s
-/// own point-to-point, for a caller whose `inner` carries no point-to-point
-/// of its own (NOTE [Overflow of a borrowed group] in shm_p2p.cpp). Every
-/// rank of `inner` calls it (it rendezvouses over `inner`). Same Work and
-/// CommError behaviour, including the timeout and naming a peer whose
+/// split() stay on `inner`. Every rank of `inner` calls it (it rendezvouses
+/// over `inner`). When any rank cannot make its rings (a /dev/shm without
+/// room), every rank throws a CommError: the rank that failed says why, the
+/// others name it (NOTE [Ranks agree on the rings]). Same Work and CommError
+/// behaviour as `inner`, including the timeout and naming a peer whose
 /// process is gone.
 std::shared_ptr<Comm> with_shared_memory_p2p(std::shared_ptr<Comm> inner,
-                                             bool overflow_on_inner = false);
+                                             const SharedMemoryOptions& options = {});
+
+/// with_shared_memory_p2p, or nullptr on every rank when any rank cannot make
+/// its rings; `why` (when given) gets the reason, as the throwing form would
+/// say it. Errors of `inner` itself are thrown.
+std::shared_ptr<Comm> try_shared_memory_p2p(std::shared_ptr<Comm> inner,
+                                            const SharedMemoryOptions& options = {},
+                                            std::string* why = nullptr);
 
 /// Options of `with_host_staging`.
 struct HostStagingOptions {

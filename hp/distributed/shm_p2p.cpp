@@ -10,6 +10,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -21,6 +22,7 @@
 #include <map>
 #include <mutex>
 #include <random>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -36,7 +38,8 @@ namespace {
 // socket thread, then the waiting thread). For pipelines whose schedule puts
 // transfers on the critical path (1F1B at p = 2 has two per microbatch) that
 // latency is the step's largest cost after compute. Here each ordered pair of
-// ranks on one host gets a ring in shared memory:
+// ranks on one host (of the pairs the caller links, SharedMemoryOptions::links)
+// gets a ring in shared memory:
 // * The sender copies the message (a 64-byte record header, then the data)
 //   into the ring and publishes it by advancing `head`; the send is complete
 //   when isend returns.
@@ -167,46 +170,100 @@ struct PendingRecv {
   Work redirected;  // valid when the data comes over the wrapped Comm
 };
 
+// A rank that could not make its rings; every rank throws one (NOTE [Ranks
+// agree on the rings]), which try_shared_memory_p2p turns into nullptr.
+class RingsUnavailable : public CommError {
+ public:
+  explicit RingsUnavailable(const std::string& message) : CommError(message, {}, false) {}
+};
+
 class ShmComm : public Comm, public std::enable_shared_from_this<ShmComm> {
  public:
-  ShmComm(std::shared_ptr<Comm> inner, bool overflow_on_inner) : inner_(std::move(inner)) {
+  ShmComm(std::shared_ptr<Comm> inner, const SharedMemoryOptions& options)
+      : inner_(std::move(inner)) {
     const int n = inner_->world_size(), me = inner_->rank();
+    // Bad links are reported after the rendezvous, so that the other ranks
+    // fail with this one instead of waiting for it.
+    std::set<std::pair<int, int>> links;
+    std::string bad;
+    for (auto [a, b] : options.links) {
+      if (a < 0 || a >= n || b < 0 || b >= n || a == b)
+        bad = "rank " + std::to_string(me) + ": with_shared_memory_p2p: the link (" +
+              std::to_string(a) + ", " + std::to_string(b) +
+              ") is not a pair of two ranks of a group of " + std::to_string(n);
+      links.insert({std::min(a, b), std::max(a, b)});
+    }
+    int64_t links_hash = 0;
+    for (auto [a, b] : links)
+      links_hash = (links_hash * 1000003 + a * 4099 + b + 1) & 0x3fffffffffffffffll;
     auto nonce = at::empty({1}, at::kLong);
     if (me == 0) nonce.fill_(static_cast<int64_t>(std::random_device{}() & 0x7fffffff));
     inner_->broadcast(nonce, 0);
-    auto mine = at::tensor({host_key(), static_cast<int64_t>(getpid())}, at::kLong);
-    auto all = at::empty({n * 2}, at::kLong);
+    auto mine = at::tensor({host_key(), static_cast<int64_t>(getpid()), links_hash}, at::kLong);
+    auto all = at::empty({n * 3}, at::kLong);
     inner_->all_gather(all, mine);
     const int64_t key = mine[0].item<int64_t>();
     pid_.resize(n);
     in_.resize(n);
     out_.resize(n);
     local_.assign(n, false);
+    if (!bad.empty()) throw CommError(bad, {}, false);
     for (int q = 0; q < n; ++q) {
-      pid_[q] = static_cast<pid_t>(all[2 * q + 1].item<int64_t>());
-      local_[q] = q != me && all[2 * q].item<int64_t>() == key;
+      pid_[q] = static_cast<pid_t>(all[3 * q + 1].item<int64_t>());
+      if (all[3 * q + 2].item<int64_t>() != links_hash)
+        throw CommError("rank " + std::to_string(me) + ": with_shared_memory_p2p: rank " +
+                            std::to_string(q) +
+                            " gave other links than this rank; every rank must give the same",
+                        {}, false);
+      local_[q] = q != me && all[3 * q].item<int64_t>() == key &&
+                  (links.empty() || links.count({std::min(q, me), std::max(q, me)}));
     }
     auto name = [&](int src, int dst) {
       return "/hp-p2p-" + std::to_string(nonce.item<int64_t>()) + "-" + std::to_string(src) + "-" +
              std::to_string(dst);
     };
+    // NOTE [Ranks agree on the rings]
+    // A rank that cannot make a ring (its /dev/shm is full, or is another
+    // mount than its peer's) must not leave the others waiting in a barrier
+    // until the timeout: after each phase (every receiver creates its
+    // incoming rings; every sender opens its outgoing ones) the ranks gather
+    // who failed, and if anyone did, all of them let go of what they made
+    // and throw RingsUnavailable together.
     std::vector<std::string> created;
-    try {
-      for (int q = 0; q < n; ++q)
-        if (local_[q]) {
-          in_[q] = map_ring(name(q, me), /*create=*/true, me);
-          created.push_back(name(q, me));
-        }
-      inner_->barrier();
-      for (int q = 0; q < n; ++q)
-        if (local_[q]) out_[q] = map_ring(name(me, q), /*create=*/false, me);
-      inner_->barrier();
-    } catch (...) {
+    auto phase = [&](bool create) {
+      std::string failure;
+      try {
+        for (int q = 0; q < n; ++q)
+          if (local_[q]) {
+            if (create) {
+              in_[q] = map_ring(name(q, me), /*create=*/true, me);
+              created.push_back(name(q, me));
+            } else {
+              out_[q] = map_ring(name(me, q), /*create=*/false, me);
+            }
+          }
+      } catch (const std::exception& e) {
+        failure = e.what();
+      }
+      auto failed = at::tensor({static_cast<int64_t>(failure.empty() ? 0 : 1)}, at::kLong);
+      auto everyone = at::empty({n}, at::kLong);
+      inner_->all_gather(everyone, failed);
+      int first = -1;
+      for (int q = 0; q < n && first < 0; ++q)
+        if (everyone[q].item<int64_t>() != 0) first = q;
+      if (first < 0) return;
       for (const auto& c : created)
         shm_unlink(c.c_str());
       unmap();
-      throw;
-    }
+      throw RingsUnavailable(
+          !failure.empty()
+              ? failure
+              : "rank " + std::to_string(me) + ": shared-memory point-to-point: rank " +
+                    std::to_string(first) +
+                    " could not make its rings (its own error says why), so no rank uses them");
+    };
+    phase(/*create=*/true);
+    phase(/*create=*/false);
     for (const auto& c : created)
       shm_unlink(c.c_str());
     std::vector<int> everyone(n);
@@ -222,14 +279,18 @@ class ShmComm : public Comm, public std::enable_shared_from_this<ShmComm> {
     // Gloo's connect on one rank while its peer had finished the same split,
     // in about half of the runs that made 5 pipelines in turn; with no split,
     // 4 of 4 such runs passed.
-    overflow_ = overflow_on_inner ? inner_ : inner_->split(everyone);
+    overflow_ = options.overflow_on_inner ? inner_ : inner_->split(everyone);
   }
   ~ShmComm() override { unmap(); }
 
   int rank() const override { return inner_->rank(); }
   int world_size() const override { return inner_->world_size(); }
   std::chrono::milliseconds timeout() const override { return inner_->timeout(); }
-  std::string backend_name() const override { return inner_->backend_name() + "+shm"; }
+  // "+shm" where this rank has rings (a rank with no peer on its host has none).
+  std::string backend_name() const override {
+    const bool rings = std::find(local_.begin(), local_.end(), true) != local_.end();
+    return inner_->backend_name() + (rings ? "+shm" : "");
+  }
 
   Work isend(const at::Tensor& tensor, int dst) override {
     if (!shm_route(tensor, dst, "isend")) return inner_->isend(tensor, dst);
@@ -461,9 +522,20 @@ class ShmComm : public Comm, public std::enable_shared_from_this<ShmComm> {
 
 }  // namespace
 
-std::shared_ptr<Comm> with_shared_memory_p2p(std::shared_ptr<Comm> inner, bool overflow_on_inner) {
+std::shared_ptr<Comm> with_shared_memory_p2p(std::shared_ptr<Comm> inner,
+                                             const SharedMemoryOptions& options) {
   TORCH_CHECK(inner != nullptr, "with_shared_memory_p2p: no Comm given");
-  return std::make_shared<ShmComm>(std::move(inner), overflow_on_inner);
+  return std::make_shared<ShmComm>(std::move(inner), options);
+}
+
+std::shared_ptr<Comm> try_shared_memory_p2p(std::shared_ptr<Comm> inner,
+                                            const SharedMemoryOptions& options, std::string* why) {
+  try {
+    return with_shared_memory_p2p(std::move(inner), options);
+  } catch (const RingsUnavailable& e) {
+    if (why != nullptr) *why = e.what();
+    return nullptr;
+  }
 }
 
 }  // namespace hp::distributed

@@ -87,6 +87,20 @@ std::map<int, std::vector<int>> chunk_holders(const schedule::Schedule& s) {
   return out;
 }
 
+/// The pairs of ranks that the schedule's transfers join: activations go
+/// from a stage to the next on its route, gradients back.
+std::vector<std::pair<int, int>> links_of(const schedule::Schedule& s) {
+  std::set<std::pair<int, int>> links;
+  for (int st = 0; st < s.num_stages; ++st)
+    for (int mb = 0; mb < s.num_microbatches; ++mb) {
+      const int next = s.next_stage(st, mb);
+      if (next < 0) continue;
+      const int a = s.stage_rank[st], b = s.stage_rank[next];
+      if (a != b) links.insert({std::min(a, b), std::max(a, b)});
+    }
+  return {links.begin(), links.end()};
+}
+
 /// One rank's pipeline: its stages, the executor and the group.
 class Runtime {
  public:
@@ -106,27 +120,38 @@ class Runtime {
     // CUDA tensors over Gloo (e.g. two ranks sharing one GPU) go through host
     // memory; NCCL takes them as they are (NOTE [Ranks on devices]).
     auto borrowed = distributed::Comm::from_process_group(process_group_of(group), options);
-    if (p2p == "shm") {
-      // NOTE [Shared-memory point-to-point] in hp/distributed/shm_p2p.cpp.
-      if (!on.is_cpu())
-        throw py::value_error(
-            "p2p='shm' moves CPU tensors between the processes of one host; "
-            "this pipeline runs on " +
-            on.str() + ": use p2p='group'");
-      if (borrowed->backend_name() != "gloo")
-        throw py::value_error("p2p='shm' goes beside a Gloo group; this group's backend is " +
-                              borrowed->backend_name() + ": use p2p='group'");
+    if (borrowed->world_size() != sched_.num_ranks)
+      throw py::value_error("the group has " + std::to_string(borrowed->world_size()) +
+                            " ranks but the schedule has " + std::to_string(sched_.num_ranks));
+    if (p2p != "group" && p2p != "shm" && p2p != "auto")
+      throw py::value_error("p2p must be 'auto', 'group' or 'shm', got '" + p2p + "'");
+    // NOTE [Shared-memory point-to-point] in hp/distributed/shm_p2p.cpp.
+    // "auto" takes the rings where they can work (CPU tensors beside a Gloo
+    // group) and every rank could reserve them; "shm" insists.
+    std::string cannot;
+    if (!on.is_cpu())
+      cannot =
+          "p2p='shm' moves CPU tensors between the processes of one host; this pipeline runs "
+          "on " +
+          on.str() + ": use p2p='group'";
+    else if (borrowed->backend_name() != "gloo")
+      cannot = "p2p='shm' goes beside a Gloo group; this group's backend is " +
+               borrowed->backend_name() + ": use p2p='group'";
+    if (p2p == "shm" && !cannot.empty()) throw py::value_error(cannot);
+    distributed::SharedMemoryOptions shm;
+    shm.overflow_on_inner = true;  // NOTE [Overflow of a borrowed group]
+    shm.links = links_of(sched_);  // rings only where the schedule sends
+    if (p2p != "group" && cannot.empty() && !shm.links.empty()) {
       // Making the rings waits on every rank of the group: without the GIL.
       py::gil_scoped_release release;
-      borrowed = distributed::with_shared_memory_p2p(borrowed, /*overflow_on_inner=*/true);
-    } else if (p2p != "group") {
-      throw py::value_error("p2p must be 'group' or 'shm', got '" + p2p + "'");
+      if (p2p == "shm") {
+        borrowed = distributed::with_shared_memory_p2p(borrowed, shm);
+      } else if (auto with_rings = distributed::try_shared_memory_p2p(borrowed, shm, &p2p_note_)) {
+        borrowed = with_rings;
+      }
     }
     comm_ = distributed::for_device(borrowed, on);
     rank_ = comm_->rank();
-    if (comm_->world_size() != sched_.num_ranks)
-      throw py::value_error("the group has " + std::to_string(comm_->world_size()) +
-                            " ranks but the schedule has " + std::to_string(sched_.num_ranks));
     // This rank's stages and their chunks; every chunk must be given.
     std::map<int, pipeline::StageModule> modules;
     for (int st : sched_.stages_of_rank(rank_)) {
@@ -199,12 +224,19 @@ class Runtime {
                                  std::to_string(sched_.num_microbatches) + " microbatches");
       return inputs_[mb];
     };
-    py::object shape_fn = activation_shape_;
-    eo.activation_shape = [shape_fn](int stage, int mb) {
-      py::object s = call_python(shape_fn, "activation_shape", stage, mb);
-      py::gil_scoped_acquire gil;
-      return s.cast<std::vector<int64_t>>();
-    };
+    if (py::isinstance<py::tuple>(activation_shape_)) {
+      // One shape for every message: no call into Python per receive.
+      eo.activation_shape = [fixed = activation_shape_.cast<std::vector<int64_t>>()](int, int) {
+        return fixed;
+      };
+    } else {
+      py::object shape_fn = activation_shape_;
+      eo.activation_shape = [shape_fn](int stage, int mb) {
+        py::object s = call_python(shape_fn, "activation_shape", stage, mb);
+        py::gil_scoped_acquire gil;
+        return s.cast<std::vector<int64_t>>();
+      };
+    }
     eo.dtype = dtype.cast<c10::ScalarType>();
     eo.device = on;
     eo.receive_lookahead = receive_lookahead;
@@ -258,6 +290,8 @@ class Runtime {
 
   int rank() const { return rank_; }
   std::string backend() const { return comm_->backend_name(); }
+  /// Why p2p="auto" left the rings out; empty when it did not.
+  const std::string& p2p_note() const { return p2p_note_; }
 
  private:
   void sum_replica_gradients() {
@@ -285,6 +319,7 @@ class Runtime {
   std::unique_ptr<pipeline::GradientReducer> reducer_;
   bool broken_ = false;
   std::string broken_reason_;
+  std::string p2p_note_;
 };
 
 }  // namespace
@@ -352,11 +387,12 @@ void bind_pipeline(py::module_& m) {
            py::arg("chunk_parameters"), py::arg("loss"), py::arg("activation_shape"),
            py::arg("dtype"), py::arg("device") = py::none(), py::arg("timeout_s") = 300.0,
            py::arg("dp_group") = py::none(), py::arg("receive_lookahead") = 0,
-           py::arg("p2p") = "group")
+           py::arg("p2p") = "auto")
       .def("step", &Runtime::step, py::arg("inputs"),
            "Runs one step of this rank's actions; returns the loss and timings.")
       .def_property_readonly("rank", &Runtime::rank)
-      .def_property_readonly("backend", &Runtime::backend);
+      .def_property_readonly("backend", &Runtime::backend)
+      .def_property_readonly("p2p_note", &Runtime::p2p_note);
 }
 
 }  // namespace hp::python

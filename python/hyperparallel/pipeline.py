@@ -27,6 +27,7 @@ optimizer steps them.
 from __future__ import annotations
 
 import datetime
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -143,16 +144,22 @@ class Pipeline:
             slower (NOTE [Receives posted ahead] in
             hp/pipeline/executor.cpp).
         p2p: how activations and gradients travel between the ranks.
-            ``"group"`` (default): point-to-point operations of ``group``.
-            ``"shm"``: between ranks of one host, rings in shared memory
-            (``/dev/shm``, 32 MiB per direction and pair of such ranks, made
-            and reserved in the constructor - a ``/dev/shm`` without room is
-            a RuntimeError then - and unlinked once mapped), the group for the
+            ``"auto"`` (default): ``"shm"`` where it can work - CPU tensors
+            beside a Gloo group, and every rank could reserve its rings -
+            else ``"group"``, on every rank alike; a rank that could not
+            reserve its rings makes every rank warn (RuntimeWarning) with
+            the reason. ``"group"``: point-to-point operations of ``group``.
+            ``"shm"``: between ranks of one host that the schedule's
+            transfers join, rings in shared memory (``/dev/shm``, 32 MiB per
+            direction and pair of such ranks, made and reserved in the
+            constructor - a ``/dev/shm`` without room is a RuntimeError on
+            every rank then - and unlinked once mapped), the group for the
             rest (ranks on other hosts, collectives, messages over 8 MiB).
             For a Gloo group on the CPU: Gloo carries each message over
             loopback TCP with two thread wake-ups per message, whose threads
             share the ranks' cores; the rings take neither (NOTE
             [Shared-memory point-to-point] in hp/distributed/shm_p2p.cpp).
+            :attr:`p2p` says which one runs.
         keep_freed_memory: on the CPU (the default there), keep memory that
             tensors free in the process for the next ones instead of handing
             it back to the kernel after every large free, as ``hp train``
@@ -179,7 +186,7 @@ class Pipeline:
         dp_group: Optional[dist.ProcessGroup] = None,
         receive_lookahead: int = 0,
         keep_freed_memory: Optional[bool] = None,
-        p2p: str = "group",
+        p2p: str = "auto",
     ):
         if not isinstance(schedule, PipelineSchedule):
             raise TypeError(
@@ -199,9 +206,11 @@ class Pipeline:
                 f"receive_lookahead must be an int >= 0, got {receive_lookahead!r}"
             )
         if not isinstance(p2p, str):
-            raise TypeError(f"p2p must be a str ('group' or 'shm'), got {type(p2p).__name__}")
-        if p2p not in ("group", "shm"):
-            raise ValueError(f"p2p must be 'group' or 'shm', got {p2p!r}")
+            raise TypeError(
+                f"p2p must be a str ('auto', 'group' or 'shm'), got {type(p2p).__name__}"
+            )
+        if p2p not in ("auto", "group", "shm"):
+            raise ValueError(f"p2p must be 'auto', 'group' or 'shm', got {p2p!r}")
         if group is None:
             if not dist.is_initialized():
                 raise RuntimeError(
@@ -238,10 +247,9 @@ class Pipeline:
         if keep_freed_memory:
             _C.pipeline.keep_freed_memory_mapped()
         if callable(activation_shape):
-            shape_fn = activation_shape
+            shape = activation_shape
         else:
-            fixed = tuple(int(d) for d in activation_shape)
-            shape_fn = lambda stage, mb: fixed  # noqa: E731
+            shape = tuple(int(d) for d in activation_shape)  # read once by the runtime
         self._targets: List[torch.Tensor] = []
         self._loss_fn = loss_fn
         self.schedule = schedule
@@ -251,7 +259,7 @@ class Pipeline:
             forward,
             params,
             self._loss_of_microbatch,
-            shape_fn,
+            shape,
             dtype,
             device,
             float(timeout),
@@ -260,6 +268,15 @@ class Pipeline:
             p2p,
         )
         self.rank = self._runtime.rank
+        #: The point-to-point in use on this rank: "shm" (rings beside the group
+        #: to the ranks of its host that it exchanges with) or "group".
+        self.p2p = "shm" if self._runtime.backend.endswith("+shm") else "group"
+        if self._runtime.p2p_note:
+            warnings.warn(
+                f"Pipeline(p2p='auto') uses the group's point-to-point: {self._runtime.p2p_note}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         self.last_stats: Dict[str, object] = {}
 
     def _loss_of_microbatch(self, output: torch.Tensor, mb: int) -> torch.Tensor:

@@ -433,6 +433,16 @@ TEST(DistOrdered, CrossedReceivesDeadlockOnlyInPostingOrder) {
 // checked element by element. `overflow_on_inner`: the messages that leave
 // the rings go over the wrapped Comm itself instead of a split of it (NOTE
 // [Overflow of a borrowed group] in shm_p2p.cpp).
+// Rank r of n (threads of this process) with shared-memory point-to-point
+// over a Gloo group through a file store in `dir`; waits time out after 20 s.
+std::shared_ptr<Comm> shm_rank(const TempDir& dir, int r, int n,
+                               const hp::distributed::SharedMemoryOptions& shm) {
+  hp::distributed::CommOptions o;
+  o.timeout = std::chrono::seconds(20);
+  return hp::distributed::with_shared_memory_p2p(Comm::from_file_store(dir.path + "/s", r, n, o),
+                                                 shm);
+}
+
 void exchange_through_full_rings(bool overflow_on_inner) {
   TempDir dir;
   std::vector<std::string> errors(2);
@@ -440,10 +450,9 @@ void exchange_through_full_rings(bool overflow_on_inner) {
   for (int r = 0; r < 2; ++r) {
     ts.emplace_back([&, r] {
       try {
-        hp::distributed::CommOptions o;
-        o.timeout = std::chrono::seconds(20);
-        auto c = hp::distributed::with_shared_memory_p2p(
-            Comm::from_file_store(dir.path + "/s", r, 2, o), overflow_on_inner);
+        hp::distributed::SharedMemoryOptions shm;
+        shm.overflow_on_inner = overflow_on_inner;
+        auto c = shm_rank(dir, r, 2, shm);
         const int peer = 1 - r;
         if (c->backend_name() != "gloo+shm") errors[r] += "backend " + c->backend_name() + "; ";
         const int64_t n = (1 << 20) / 8;  // 1 MiB of doubles
@@ -530,6 +539,108 @@ TEST(DistSharedMemory, AMissingMessageTimesOut) {
       << error;
   EXPECT_GE(waited, 0.9);
   EXPECT_LT(waited, 3.0);
+}
+
+// Mappings of shared-memory rings in this process (the rings are unlinked
+// once mapped: /proc/self/maps names them "/dev/shm/hp-p2p-... (deleted)").
+int mapped_rings() {
+  std::ifstream maps("/proc/self/maps");
+  int n = 0;
+  for (std::string line; std::getline(maps, line);)
+    n += line.find("/hp-p2p-") != std::string::npos;
+  return n;
+}
+
+// Three ranks with rings only between ranks 0 and 1 (links {(1, 0)}): two
+// rings, each mapped by its two ends, instead of six; messages between every
+// pair in both directions still arrive (0 <-> 2 and 1 <-> 2 over the wrapped
+// Comm), each checked.
+TEST(DistSharedMemory, RingsOnlyBetweenLinkedRanks) {
+  TempDir dir;
+  const int before = mapped_rings();
+  std::vector<std::string> errors(3);
+  std::vector<int> rings_seen(3, -1);
+  std::atomic<int> made{0}, checked{0};
+  std::vector<std::thread> ts;
+  for (int r = 0; r < 3; ++r) {
+    ts.emplace_back([&, r] {
+      try {
+        hp::distributed::SharedMemoryOptions shm;
+        shm.links = {{1, 0}};
+        auto c = shm_rank(dir, r, 3, shm);
+        if (c->backend_name() != (r == 2 ? "gloo" : "gloo+shm"))  // rank 2 has no rings
+          errors[r] += "backend " + c->backend_name() + "; ";
+        ++made;
+        while (made < 3)
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        rings_seen[r] = mapped_rings() - before;
+        c->barrier();
+        std::vector<hp::distributed::Work> sends;
+        std::vector<at::Tensor> sent;
+        for (int q = 0; q < 3; ++q)
+          if (q != r) {
+            sent.push_back(at::full({1000}, 10.0 * r + q, at::kDouble));
+            sends.push_back(c->isend(sent.back(), q));
+          }
+        for (int q = 0; q < 3; ++q)
+          if (q != r) {
+            auto got = at::zeros({1000}, at::kDouble);
+            c->recv(got, q);
+            if (!got.equal(at::full({1000}, 10.0 * q + r, at::kDouble)))
+              errors[r] += "from " + std::to_string(q) + "; ";
+          }
+        hp::distributed::wait_all(sends);
+        c->barrier();
+        ++checked;
+      } catch (const std::exception& e) {
+        errors[r] += e.what();
+      }
+    });
+  }
+  for (auto& t : ts)
+    t.join();
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_EQ(errors[r], "") << "rank " << r;
+    EXPECT_EQ(rings_seen[r], 4) << "rank " << r;  // 2 rings x 2 ends, all in this process
+  }
+  EXPECT_EQ(checked, 3);
+  EXPECT_EQ(mapped_rings(), before);  // unmapped with their Comms
+}
+
+// Ranks that give different links, or a link that is not a pair of ranks,
+// fail together at construction, naming the cause, instead of some of them
+// waiting for the others.
+TEST(DistSharedMemory, DisagreeingOrBadLinksFailOnEveryRank) {
+  for (int bad_link : {0, 1}) {
+    TempDir dir;
+    std::vector<std::string> errors(2);
+    std::vector<std::thread> ts;
+    for (int r = 0; r < 2; ++r) {
+      ts.emplace_back([&, r] {
+        try {
+          hp::distributed::SharedMemoryOptions shm;
+          if (r == 1) shm.links = {{0, bad_link ? 5 : 1}};
+          shm_rank(dir, r, 2, shm);
+        } catch (const CommError& e) {
+          errors[r] = e.what();
+        }
+      });
+    }
+    for (auto& t : ts)
+      t.join();
+    if (bad_link) {
+      EXPECT_NE(errors[1].find("the link (0, 5) is not a pair of two ranks of a group of 2"),
+                std::string::npos)
+          << errors[1];
+      EXPECT_NE(errors[0].find("rank 1 gave other links than this rank"), std::string::npos)
+          << errors[0];
+    } else {
+      EXPECT_NE(errors[0].find("rank 1 gave other links than this rank"), std::string::npos)
+          << errors[0];
+      EXPECT_NE(errors[1].find("rank 0 gave other links than this rank"), std::string::npos)
+          << errors[1];
+    }
+  }
 }
 
 // ---- two ranks in two network namespaces ------------------------------------

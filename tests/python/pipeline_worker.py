@@ -10,7 +10,8 @@ DEVICE "cuda" puts the rank of local rank r on GPU r mod the GPU count (two
 ranks may share one GPU: the runtime stages through host memory over Gloo).
 LOOKAHEAD is Pipeline's receive_lookahead; given, the runtime also leaves
 glibc's malloc as it is (keep_freed_memory=False): the non-default paths.
-P2P is Pipeline's p2p ("group" or "shm")."""
+P2P is Pipeline's p2p ("auto", "group" or "shm"; not given: Pipeline's
+default)."""
 
 import os
 import sys
@@ -29,7 +30,7 @@ def main():
     dp = int(sys.argv[3]) if len(sys.argv) > 3 else 1
     device = torch.device(sys.argv[4] if len(sys.argv) > 4 else "cpu")
     lookahead = int(sys.argv[5]) if len(sys.argv) > 5 else None
-    p2p = sys.argv[6] if len(sys.argv) > 6 else "group"
+    p2p = {"p2p": sys.argv[6]} if len(sys.argv) > 6 else {}
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
         torch.cuda.set_device(device)
@@ -62,7 +63,7 @@ def main():
             dp_group=dp_group,
             receive_lookahead=0 if lookahead is None else lookahead,
             keep_freed_memory=None if lookahead is None else False,
-            p2p=p2p,
+            **p2p,
         )
         params = [q for c in chunks.values() for q in c.parameters()]
         opt = torch.optim.SGD(params, lr=pm.LR)
@@ -80,6 +81,7 @@ def main():
             "chunks": {c: [q.detach().cpu() for q in mod.parameters()] for c, mod in chunks.items()},
             "device": str(next(q for c in chunks.values() for q in c.parameters()).device),
             "backend": pipe._runtime.backend,
+            "p2p": pipe.p2p,
         }
     torch.save(results, os.path.join(out_dir, f"rank{world_rank}.pt"))
     dist.destroy_process_group()

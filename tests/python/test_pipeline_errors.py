@@ -78,7 +78,7 @@ def test_pipeline_arguments(one_rank_group):
     for bad in (-1, 1.5, "2", True, None):
         with pytest.raises(ValueError, match="receive_lookahead"):
             hp.pipeline.Pipeline({0: lin()}, s1, receive_lookahead=bad, **good)
-    with pytest.raises(ValueError, match="p2p must be 'group' or 'shm', got 'tcp'"):
+    with pytest.raises(ValueError, match="p2p must be 'auto', 'group' or 'shm', got 'tcp'"):
         hp.pipeline.Pipeline({0: lin()}, s1, p2p="tcp", **good)
     with pytest.raises(TypeError, match="p2p must be a str"):
         hp.pipeline.Pipeline({0: lin()}, s1, p2p=None, **good)

@@ -30,17 +30,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(p: int, args, tmp_path, timeout=600):
+def run_ranks(p: int, args, tmp_path, timeout=600, check=True, prefix=None):
     """Starts p processes of pipeline_worker.py with torchrun's variables and
-    waits for all; returns their outputs, failing with every rank's stderr."""
+    waits for all; returns their outputs, failing with every rank's stderr
+    (with check) or returning their exit codes too (without). prefix(r): a
+    command line that rank r's command is appended to."""
     port = free_port()
     procs = []
     for r in range(p):
         env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(p), LOCAL_RANK=str(r),
                    LOCAL_WORLD_SIZE=str(p), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "pipeline_worker.py"),
-                                       str(tmp_path), *args], env=env,
+        command = [sys.executable, os.path.join(HERE, "pipeline_worker.py"), str(tmp_path), *args]
+        procs.append(subprocess.Popen((prefix(r) if prefix else []) + command, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outs = []
     try:
@@ -50,6 +52,8 @@ def run_ranks(p: int, args, tmp_path, timeout=600):
         for pr in procs:
             if pr.poll() is None:
                 pr.kill()
+    if not check:
+        return [(pr.returncode, out, err) for pr, (out, err) in zip(procs, outs)]
     failed = [(r, pr.returncode, outs[r][1]) for r, pr in enumerate(procs) if pr.returncode != 0]
     assert not failed, "\n".join(f"rank {r} exit {rc}:\n{err[-3000:]}" for r, rc, err in failed)
     return outs
@@ -69,6 +73,8 @@ def assert_equals_reference(got, ref_losses, ref_chunks, what):
 
 @pytest.mark.parametrize("p", [2, 4])
 def test_every_schedule_equals_single_process_training(p, tmp_path):
+    # Pipeline's default p2p ("auto"): shared-memory rings between the ranks
+    # that the schedule's transfers join, beside the Gloo group.
     run_ranks(p, [",".join(SCHEDULES)], tmp_path)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(p)]
     for name in SCHEDULES:
@@ -77,7 +83,7 @@ def test_every_schedule_equals_single_process_training(p, tmp_path):
         seen = set()
         for r, res in enumerate(ranks):
             got = res[name]
-            assert got["backend"] == "gloo", got["backend"]
+            assert (got["backend"], got["p2p"]) == ("gloo+shm", "shm"), got["backend"]
             assert sorted(got["chunks"]) == sched.chunks_of_rank(r), name
             seen.update(got["chunks"])
             assert_equals_reference(got, ref_losses, ref_chunks, f"{name} p={p} rank {r}")
@@ -97,6 +103,7 @@ def test_pipeline_times_data_parallel_equals_single_process_training(names, tmp_
         ref_losses, ref_chunks = pm.reference(sched.num_chunks, dp * sched.num_microbatches)
         for world_rank, res in enumerate(ranks):
             got, r = res[name], world_rank % p
+            assert got["backend"] == "gloo+shm", got["backend"]  # p2p="auto" beside the mesh's pp group
             assert sorted(got["chunks"]) == sched.chunks_of_rank(r), name
             assert_equals_reference(got, ref_losses, ref_chunks, f"{name} rank {world_rank}")
 
@@ -107,62 +114,89 @@ def test_receives_posted_ahead_equal_single_process_training(lookahead, tmp_path
     # batches ahead, with malloc left as it is (NOTE [Receives posted ahead]
     # in hp/pipeline/executor.cpp).
     names, p = ["1f1b", "interleaved-zb", "zbv", "dualpipev"], 2
-    run_ranks(p, [",".join(names), "1", "cpu", str(lookahead)], tmp_path)
+    run_ranks(p, [",".join(names), "1", "cpu", str(lookahead), "group"], tmp_path)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(p)]
     for name in names:
         sched = hp.pipeline.schedule(name, ranks=p, microbatches=pm.microbatches(name, p))
         ref_losses, ref_chunks = pm.reference(sched.num_chunks, sched.num_microbatches)
         for r, res in enumerate(ranks):
+            assert res[name]["backend"] == "gloo", res[name]["backend"]
             assert_equals_reference(res[name], ref_losses, ref_chunks,
                                     f"{name} lookahead {lookahead} rank {r}")
 
 
-@pytest.mark.parametrize("dp", [1, 2])
-def test_shared_memory_transfers_equal_single_process_training(dp, tmp_path):
-    # p2p="shm": activations and gradients between the ranks go through
-    # shared-memory rings beside the Gloo group (NOTE [Shared-memory
+@pytest.mark.parametrize("p2p,dp,backend", [("group", 1, "gloo"), ("shm", 2, "gloo+shm")])
+def test_each_point_to_point_equals_single_process_training(p2p, dp, backend, tmp_path):
+    # Pipeline(p2p=...) given: "group" is the Gloo group's own point-to-point;
+    # "shm" insists on the shared-memory rings (NOTE [Shared-memory
     # point-to-point] in hp/distributed/shm_p2p.cpp); with dp = 2 the rings
     # sit beside a subgroup of the world and the replicas' all-reduce stays
     # on Gloo.
     names, p = ["1f1b", "interleaved-zb", "zbv", "dualpipev", "zb-auto"], 2
-    run_ranks(p * dp, [",".join(names), str(dp), "cpu", "0", "shm"], tmp_path)
+    run_ranks(p * dp, [",".join(names), str(dp), "cpu", "0", p2p], tmp_path)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(p * dp)]
     for name in names:
         sched = hp.pipeline.schedule(name, ranks=p, microbatches=pm.microbatches(name, p))
         ref_losses, ref_chunks = pm.reference(sched.num_chunks, dp * sched.num_microbatches)
         for world_rank, res in enumerate(ranks):
             got = res[name]
-            assert got["backend"] == "gloo+shm", got["backend"]
-            assert_equals_reference(got, ref_losses, ref_chunks, f"{name} shm rank {world_rank}")
+            assert got["backend"] == backend, got["backend"]
+            assert_equals_reference(got, ref_losses, ref_chunks, f"{name} {p2p} rank {world_rank}")
 
 
-def test_shared_memory_without_room_is_an_error_at_construction(tmp_path):
-    # A /dev/shm smaller than the rings (a container's default is 64 MiB):
-    # Pipeline(p2p="shm") fails on every rank, naming /dev/shm, instead of a
-    # SIGBUS mid-step (NOTE [Rings take their memory up front] in
-    # hp/distributed/shm_p2p.cpp). The ranks run in a mount namespace of
-    # their own with a 16 MiB /dev/shm.
+def small_dev_shm_or_skip():
+    """A command prefix that runs its command in a mount namespace of its own
+    with a 16 MiB /dev/shm (less than one 32 MiB ring); skips loudly where
+    this machine does not allow it."""
     probe = subprocess.run(["unshare", "-m", "sh", "-c",
                             "mount -t tmpfs -o size=16m tmpfs /dev/shm"],
                            capture_output=True, text=True)
     if probe.returncode != 0:
         pytest.skip("cannot make a small /dev/shm here (unshare -m and mount need root with "
-                    f"CAP_SYS_ADMIN: {probe.stderr.strip()[:200]}): the error for a full "
-                    "/dev/shm is NOT tested on this machine")
-    port = free_port()
-    worker = os.path.join(HERE, "pipeline_worker.py")
-    ranks = " ".join(
-        f"RANK={r} LOCAL_RANK={r} {sys.executable} {worker} {tmp_path} 1f1b 1 cpu 0 shm "
-        f"2> {tmp_path}/err{r} &" for r in range(2))
-    env = dict(os.environ, WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    script = f"mount -t tmpfs -o size=16m tmpfs /dev/shm || exit 1; {ranks} wait"
-    subprocess.run(["unshare", "-m", "sh", "-c", script], env=env, timeout=300, check=True)
-    for r in range(2):
-        err = (tmp_path / f"err{r}").read_text()
-        assert "cannot reserve 32 MiB" in err and "in /dev/shm" in err, err[-2000:]
-        assert "RuntimeError" in err, err[-2000:]
+                    f"CAP_SYS_ADMIN: {probe.stderr.strip()[:200]}): Pipeline(p2p=...) with a "
+                    "/dev/shm without room is NOT tested on this machine")
+    return ["unshare", "-m", "sh", "-c",
+            'mount -t tmpfs -o size=16m tmpfs /dev/shm && exec "$@"', "sh"]
+
+
+@pytest.mark.parametrize("small", ["every rank", "rank 1"])
+def test_shared_memory_without_room_is_an_error_on_every_rank(small, tmp_path):
+    # A /dev/shm smaller than the rings (a container's default is 64 MiB),
+    # for every rank or for rank 1 alone: Pipeline(p2p="shm") fails on every
+    # rank at construction - the rank without room names /dev/shm, the others
+    # name that rank - instead of a SIGBUS mid-step or a rank left waiting
+    # (NOTE [Rings take their memory up front], NOTE [Ranks agree on the
+    # rings] in hp/distributed/shm_p2p.cpp).
+    prefix = small_dev_shm_or_skip()
+    outs = run_ranks(2, ["1f1b", "1", "cpu", "0", "shm"], tmp_path, timeout=300, check=False,
+                     prefix=lambda r: prefix if small == "every rank" or r == 1 else [])
+    for r, (code, _, err) in enumerate(outs):
+        assert code != 0 and "RuntimeError" in err, err[-2000:]
+        if small == "every rank" or r == 1:
+            assert "cannot reserve 32 MiB" in err and "in /dev/shm" in err, err[-2000:]
+        else:
+            assert "rank 1 could not make its rings" in err, err[-2000:]
         assert not (tmp_path / f"rank{r}.pt").exists()
+
+
+def test_auto_falls_back_to_the_group_when_a_rank_has_no_room(tmp_path):
+    # Pipeline's default p2p="auto" where rank 1's /dev/shm cannot hold a
+    # ring: every rank warns with the reason and trains over the Gloo group,
+    # equal to single-process training.
+    prefix = small_dev_shm_or_skip()
+    names, p = ["1f1b", "zbv"], 2
+    outs = run_ranks(p, [",".join(names)], tmp_path, timeout=300,
+                     prefix=lambda r: prefix if r == 1 else [])
+    for r, (_, err) in enumerate(outs):
+        assert "RuntimeWarning: Pipeline(p2p='auto') uses the group's point-to-point" in err, err
+        assert ("cannot reserve 32 MiB" if r == 1 else "rank 1 could not make its rings") in err
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(p)]
+    for name in names:
+        sched = hp.pipeline.schedule(name, ranks=p, microbatches=pm.microbatches(name, p))
+        ref_losses, ref_chunks = pm.reference(sched.num_chunks, sched.num_microbatches)
+        for r, res in enumerate(ranks):
+            assert (res[name]["backend"], res[name]["p2p"]) == ("gloo", "group")
+            assert_equals_reference(res[name], ref_losses, ref_chunks, f"{name} auto rank {r}")
 
 
 CUDA_REASON = (
