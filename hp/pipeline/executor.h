@@ -115,7 +115,9 @@ struct StepStats {
 //   RECV_B); the wait is the receive's timed event.
 // * A SEND's data is the output (F) or input gradient (I/B) it names; a
 //   helper thread waits for sends in order and frees each sent output (NOTE
-//   [Releasing a sent output]); the step ends only when every send completed.
+//   [Releasing a sent output]), except a send complete when posted, finished
+//   at once (NOTE [Sends complete when posted]); the step ends only when
+//   every send completed.
 // * Consecutive route stages on one rank hand off locally: the output (or
 //   dx) is passed as a tensor, never sent.
 // * A CommError (a lost peer, a timeout) reaches the caller as a CommError,
