@@ -141,7 +141,19 @@ class Runtime {
     distributed::SharedMemoryOptions shm;
     shm.overflow_on_inner = true;  // NOTE [Overflow of a borrowed group]
     shm.links = links_of(sched_);  // rings only where the schedule sends
-    if (p2p != "group" && cannot.empty() && !shm.links.empty()) {
+    bool rings = p2p != "group" && cannot.empty() && !shm.links.empty();
+    if (p2p == "auto" && borrowed->backend_name() == "gloo" && !shm.links.empty()) {
+      // Every rank must take the same path, and the device is each rank's
+      // own: a rank on CUDA beside ranks on the CPU would leave them in the
+      // rings' rendezvous. The ranks agree on it first.
+      auto all_cpu = torch::tensor({static_cast<int64_t>(on.is_cpu() ? 1 : 0)}, torch::kLong);
+      {
+        py::gil_scoped_release release;
+        borrowed->all_reduce(all_cpu, distributed::ReduceOp::Min);
+      }
+      rings = all_cpu.item<int64_t>() == 1;
+    }
+    if (rings) {
       // Making the rings waits on every rank of the group: without the GIL.
       py::gil_scoped_release release;
       if (p2p == "shm") {
