@@ -5,12 +5,14 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 #include <c10/util/intrusive_ptr.h>
 
 #include <chrono>
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace c10d {
@@ -258,25 +260,43 @@ struct SharedMemoryOptions {
   /// over `inner`. Empty: every pair of ranks of one host. Every rank gives
   /// the same pairs (checked).
   std::vector<std::pair<int, int>> links;
+  /// Where this rank's tensors are. The rings move CPU tensors only: when
+  /// any rank is on another device, every rank gives them up (checked in the
+  /// rendezvous, so a group with mixed devices fails, or falls back, as one).
+  c10::Device device = c10::Device(c10::kCPU);
 };
 
 /// `inner` with its point-to-point between ranks of the same host moved to
 /// shared-memory rings (NOTE [Shared-memory point-to-point]); collectives and
 /// split() stay on `inner`. Every rank of `inner` calls it (it rendezvouses
 /// over `inner`). When any rank cannot make its rings (a /dev/shm without
-/// room), every rank throws a CommError: the rank that failed says why, the
-/// others name it (NOTE [Ranks agree on the rings]). Same Work and CommError
-/// behaviour as `inner`, including the timeout and naming a peer whose
-/// process is gone.
+/// room, a rank not on the CPU), every rank throws a CommError: the rank that
+/// failed says why, the others name it (NOTE [Ranks agree on the rings]).
+/// Same Work and CommError behaviour as `inner`, including the timeout and
+/// naming a peer whose process is gone.
 std::shared_ptr<Comm> with_shared_memory_p2p(std::shared_ptr<Comm> inner,
                                              const SharedMemoryOptions& options = {});
 
-/// with_shared_memory_p2p, or nullptr on every rank when any rank cannot make
-/// its rings; `why` (when given) gets the reason, as the throwing form would
-/// say it. Errors of `inner` itself are thrown.
-std::shared_ptr<Comm> try_shared_memory_p2p(std::shared_ptr<Comm> inner,
-                                            const SharedMemoryOptions& options = {},
-                                            std::string* why = nullptr);
+/// How a pipeline's ranks send each other activations and gradients.
+enum class PointToPoint {
+  Group,         ///< the group's own point-to-point (Gloo: loopback TCP between local ranks)
+  SharedMemory,  ///< shared-memory rings (with_shared_memory_p2p), or an error
+  Auto,          ///< the rings where every rank can have them, else the group
+};
+
+/// `group` with the point-to-point `how` asks for (NOTE [Choosing the
+/// point-to-point] in shm_p2p.cpp); every rank of `group` calls it with the
+/// same `how`. A group of one rank is returned as it is. SharedMemory throws
+/// std::invalid_argument for a group that is not Gloo and a CommError where
+/// with_shared_memory_p2p does. Auto returns the rings where the group is
+/// Gloo, every rank is on the CPU and every rank made its rings, and the
+/// group itself otherwise (on every rank alike); when a rank could not make
+/// its rings, `note` (when given) gets the reason, as SharedMemory would
+/// throw it (it stays empty where the rings do not apply: a group that is
+/// not Gloo, a rank not on the CPU).
+std::shared_ptr<Comm> with_point_to_point(std::shared_ptr<Comm> group, PointToPoint how,
+                                          const SharedMemoryOptions& options = {},
+                                          std::string* note = nullptr);
 
 /// Options of `with_host_staging`.
 struct HostStagingOptions {

@@ -171,7 +171,7 @@ struct PendingRecv {
 };
 
 // A rank that could not make its rings; every rank throws one (NOTE [Ranks
-// agree on the rings]), which try_shared_memory_p2p turns into nullptr.
+// agree on the rings]), which with_point_to_point's Auto turns into the group.
 class RingsUnavailable : public CommError {
  public:
   explicit RingsUnavailable(const std::string& message) : CommError(message, {}, false) {}
@@ -199,8 +199,11 @@ class ShmComm : public Comm, public std::enable_shared_from_this<ShmComm> {
     auto nonce = at::empty({1}, at::kLong);
     if (me == 0) nonce.fill_(static_cast<int64_t>(std::random_device{}() & 0x7fffffff));
     inner_->broadcast(nonce, 0);
-    auto mine = at::tensor({host_key(), static_cast<int64_t>(getpid()), links_hash}, at::kLong);
-    auto all = at::empty({n * 3}, at::kLong);
+    constexpr int kFields = 4;  // host, pid, links, on the CPU
+    auto mine = at::tensor({host_key(), static_cast<int64_t>(getpid()), links_hash,
+                            static_cast<int64_t>(options.device.is_cpu() ? 1 : 0)},
+                           at::kLong);
+    auto all = at::empty({n * kFields}, at::kLong);
     inner_->all_gather(all, mine);
     const int64_t key = mine[0].item<int64_t>();
     pid_.resize(n);
@@ -209,13 +212,20 @@ class ShmComm : public Comm, public std::enable_shared_from_this<ShmComm> {
     local_.assign(n, false);
     if (!bad.empty()) throw CommError(bad, {}, false);
     for (int q = 0; q < n; ++q) {
-      pid_[q] = static_cast<pid_t>(all[3 * q + 1].item<int64_t>());
-      if (all[3 * q + 2].item<int64_t>() != links_hash)
+      const int64_t* got = all.data_ptr<int64_t>() + kFields * q;
+      pid_[q] = static_cast<pid_t>(got[1]);
+      if (got[2] != links_hash)
         throw CommError("rank " + std::to_string(me) + ": with_shared_memory_p2p: rank " +
                             std::to_string(q) +
                             " gave other links than this rank; every rank must give the same",
                         {}, false);
-      local_[q] = q != me && all[3 * q].item<int64_t>() == key &&
+      if (got[3] == 0)
+        throw RingsUnavailable(
+            "rank " + std::to_string(me) + ": shared-memory point-to-point moves CPU tensors, " +
+            (q == me ? "but this rank's tensors are on " + options.device.str()
+                     : "but rank " + std::to_string(q) + "'s tensors are not on the CPU") +
+            "; use the group's own point-to-point");
+      local_[q] = q != me && got[0] == key &&
                   (links.empty() || links.count({std::min(q, me), std::max(q, me)}));
     }
     auto name = [&](int src, int dst) {
@@ -286,6 +296,9 @@ class ShmComm : public Comm, public std::enable_shared_from_this<ShmComm> {
   int rank() const override { return inner_->rank(); }
   int world_size() const override { return inner_->world_size(); }
   std::chrono::milliseconds timeout() const override { return inner_->timeout(); }
+  // A receive posted early waits in posted_ and holds back no send (isend
+  // never blocks); one that comes over `inner` is as free as `inner` says.
+  bool early_receives_are_free() const override { return inner_->early_receives_are_free(); }
   // "+shm" where this rank has rings (a rank with no peer on its host has none).
   std::string backend_name() const override {
     const bool rings = std::find(local_.begin(), local_.end(), true) != local_.end();
@@ -528,13 +541,37 @@ std::shared_ptr<Comm> with_shared_memory_p2p(std::shared_ptr<Comm> inner,
   return std::make_shared<ShmComm>(std::move(inner), options);
 }
 
-std::shared_ptr<Comm> try_shared_memory_p2p(std::shared_ptr<Comm> inner,
-                                            const SharedMemoryOptions& options, std::string* why) {
+// NOTE [Choosing the point-to-point]
+// A pipeline asks for its transport as Group, SharedMemory or Auto. Auto is
+// what a user wants without thinking about it: the rings wherever they work,
+// the group elsewhere, and every rank taking the same path (a rank that
+// skipped the rings would leave its peers in their rendezvous). So Auto takes
+// the group at once for a group that is not Gloo (every rank sees the same
+// backend), then all-reduces whether every rank is on the CPU (the device is
+// each rank's own), and only then makes the rings, whose failure to reserve
+// (NOTE [Ranks agree on the rings]) reaches every rank alike and is turned
+// into the group and a note for the caller to show.
+std::shared_ptr<Comm> with_point_to_point(std::shared_ptr<Comm> group, PointToPoint how,
+                                          const SharedMemoryOptions& options, std::string* note) {
+  TORCH_CHECK(group != nullptr, "with_point_to_point: no Comm given");
+  if (how == PointToPoint::Group || group->world_size() < 2) return group;
+  const bool gloo = group->backend_name() == "gloo";
+  if (how == PointToPoint::SharedMemory) {
+    if (!gloo)
+      throw std::invalid_argument(
+          "shared-memory point-to-point goes beside a Gloo group; this group's backend is " +
+          group->backend_name() + ": use the group's own point-to-point");
+    return with_shared_memory_p2p(std::move(group), options);
+  }
+  if (!gloo) return group;
+  auto all_cpu = at::tensor({static_cast<int64_t>(options.device.is_cpu() ? 1 : 0)}, at::kLong);
+  group->all_reduce(all_cpu, ReduceOp::Min);
+  if (all_cpu.item<int64_t>() == 0) return group;
   try {
-    return with_shared_memory_p2p(std::move(inner), options);
+    return with_shared_memory_p2p(group, options);
   } catch (const RingsUnavailable& e) {
-    if (why != nullptr) *why = e.what();
-    return nullptr;
+    if (note != nullptr) *note = e.what();
+    return group;
   }
 }
 

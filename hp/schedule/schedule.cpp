@@ -6,6 +6,7 @@
 #include <istream>
 #include <map>
 #include <ostream>
+#include <set>
 #include <sstream>
 #include <stdexcept>
 
@@ -87,6 +88,18 @@ std::vector<int> Schedule::stages_of_rank(int r) const {
   for (int s = 0; s < num_stages; ++s)
     if (stage_rank[s] == r) out.push_back(s);
   return out;
+}
+
+std::vector<std::pair<int, int>> Schedule::rank_links() const {
+  std::set<std::pair<int, int>> links;
+  std::set<int> used(microbatch_route.begin(), microbatch_route.end());
+  for (int r : used)
+    for (size_t i = 0; i + 1 < routes.at(r).size(); ++i) {
+      const auto& route = routes[r];
+      const int a = stage_rank.at(route[i]), b = stage_rank.at(route[i + 1]);
+      if (a != b) links.insert({std::min(a, b), std::max(a, b)});
+    }
+  return {links.begin(), links.end()};
 }
 
 void Schedule::index_routes() {

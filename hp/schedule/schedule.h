@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <iosfwd>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "hp/schedule/action.h"
@@ -63,6 +64,10 @@ struct Schedule {
   int prev_stage(int stage, int mb) const;
   /// Stages held by rank r, in increasing order.
   std::vector<int> stages_of_rank(int r) const;
+  /// The pairs of ranks (lower first, sorted) that the schedule's transfers
+  /// join: a stage's rank and the rank of the next stage on a microbatch's
+  /// route, where they differ. Activations go one way, gradients the other.
+  std::vector<std::pair<int, int>> rank_links() const;
 
   /// Checks the placement fields (sizes, ranges, routes); throws
   /// std::invalid_argument saying what is inconsistent. Called by generators

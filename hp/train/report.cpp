@@ -39,6 +39,11 @@ std::string report_json(const TrainConfig& c, const TrainResult& r) {
                  {"seed", c.seed},
                  {"recompute", c.recompute},
                  {"mode", c.graph ? "graph" : "pipeline"}};
+  if (!c.graph) {
+    j["config"]["p2p"] = c.p2p;
+    j["p2p_backend"] = r.p2p_backend;  // what rank 0's pipeline group used
+    if (!r.p2p_note.empty()) j["p2p_note"] = r.p2p_note;
+  }
   if (c.graph) {
     j["config"]["overlap"] = c.overlap;
     j["config"]["shard"] = c.shard;

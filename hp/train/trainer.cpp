@@ -256,6 +256,12 @@ void TrainConfig::check_memory(int local_ranks) const {
       "; use fewer ranks, a smaller model or --microbatch-size");
 }
 
+distributed::PointToPoint TrainConfig::point_to_point() const {
+  return p2p == "gloo"  ? distributed::PointToPoint::Group
+         : p2p == "shm" ? distributed::PointToPoint::SharedMemory
+                        : distributed::PointToPoint::Auto;
+}
+
 void TrainConfig::validate() const {
   try {
     model.check();
@@ -265,6 +271,11 @@ void TrainConfig::validate() const {
   auto need = [](bool ok, const std::string& msg) {
     if (!ok) throw std::invalid_argument(msg);
   };
+  need(p2p == "gloo" || p2p == "shm" || p2p == "auto",
+       "--p2p must be gloo, shm or auto, not '" + p2p + "'");
+  need(p2p != "shm" || device == "cpu",
+       "--p2p shm moves CPU tensors between the ranks of one host; with --device " + device +
+           " use --p2p auto (the rings where the ranks are on the CPU) or gloo");
   need(receive_lookahead >= 0, "--receive-lookahead " + std::to_string(receive_lookahead) +
                                    " is out of range: a number of batches (0: none ahead)");
   need(nproc >= 1 && nproc <= kMaxRanks, "--nproc " + std::to_string(nproc) +
@@ -430,6 +441,20 @@ TrainResult run_rank(const TrainConfig& config, std::shared_ptr<distributed::Com
   const char* local_env = std::getenv("LOCAL_RANK");
   const torch::Device device =
       config.resolve_device(local_env != nullptr ? std::atoi(local_env) : rank);
+  // --p2p (NOTE [Choosing the point-to-point]): rings only between the
+  // ranks the schedule's transfers join; nothing else sends over this group,
+  // so messages too large for a ring use its own point-to-point.
+  std::string p2p_note;
+  {
+    distributed::SharedMemoryOptions shm;
+    shm.overflow_on_inner = true;
+    shm.links = sched.rank_links();
+    shm.device = device;
+    comm = distributed::with_point_to_point(comm, config.point_to_point(), shm, &p2p_note);
+  }
+  if (!p2p_note.empty() && rank == 0 && replica == 0)
+    std::fprintf(stderr, "hp train: --p2p auto uses Gloo's point-to-point: %s\n", p2p_note.c_str());
+  const std::string p2p_backend = comm->backend_name();
   c10::OptionalDeviceGuard on_device;
   if (!device.is_cpu()) {
     on_device.reset_device(device);
@@ -509,6 +534,8 @@ TrainResult run_rank(const TrainConfig& config, std::shared_ptr<distributed::Com
 
   TrainResult result;
   result.items_per_step = data.items_per_microbatch() * m * config.dp;  // all copies
+  result.p2p_backend = p2p_backend;
+  result.p2p_note = p2p_note;
   // Where to start (NOTE [Checkpoint integrity]): chosen by the launcher, or
   // here, under rank 0's lock, with every rank agreeing.
   const CheckpointFingerprint fingerprint = checkpoint_fingerprint(config, sched);

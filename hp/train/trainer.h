@@ -59,6 +59,12 @@ struct TrainConfig {
   /// memory) or "auto" (cuda when there is a GPU). NOTE [Ranks on devices].
   std::string device = "cpu";
   int timeout_s = 60;  ///< every communication's timeout
+  /// Point-to-point between the pipeline's ranks of one host: "gloo" (the
+  /// group's, loopback TCP), "shm" (shared-memory rings; an error where they
+  /// cannot be made) or "auto" (the rings where every rank can have them,
+  /// else Gloo's, with a note on stderr). NOTE [Choosing the point-to-point]
+  /// in hp/distributed/shm_p2p.cpp.
+  std::string p2p = "auto";
   /// Receives posted this many batches ahead (Gloo only; NOTE [Receives
   /// posted ahead] in hp/pipeline/executor.cpp).
   int receive_lookahead = 0;
@@ -83,6 +89,8 @@ struct TrainConfig {
   /// The lowered, validated schedule this config runs (its size checked
   /// before it is built and lowered).
   schedule::Schedule build_schedule() const;
+  /// `p2p` as the Comm layer's choice.
+  distributed::PointToPoint point_to_point() const;
   /// The device of the rank whose local rank is `local_rank` (NOTE [Ranks on
   /// devices]); throws std::invalid_argument when `device` asks for CUDA and
   /// there is no CUDA device.
@@ -110,6 +118,10 @@ struct TrainResult {
   schedule::Timeline timeline;  ///< executed timeline of the last step (rank 0: all ranks)
   std::vector<schedule::Action> executed;  ///< this rank's compute actions, last step, in run order
   int64_t items_per_step = 0;              ///< tokens (gpt) or samples (mlp) per step
+  /// The pipeline group's backend on this rank: "gloo+shm" where its
+  /// point-to-point went to shared-memory rings, else "gloo" (or "nccl").
+  std::string p2p_backend;
+  std::string p2p_note;  ///< why --p2p auto used the group's point-to-point ("" if it did not)
   // Graph mode only (rank 0 holds the per-rank lists):
   std::vector<double> rank_param_bytes;  ///< parameter bytes each rank holds (FSDP: shards)
   std::vector<double> rank_hidden_comm;  ///< share of collective time overlapped with compute

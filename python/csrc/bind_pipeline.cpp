@@ -87,20 +87,6 @@ std::map<int, std::vector<int>> chunk_holders(const schedule::Schedule& s) {
   return out;
 }
 
-/// The pairs of ranks that the schedule's transfers join: activations go
-/// from a stage to the next on its route, gradients back.
-std::vector<std::pair<int, int>> links_of(const schedule::Schedule& s) {
-  std::set<std::pair<int, int>> links;
-  for (int st = 0; st < s.num_stages; ++st)
-    for (int mb = 0; mb < s.num_microbatches; ++mb) {
-      const int next = s.next_stage(st, mb);
-      if (next < 0) continue;
-      const int a = s.stage_rank[st], b = s.stage_rank[next];
-      if (a != b) links.insert({std::min(a, b), std::max(a, b)});
-    }
-  return {links.begin(), links.end()};
-}
-
 /// One rank's pipeline: its stages, the executor and the group.
 class Runtime {
  public:
@@ -125,9 +111,10 @@ class Runtime {
                             " ranks but the schedule has " + std::to_string(sched_.num_ranks));
     if (p2p != "group" && p2p != "shm" && p2p != "auto")
       throw py::value_error("p2p must be 'auto', 'group' or 'shm', got '" + p2p + "'");
-    // NOTE [Shared-memory point-to-point] in hp/distributed/shm_p2p.cpp.
-    // "auto" takes the rings where they can work (CPU tensors beside a Gloo
-    // group) and every rank could reserve them; "shm" insists.
+    // NOTE [Shared-memory point-to-point] and NOTE [Choosing the
+    // point-to-point] in hp/distributed/shm_p2p.cpp: "auto" takes the rings
+    // where every rank can have them, "shm" insists, and says at once what
+    // this rank can tell on its own.
     std::string cannot;
     if (!on.is_cpu())
       cannot =
@@ -139,28 +126,18 @@ class Runtime {
                borrowed->backend_name() + ": use p2p='group'";
     if (p2p == "shm" && !cannot.empty()) throw py::value_error(cannot);
     distributed::SharedMemoryOptions shm;
-    shm.overflow_on_inner = true;  // NOTE [Overflow of a borrowed group]
-    shm.links = links_of(sched_);  // rings only where the schedule sends
-    bool rings = p2p != "group" && cannot.empty() && !shm.links.empty();
-    if (p2p == "auto" && borrowed->backend_name() == "gloo" && !shm.links.empty()) {
-      // Every rank must take the same path, and the device is each rank's
-      // own: a rank on CUDA beside ranks on the CPU would leave them in the
-      // rings' rendezvous. The ranks agree on it first.
-      auto all_cpu = torch::tensor({static_cast<int64_t>(on.is_cpu() ? 1 : 0)}, torch::kLong);
-      {
-        py::gil_scoped_release release;
-        borrowed->all_reduce(all_cpu, distributed::ReduceOp::Min);
-      }
-      rings = all_cpu.item<int64_t>() == 1;
-    }
-    if (rings) {
+    shm.overflow_on_inner = true;     // NOTE [Overflow of a borrowed group]
+    shm.links = sched_.rank_links();  // rings only where the schedule sends
+    shm.device = on;
+    {
       // Making the rings waits on every rank of the group: without the GIL.
       py::gil_scoped_release release;
-      if (p2p == "shm") {
-        borrowed = distributed::with_shared_memory_p2p(borrowed, shm);
-      } else if (auto with_rings = distributed::try_shared_memory_p2p(borrowed, shm, &p2p_note_)) {
-        borrowed = with_rings;
-      }
+      borrowed =
+          distributed::with_point_to_point(borrowed,
+                                           p2p == "group" ? distributed::PointToPoint::Group
+                                           : p2p == "shm" ? distributed::PointToPoint::SharedMemory
+                                                          : distributed::PointToPoint::Auto,
+                                           shm, &p2p_note_);
     }
     comm_ = distributed::for_device(borrowed, on);
     rank_ = comm_->rank();

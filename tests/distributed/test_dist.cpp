@@ -643,6 +643,61 @@ TEST(DistSharedMemory, DisagreeingOrBadLinksFailOnEveryRank) {
   }
 }
 
+// with_point_to_point (NOTE [Choosing the point-to-point]): every rank takes
+// the same path. Auto makes rings where both ranks are on the CPU and leaves
+// them out, silently, when one rank is on another device ("meta" stands in
+// for a GPU); SharedMemory then fails on both ranks, each naming the cause.
+TEST(DistSharedMemory, ChoosingThePointToPointAgreesOnEveryRank) {
+  using hp::distributed::PointToPoint;
+  struct Case {
+    PointToPoint how;
+    bool rank1_on_meta;
+    std::string backend;  // on both ranks; "" = both throw
+  };
+  for (const Case& k :
+       {Case{PointToPoint::Auto, false, "gloo+shm"}, Case{PointToPoint::Auto, true, "gloo"},
+        Case{PointToPoint::Group, false, "gloo"},
+        Case{PointToPoint::SharedMemory, false, "gloo+shm"},
+        Case{PointToPoint::SharedMemory, true, ""}}) {
+    SCOPED_TRACE("how " + std::to_string(int(k.how)) + " meta " + std::to_string(k.rank1_on_meta));
+    TempDir dir;
+    std::vector<std::string> got(2), notes(2);
+    std::vector<std::thread> ts;
+    for (int r = 0; r < 2; ++r) {
+      ts.emplace_back([&, r] {
+        try {
+          hp::distributed::CommOptions o;
+          o.timeout = std::chrono::seconds(20);
+          hp::distributed::SharedMemoryOptions shm;
+          shm.links = {{0, 1}};
+          if (r == 1 && k.rank1_on_meta) shm.device = c10::Device(c10::kMeta);
+          auto c = hp::distributed::with_point_to_point(
+              Comm::from_file_store(dir.path + "/s", r, 2, o), k.how, shm, &notes[r]);
+          got[r] = c->backend_name();
+          auto t = at::full({4}, double(r), at::kDouble);
+          if (r == 0) c->send(t, 1);
+          if (r == 1) {
+            c->recv(t, 0);
+            if (!t.equal(at::zeros({4}, at::kDouble))) got[r] += " (wrong message)";
+          }
+        } catch (const CommError& e) {
+          got[r] = std::string("error: ") + e.what();
+        }
+      });
+    }
+    for (auto& t : ts)
+      t.join();
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_EQ(notes[r], "") << "rank " << r;
+      if (!k.backend.empty()) EXPECT_EQ(got[r], k.backend) << "rank " << r;
+    }
+    if (k.backend.empty()) {
+      EXPECT_NE(got[0].find("rank 1's tensors are not on the CPU"), std::string::npos) << got[0];
+      EXPECT_NE(got[1].find("this rank's tensors are on meta"), std::string::npos) << got[1];
+    }
+  }
+}
+
 // ---- two ranks in two network namespaces ------------------------------------
 
 TEST(DistNetns, TwoRanksInTwoNamespacesRendezvousOverTcp) {

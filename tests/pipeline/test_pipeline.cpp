@@ -402,20 +402,27 @@ TEST(Executor, ReceivesPostedAheadOnlyWhereTheCommSaysFree) {
   });
 }
 
-// The same training with point-to-point over shared memory (collectives on
-// Gloo): interleaved-zb at p = 4 moves activations between all neighbours.
-TEST(Pipeline, SharedMemoryPointToPointTrainsTheSame) {
+// The same training with each point-to-point (--p2p; collectives on Gloo):
+// interleaved-zb at p = 4 moves activations between all neighbours; "auto"
+// (the default, in every other test here) makes the rings as "shm" does.
+TEST(Pipeline, EachPointToPointTrainsTheSame) {
   for (auto [schedule, p] : {std::make_pair(std::string("interleaved-zb"), 4),
                              std::make_pair(std::string("dualpipev"), 2)}) {
-    TrainConfig c = tiny(schedule, p, schedule == "dualpipev" ? 6 : 8, "gpt");
-    std::vector<TrainResult> results(p);
-    hp::testing::run_ranks_as_threads(p, [&](int r, std::shared_ptr<hp::distributed::Comm> comm) {
-      auto shm = hp::distributed::with_shared_memory_p2p(comm);
-      EXPECT_EQ(shm->backend_name(), "gloo+shm");
-      results[r] = hp::train::run_rank(c, shm);
-    });
-    expect_matches_reference(c, results);
-    expect_runs_its_action_list(c, results);
+    for (std::string p2p : {"shm", "gloo", "auto"}) {
+      SCOPED_TRACE(schedule + " --p2p " + p2p);
+      TrainConfig c = tiny(schedule, p, schedule == "dualpipev" ? 6 : 8, "gpt");
+      c.p2p = p2p;
+      std::vector<TrainResult> results(p);
+      hp::testing::run_ranks_as_threads(p, [&](int r, std::shared_ptr<hp::distributed::Comm> comm) {
+        results[r] = hp::train::run_rank(c, comm);
+      });
+      for (int r = 0; r < p; ++r) {
+        EXPECT_EQ(results[r].p2p_backend, p2p == "gloo" ? "gloo" : "gloo+shm") << "rank " << r;
+        EXPECT_EQ(results[r].p2p_note, "") << "rank " << r;
+      }
+      expect_matches_reference(c, results);
+      expect_runs_its_action_list(c, results);
+    }
   }
 }
 

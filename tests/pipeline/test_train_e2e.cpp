@@ -91,6 +91,9 @@ TEST_P(TrainEndToEnd, LossesAndParametersEqualSingleProcessTraining) {
   auto report = read_json(dir / "report.json");
   expect_report_matches(report, ref, /*checksum=*/true);
   EXPECT_EQ(report["ranks"].size(), static_cast<size_t>(p));
+  // --p2p auto (the default): rings between the local ranks.
+  EXPECT_EQ(report["config"]["p2p"], "auto");
+  EXPECT_EQ(report["p2p_backend"], "gloo+shm");
   EXPECT_TRUE(fs::file_size(dir / "trace.json") > 0 && fs::file_size(dir / "trace.json.svg") > 0);
 
   // Every rank's checkpointed parameters equal the reference's.
@@ -150,6 +153,7 @@ TEST(TrainEndToEnd, SharedMemoryPointToPointEqualsSingleProcessTraining) {
   auto ref = hp::train::train_reference(c);
   auto report = read_json(dir / "report.json");
   expect_report_matches(report, ref, /*checksum=*/true);
+  EXPECT_EQ(report["p2p_backend"], "gloo+shm");
   fs::remove_all(dir);
 }
 
@@ -192,13 +196,15 @@ TEST(TrainEndToEnd, TwoRanksOnTwoHostsRendezvousOverTcp) {
   TrainConfig c = small("zb-h1", 2);
   auto dir = fresh_dir("netns");
   // Rank r runs `hp train --worker` in namespace r, as on two hosts; both
-  // rendezvous at rank 0's address over TCP.
+  // rendezvous at rank 0's address over TCP, and --p2p gloo keeps their
+  // messages there too (the namespaces share /dev/shm, where "auto" would
+  // make rings).
   hp::launch::LaunchOptions o;
   o.nproc = 2;
   o.command = {"sh", "-c",
                "if [ \"$RANK\" = 0 ]; then NS=" + net.ns[0] + "; else NS=" + net.ns[1] +
                    "; fi; exec ip netns exec $NS env MASTER_ADDR=10.231.0.1 MASTER_PORT=29517 " +
-                   HP_BIN + " " + train_flags(c) + " --worker --report " +
+                   HP_BIN + " " + train_flags(c) + " --p2p gloo --worker --report " +
                    (dir / "report.json").string()};
   o.timeout = std::chrono::seconds(20);
   o.run_timeout = std::chrono::seconds(120);
@@ -211,6 +217,7 @@ TEST(TrainEndToEnd, TwoRanksOnTwoHostsRendezvousOverTcp) {
   auto ref = hp::train::train_reference(c);
   auto report = read_json(dir / "report.json");
   expect_report_matches(report, ref, /*checksum=*/false);
+  EXPECT_EQ(report["p2p_backend"], "gloo");
   fs::remove_all(dir);
 }
 
@@ -266,6 +273,7 @@ TEST(TrainEndToEnd, PipelineTimesDataParallelEqualsSingleProcessTraining) {
   auto report = read_json(dir / "report.json");
   EXPECT_EQ(report["config"]["dp"], 2);
   expect_report_matches(report, ref, /*checksum=*/true);
+  EXPECT_EQ(report["p2p_backend"], "gloo+shm");  // rings beside each copy's pipeline group
   fs::remove_all(dir);
 }
 
@@ -321,6 +329,10 @@ TEST(TrainEndToEndFailures, BadConfigurationFailsBeforeAnyRankStarts) {
   HpRun bad_batch = run_hp(no_mb + " --batch 7");
   EXPECT_EQ(bad_batch.exit_code, 1);
   EXPECT_NE(bad_batch.output.find("not divisible"), std::string::npos) << bad_batch.output;
+  HpRun shm_on_gpu = run_hp(train_flags(small("1f1b", 2)) + " --p2p shm --device cuda");
+  EXPECT_EQ(shm_on_gpu.exit_code, 1);
+  EXPECT_NE(shm_on_gpu.output.find("--p2p shm moves CPU tensors"), std::string::npos)
+      << shm_on_gpu.output;
 }
 
 }  // namespace

@@ -108,19 +108,19 @@ def test_pipeline_times_data_parallel_equals_single_process_training(names, tmp_
             assert_equals_reference(got, ref_losses, ref_chunks, f"{name} rank {world_rank}")
 
 
-@pytest.mark.parametrize("lookahead", [1, 3])
-def test_receives_posted_ahead_equal_single_process_training(lookahead, tmp_path):
-    # The default (none ahead) runs in every test above; here one and three
-    # batches ahead, with malloc left as it is (NOTE [Receives posted ahead]
-    # in hp/pipeline/executor.cpp).
+@pytest.mark.parametrize("lookahead,p2p,backend", [(1, "group", "gloo"), (3, "auto", "gloo+shm")])
+def test_receives_posted_ahead_equal_single_process_training(lookahead, p2p, backend, tmp_path):
+    # The default (none ahead) runs in every test above; here one batch ahead
+    # over Gloo and three over the rings of the default p2p, with malloc left
+    # as it is (NOTE [Receives posted ahead] in hp/pipeline/executor.cpp).
     names, p = ["1f1b", "interleaved-zb", "zbv", "dualpipev"], 2
-    run_ranks(p, [",".join(names), "1", "cpu", str(lookahead), "group"], tmp_path)
+    run_ranks(p, [",".join(names), "1", "cpu", str(lookahead), p2p], tmp_path)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(p)]
     for name in names:
         sched = hp.pipeline.schedule(name, ranks=p, microbatches=pm.microbatches(name, p))
         ref_losses, ref_chunks = pm.reference(sched.num_chunks, sched.num_microbatches)
         for r, res in enumerate(ranks):
-            assert res[name]["backend"] == "gloo", res[name]["backend"]
+            assert res[name]["backend"] == backend, res[name]["backend"]
             assert_equals_reference(res[name], ref_losses, ref_chunks,
                                     f"{name} lookahead {lookahead} rank {r}")
 

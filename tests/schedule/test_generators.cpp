@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <map>
+#include <set>
 #include <stdexcept>
 #include <string>
 
@@ -157,6 +158,13 @@ TEST(Layout, LoopVAndDualPipePlacement) {
   EXPECT_EQ(d.next_stage(4, 5), 5);
   EXPECT_EQ(d.prev_stage(4, 5), -1);
   EXPECT_EQ(d.route_position(2, 5), -1);  // up-route microbatches never visit stage 2
+  // The ranks the transfers join: neighbours, and the loop's wrap-around.
+  using Links = std::vector<std::pair<int, int>>;
+  EXPECT_EQ(hs::build("1f1b", 4, 8).rank_links(), (Links{{0, 1}, {1, 2}, {2, 3}}));
+  EXPECT_EQ(il.rank_links(), (Links{{0, 1}, {0, 3}, {1, 2}, {2, 3}}));
+  EXPECT_EQ(v.rank_links(), (Links{{0, 1}, {1, 2}, {2, 3}}));  // the turn is local
+  EXPECT_EQ(d.rank_links(), (Links{{0, 1}, {1, 2}, {2, 3}}));
+  EXPECT_TRUE(hs::build("1f1b", 1, 4).rank_links().empty());
 }
 
 // Every generator, over many sizes: builds or refuses with invalid_argument;
@@ -199,6 +207,18 @@ TEST(Property, EveryScheduleLowersValidatesSimulates) {
             for (const auto& a : row)
               comm += hs::is_comm(a.op);
           EXPECT_EQ(comm, 2 * r.comm_volume);
+          // rank_links() is exactly the pairs the lowered sends join.
+          std::set<std::pair<int, int>> sent;
+          for (int rk = 0; rk < p; ++rk)
+            for (const auto& a : low.actions[rk]) {
+              if (a.op != hs::Op::SEND_F && a.op != hs::Op::SEND_B) continue;
+              const int to = a.op == hs::Op::SEND_F ? low.next_stage(a.stage, a.microbatch)
+                                                    : low.prev_stage(a.stage, a.microbatch);
+              const int peer = low.stage_rank.at(to);
+              sent.insert({std::min(rk, peer), std::max(rk, peer)});
+            }
+          const std::vector<std::pair<int, int>> joined(sent.begin(), sent.end());
+          EXPECT_EQ(s.rank_links(), joined);
         }
       }
     }

@@ -34,7 +34,6 @@ struct TrainArgs {
   bool worker = false;
   bool pin = false;
   bool untied = false;
-  std::string p2p = "gloo";       // point-to-point transport between ranks of one host
   std::vector<std::string> argv;  // our own command line, for the ranks
 };
 
@@ -143,7 +142,6 @@ int run_worker(const TrainArgs& a) {
     opts.timeout = std::chrono::seconds(a.config.timeout_s);
     launch::fault_point("connect");  // NOTE [Fault injection]
     auto comm = distributed::Comm::from_env(opts);
-    if (a.p2p == "shm") comm = distributed::with_shared_memory_p2p(comm);
     auto result =
         a.config.graph ? train::run_graph_rank(a.config, comm) : train::run_rank(a.config, comm);
     if (comm->rank() == 0) std::cout << train::summary_text(a.config, result) << std::flush;
@@ -279,10 +277,11 @@ void add_train_command(CLI::App& app) {
       "--no-shard", [&c](int64_t) { c.shard = false; },
       "graph mode: replicate every parameter (plain data parallel, gradients all-reduced)");
   t->add_flag("--pin", a->pin, "pin each rank to one core with one intra-op thread");
-  t->add_option("--p2p", a->p2p,
-                "point-to-point transport between ranks of one host: gloo (loopback TCP) or shm "
-                "(shared memory; collectives stay on Gloo)")
-      ->check(CLI::IsMember({"gloo", "shm"}));
+  t->add_option("--p2p", c.p2p,
+                "point-to-point between the pipeline's ranks of one host: auto (default; "
+                "shared-memory rings where every rank can have them, else Gloo's), shm (the "
+                "rings, or an error) or gloo (loopback TCP); collectives stay on Gloo")
+      ->check(CLI::IsMember({"auto", "shm", "gloo"}));
   t->add_flag(
       "--no-progress", [&c](int64_t) { c.progress = false; }, "no progress bar");
   t->add_flag("--worker", a->worker, "run as one rank (set by the launcher)")->group("");
