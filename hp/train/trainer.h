@@ -65,8 +65,8 @@ struct TrainConfig {
   /// else Gloo's, with a note on stderr). NOTE [Choosing the point-to-point]
   /// in hp/distributed/shm_p2p.cpp.
   std::string p2p = "auto";
-  /// Receives posted this many batches ahead (Gloo only; NOTE [Receives
-  /// posted ahead] in hp/pipeline/executor.cpp).
+  /// Receives posted this many batches ahead (over Gloo or the rings, not
+  /// NCCL; NOTE [Receives posted ahead] in hp/pipeline/executor.cpp).
   int receive_lookahead = 0;
   bool progress = true;  ///< progress bar on rank 0
   /// Graph mode (hp/compile): data parallel over the ranks with FSDP, the
