@@ -167,6 +167,41 @@ TEST(TrainEndToEndFailures, AKilledRankIsNamedWithSharedMemoryPointToPoint) {
   EXPECT_LT(r.seconds, c.timeout_s + 10) << "the surviving ranks must not hang";
 }
 
+// `hp train` in a mount namespace whose /dev/shm holds 16 MiB, less than one
+// ring: --p2p auto (the default) trains over Gloo, saying why on stderr and in
+// the report, still equal to single-process training; --p2p shm fails on
+// every rank at once, naming the cause (NOTE [Choosing the point-to-point]).
+TEST(TrainEndToEndFailures, WithoutRoomForRingsAutoUsesGlooAndShmFails) {
+  const std::string small_shm = "unshare -m sh -c 'mount -t tmpfs -o size=16m tmpfs /dev/shm";
+  HpRun probe = run_hp("--help >/dev/null'", small_shm + " && exec ");
+  if (probe.exit_code != 0)
+    GTEST_SKIP() << "NOT TESTED here: `unshare -m` with a tmpfs mount is not allowed (needs "
+                    "CAP_SYS_ADMIN): "
+                 << probe.output.substr(0, 200)
+                 << "; the Python sibling test_auto_falls_back_to_the_group_when_a_rank_has_no_"
+                    "room skips the same way, and DistSharedMemory tests the agreement";
+  TrainConfig c = small("1f1b", 2);
+  auto dir = fresh_dir("noroom");
+  // run_hp puts its env argument before the binary: the namespace wraps hp.
+  HpRun r = run_hp(train_flags(c) + " --report " + (dir / "report.json").string() + "'",
+                   small_shm + " && exec ");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("hp train: --p2p auto uses Gloo's point-to-point: rank "),
+            std::string::npos)
+      << r.output;
+  auto report = read_json(dir / "report.json");
+  EXPECT_EQ(report["p2p_backend"], "gloo");
+  EXPECT_NE(report["p2p_note"].get<std::string>().find("in /dev/shm"), std::string::npos);
+  expect_report_matches(report, hp::train::train_reference(c), /*checksum=*/true);
+  HpRun shm = run_hp(train_flags(c) + " --p2p shm'", small_shm + " && exec ");
+  EXPECT_NE(shm.exit_code, 0);
+  EXPECT_NE(shm.output.find("hp train: rank 0 failed"), std::string::npos) << shm.output;
+  EXPECT_NE(shm.output.find("hp train: rank 1 failed"), std::string::npos) << shm.output;
+  EXPECT_NE(shm.output.find("in /dev/shm"), std::string::npos) << shm.output;
+  EXPECT_LT(shm.seconds, c.timeout_s) << "no rank may wait for the timeout";
+  fs::remove_all(dir);
+}
+
 TEST(TrainEndToEndFailures, ResumeContinuesTheSameLossTrajectory) {
   TrainConfig c = small("zb-h1", 2);
   c.steps = 4;
