@@ -22,8 +22,10 @@ struct StageModule {
   std::vector<torch::Tensor> parameters;
 };
 
-/// The loss of microbatch `mb` from the last stage's output, already scaled
-/// for accumulation (e.g. divided by the number of microbatches).
+/// The loss of microbatch `mb` from the last stage's output. It counts
+/// PipelineStage's `loss_scale` times (e.g. 1/m for the mean over the
+/// microbatches); a function may instead scale the loss itself and leave
+/// loss_scale at 1.
 using LossFn = std::function<torch::Tensor(const torch::Tensor& output, int mb)>;
 
 /// Hooks around a (stage, microbatch)'s work, for features that span F to W
@@ -44,7 +46,10 @@ struct StageHooks {
 /// The stages of one rank and the per-microbatch state between F and W.
 class PipelineStage {
  public:
-  PipelineStage(std::map<int, StageModule> modules, LossFn loss, StageHooks hooks = {});
+  /// `loss_scale` weighs every microbatch's loss (NOTE [The loss scale is the
+  /// backward's seed] in stage.cpp).
+  PipelineStage(std::map<int, StageModule> modules, LossFn loss, StageHooks hooks = {},
+                double loss_scale = 1.0);
 
   /// F: runs `stage` on `input`. When `input_needs_grad` the input is a
   /// received (or handed-off) activation whose dx will be sent back. When
@@ -73,10 +78,11 @@ class PipelineStage {
 
   bool holds(int stage) const { return modules_.count(stage) > 0; }
   const StageModule& module(int stage) const { return modules_.at(stage); }
-  /// Sum of the losses of the microbatches whose last stage is here, since
-  /// reset, in float64. The losses are summed where they were computed (on
-  /// their device); reading the sum is the one host synchronization it costs
-  /// (a per-microbatch read would stop the host at every last-stage F).
+  /// Sum of the losses of the microbatches whose last stage is here, each
+  /// times loss_scale, since reset, in float64. Losses on the CPU are summed
+  /// on the host as they come; others where they were computed (on their
+  /// device), so reading the sum is the one host synchronization they cost (a
+  /// per-microbatch read would stop the host at every last-stage F).
   double loss_sum() const;
   /// Number of (stage, microbatch) still between F and the end of W.
   size_t in_flight() const;
@@ -88,16 +94,22 @@ class PipelineStage {
     torch::Tensor input, output;
     std::optional<autograd::GradFunction> grad_fn;
     bool input_done = false;
+    bool is_last = false;  // the output is the loss
   };
+  /// The gradient a backward of `s` starts from: `grad_output`, or for a
+  /// loss, loss_scale (empty when 1: the engine's own ones).
+  autograd::TensorList seed(const Slot& s, const torch::Tensor& grad_output) const;
   Slot& slot(int stage, int mb, const char* what);
   void finish(int stage, int mb);
 
   std::map<int, StageModule> modules_;
   LossFn loss_;
   StageHooks hooks_;
+  double loss_scale_;
   std::map<std::pair<int, int>, Slot> slots_;
   mutable std::mutex mutex_;  // guards slots_ (release_output may run on another thread)
-  torch::Tensor loss_sum_;    // float64, on the losses' device; undefined: none yet
+  double loss_sum_host_ = 0;  // the losses computed on the CPU
+  torch::Tensor loss_sum_;    // the others: float64, on their device; undefined: none yet
 };
 
 }  // namespace hp::pipeline

@@ -492,7 +492,7 @@ TrainResult run_rank(const TrainConfig& config, std::shared_ptr<distributed::Com
   int step = 0;
   const int first_mb = replica * m;  // this copy's microbatches of the global batch
   auto loss_fn = [&](const torch::Tensor& out, int mb) {
-    return models::loss(config.model, out, data.get(step, first_mb + mb).target.to(device)) / m;
+    return models::loss(config.model, out, data.get(step, first_mb + mb).target.to(device));
   };
   pipeline::StageHooks hooks = config.recompute ? recompute_hooks() : pipeline::StageHooks{};
   std::unique_ptr<pipeline::GradientReducer> reducer;
@@ -507,7 +507,9 @@ TrainResult run_rank(const TrainConfig& config, std::shared_ptr<distributed::Com
       r->on_done(st, mb);
     };
   }
-  pipeline::PipelineStage stage(modules, loss_fn, hooks);
+  // Each microbatch's loss counts 1/m: the step's loss is their mean (NOTE
+  // [The loss scale is the backward's seed] in hp/pipeline/stage.cpp).
+  pipeline::PipelineStage stage(modules, loss_fn, hooks, 1.0 / m);
   pipeline::ExecutorOptions eopts;
   eopts.input = [&](int mb) { return data.get(step, first_mb + mb).input.to(device); };
   eopts.activation_shape = [&](int, int) {

@@ -29,16 +29,16 @@ namespace {
 // The executor walks the rank's action list with the GIL released: the
 // engine's dx/dw calls, every wait and every send run without it. Only the
 // user's Python - a stage's forward, the loss - takes the GIL, for as long as
-// it runs; a Python exception there becomes a RuntimeError naming the rank,
-// action and the exception, raised from step(). The stages' parameters are
-// the Python tensors themselves: weight gradients accumulate into their
-// .grad, as loss.backward() would, and the user's optimizer steps them.
+// the F runs (NOTE [One GIL hold per forward]); a Python exception there
+// becomes a RuntimeError naming the rank, action and the exception, raised
+// from step(). The stages' parameters are the Python tensors themselves:
+// weight gradients accumulate into their .grad, as loss.backward() would, and
+// the user's optimizer steps them.
 
-// Calls `fn(args...)` under the GIL; a Python exception becomes a C++ one
-// carrying its type and message (formatted while the GIL is held).
+// Calls `fn(args...)`; the caller holds the GIL. A Python exception becomes
+// a C++ one carrying its type and message (formatted while the GIL is held).
 template <typename... Args>
-py::object call_python(const py::object& fn, const char* what, Args&&... args) {
-  py::gil_scoped_acquire gil;
+py::object call_held(const py::object& fn, const char* what, Args&&... args) {
   try {
     return fn(std::forward<Args>(args)...);
   } catch (py::error_already_set& e) {
@@ -46,8 +46,12 @@ py::object call_python(const py::object& fn, const char* what, Args&&... args) {
   }
 }
 
-torch::Tensor as_tensor(const py::object& o, const char* what) {
+// Calls `fn(args...)` under the GIL and returns the tensor it returned; a
+// result that is no tensor is an error like an exception.
+template <typename... Args>
+torch::Tensor call_python(const py::object& fn, const char* what, Args&&... args) {
   py::gil_scoped_acquire gil;
+  py::object o = call_held(fn, what, std::forward<Args>(args)...);
   if (!THPVariable_Check(o.ptr()))
     throw std::runtime_error(std::string(what) + " must return a torch.Tensor, got " +
                              std::string(py::str(py::type::of(o))));
@@ -154,7 +158,7 @@ class Runtime {
       pipeline::StageModule mod;
       py::object fn = f->second;
       mod.forward = [fn](const torch::Tensor& x) {
-        return as_tensor(call_python(fn, "a stage's forward", x), "a stage's forward");
+        return call_python(fn, "a stage's forward", x);
       };
       auto p = chunk_parameters.find(c);
       if (p != chunk_parameters.end()) mod.parameters = p->second;
@@ -178,22 +182,31 @@ class Runtime {
         replica_holders_.push_back(ranks);
       }
     }
-    const int m = sched_.num_microbatches;
     py::object loss_fn = loss_;
-    auto stage_loss = [loss_fn, m](const torch::Tensor& out, int mb) {
-      torch::Tensor l =
-          as_tensor(call_python(loss_fn, "the loss function", out, mb), "the loss function");
+    auto stage_loss = [loss_fn](const torch::Tensor& out, int mb) {
+      torch::Tensor l = call_python(loss_fn, "the loss function", out, mb);
       if (l.numel() != 1)
         throw std::runtime_error(
             "the loss function must return one number (a tensor of one "
             "element), got shape " +
             c10::str(l.sizes()));
-      return l / m;  // the mean over microbatches, accumulated
+      return l;  // counted 1/m times: the stage's loss_scale
+    };
+    pipeline::StageHooks hooks;
+    // NOTE [One GIL hold per forward]
+    // A forward calls Python once (the stage) or twice (and the loss), and
+    // each call took the GIL and gave it back, with the Python thread state's
+    // swaps each time. The whole of F runs under one hold instead: the calls
+    // inside take it again at the cost of a counter. Nothing in F waits for
+    // another thread (its input was received before F began), so holding it
+    // longer blocks no one that F needs.
+    hooks.around_forward = [](int, int, const std::function<torch::Tensor()>& run) {
+      py::gil_scoped_acquire gil;
+      return run();
     };
     // Data parallelism across pipelines: every replica of this pipeline
     // averages its stages' gradients over dp_group as soon as each stage has
     // run its last microbatch (NOTE [Gradient reduction in the cool-down]).
-    pipeline::StageHooks hooks;
     if (!dp_group.is_none()) {
       dp_ = distributed::for_device(
           distributed::Comm::from_process_group(process_group_of(dp_group), options), on);
@@ -204,7 +217,10 @@ class Runtime {
           dp_, stage_params, pipeline::microbatches_per_stage(sched_, rank()));
       hooks.on_done = [r = reducer_.get()](int stage, int mb) { r->on_done(stage, mb); };
     }
-    stage_ = std::make_unique<pipeline::PipelineStage>(std::move(modules), stage_loss, hooks);
+    // The step's loss is the mean over its microbatches (NOTE [The loss scale
+    // is the backward's seed] in hp/pipeline/stage.cpp).
+    stage_ = std::make_unique<pipeline::PipelineStage>(std::move(modules), stage_loss, hooks,
+                                                       1.0 / sched_.num_microbatches);
     pipeline::ExecutorOptions eo;
     eo.input = [this](int mb) {
       if (mb >= int(inputs_.size()))
@@ -221,9 +237,8 @@ class Runtime {
     } else {
       py::object shape_fn = activation_shape_;
       eo.activation_shape = [shape_fn](int stage, int mb) {
-        py::object s = call_python(shape_fn, "activation_shape", stage, mb);
         py::gil_scoped_acquire gil;
-        return s.cast<std::vector<int64_t>>();
+        return call_held(shape_fn, "activation_shape", stage, mb).cast<std::vector<int64_t>>();
       };
     }
     eo.dtype = dtype.cast<c10::ScalarType>();

@@ -85,6 +85,70 @@ TEST(PipelineStage, SplitBackwardAcrossTwoStagesEqualsOneBackward) {
   stage.reset();
 }
 
+// NOTE [The loss scale is the backward's seed]: a loss_scale of 1/3 (no
+// power of two) on the unscaled loss gives the gradients and the loss of
+// plain autograd on loss / 3, through I + W and through B; the default 1
+// starts from the engine's ones. A scale of 0 or NaN is refused.
+TEST(PipelineStage, LossScaleSeedsTheBackwardLikeDividingTheLoss) {
+  torch::manual_seed(5);
+  Net net;
+  const int m = 3;
+  std::vector<torch::Tensor> xs;
+  for (int mb = 0; mb < m; ++mb)
+    xs.push_back(torch::randn({4, 6}, kF64));
+  auto loss_of = [](const torch::Tensor& y, int mb) { return y.pow(2).sum() * (mb + 1); };
+
+  torch::Tensor g0 = torch::zeros_like(net.w0), g1 = torch::zeros_like(net.w1);
+  double loss_sum = 0;
+  for (int mb = 0; mb < m; ++mb) {
+    auto loss = loss_of(net.stage1(net.stage0(xs[mb])), mb) / m;
+    auto grads = torch::autograd::grad({loss}, {net.w0, net.w1});
+    g0 += grads[0];
+    g1 += grads[1];
+    loss_sum += loss.item<double>();
+  }
+
+  for (double scale : {1.0 / m, 1.0}) {
+    net.w0.mutable_grad() = torch::Tensor();
+    net.w1.mutable_grad() = torch::Tensor();
+    std::map<int, StageModule> modules;
+    modules[0] = {[&](const torch::Tensor& x) { return net.stage0(x); }, {net.w0}};
+    modules[1] = {[&](const torch::Tensor& h) { return net.stage1(h); }, {net.w1}};
+    PipelineStage stage(modules, loss_of, {}, scale);
+    for (int mb = 0; mb < m; ++mb) {
+      auto h = stage.forward(0, mb, xs[mb], /*input_needs_grad=*/false, /*is_last=*/false);
+      stage.forward(1, mb, h, /*input_needs_grad=*/true, /*is_last=*/true);
+      // Microbatch 0 through I + W, the others through B.
+      auto dh = mb == 0 ? stage.backward_input(1, mb, {}) : stage.backward(1, mb, {});
+      if (mb == 0) stage.backward_weight(1, mb);
+      stage.backward(0, mb, dh);
+    }
+    const double k = scale * m;  // 1 for 1/m, m for the default
+    for (auto [got, want] : {std::make_pair(net.w0.grad(), g0 * k), {net.w1.grad(), g1 * k}})
+      EXPECT_LE((got - want).abs().max().item<double>(),
+                1e-12 * std::max(1.0, want.abs().max().item<double>()))
+          << scale;
+    EXPECT_NEAR(stage.loss_sum(), loss_sum * k, 1e-12 * loss_sum * k) << scale;
+    stage.reset();
+    EXPECT_EQ(stage.loss_sum(), 0.0);
+  }
+  std::map<int, StageModule> one;
+  one[0] = {[&](const torch::Tensor& x) { return net.stage0(x); }, {net.w0}};
+  for (double bad : {0.0, std::nan("")})
+    EXPECT_THROW(
+        {
+          try {
+            PipelineStage(one, loss_of, {}, bad);
+          } catch (const c10::Error& e) {
+            EXPECT_NE(std::string(e.what()).find("loss_scale must be finite and not 0"),
+                      std::string::npos)
+                << e.what();
+            throw;
+          }
+        },
+        c10::Error);
+}
+
 TEST(PipelineStage, OutOfOrderUseIsAClearError) {
   Net net;
   std::map<int, StageModule> modules;
