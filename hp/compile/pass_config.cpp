@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <fstream>
 #include <map>
+#include <regex>
 #include <sstream>
 #include <stdexcept>
 #include <utility>
@@ -203,26 +204,64 @@ void read_entries(const YAML::Node& list, const char* section, const char* field
   }
 }
 
-// The 0-based (line, column) of the first ',' outside quotes, comments and
-// flow collections ([ ], { }), or (-1, -1) (NOTE [yaml-cpp loops on a stray
-// comma]). A quote opens a quoted scalar only where a token can start.
-std::pair<int, int> stray_comma(const std::string& text) {
+// What yaml-cpp would never return from (NOTE [yaml-cpp loops on a stray
+// comma]): where (0-based) and why; line -1 when there is nothing.
+struct Refusal {
+  int line = -1, column = -1;
+  const char* why = "";
+};
+
+// True when the line at text[i] is a well-formed "%YAML 1.x" directive.
+bool yaml_version_directive(const std::string& text, size_t i) {
+  static const std::regex kVersion(R"(%YAML[ \t]+1\.[0-9]+[ \t]*(#.*)?\r?)");
+  const size_t end = text.find('\n', i);
+  return std::regex_match(text.substr(i, end == std::string::npos ? end : end - i), kVersion);
+}
+
+// The first ',' outside flow collections ([ ], { }), quotes and comments,
+// and the first directive line other than "%YAML 1.x". Which '[', '{' and
+// quotes open one needs YAML's tokens: in block context a token starts a
+// line, or follows "- ", "? ", ": ", a closed quote or collection, or an
+// anchor, tag or alias; anything else that starts there is a plain scalar,
+// whose brackets and quotes are its own characters up to the next ": " or
+// " #" (in "a[[b # c\n," both '[' are the scalar's and the ',' stands where
+// a token starts; yaml-cpp loops on it). YAML would take a ',' inside a
+// plain scalar, and quotes and flow collections over several lines; they are
+// refused all the same, as a pass plan needs none of them (yaml-cpp loops on
+// "'a\n,b", and on "a\n{\n# c\n,x", where the '{' continues the scalar).
+Refusal refused_before_yaml(const std::string& text) {
+  auto blank = [&](size_t i) {
+    return i >= text.size() || text[i] == ' ' || text[i] == '\t' || text[i] == '\n' ||
+           text[i] == '\r';
+  };
   int line = 0, col = 0, depth = 0;
   char quote = 0;
-  bool comment = false;
+  bool comment = false, plain = false, word = false;  // word: in an anchor, tag or alias
   char prev = '\n';
   for (size_t i = 0; i < text.size(); ++i, ++col) {
     const char c = text[i];
     if (c == '\n') {
-      comment = false;
+      if (quote)
+        return {line, col,
+                "a quoted scalar that goes on past its line; a pass plan needs none (close the "
+                "quote on the line it opens)"};
+      if (depth > 0)
+        return {line, col,
+                "malformed YAML: a [ ] or { } not closed on its line; a pass plan closes each "
+                "on the line it opens (or uses a block list)"};
+      comment = plain = word = false;
       ++line;
       col = -1;
       prev = c;
       continue;
     }
     if (comment) continue;
+    if (prev == '\n' && !quote && depth == 0 && c == '%' && !yaml_version_directive(text, i))
+      return {line, col,
+              "a directive (a line starting with '%') other than %YAML 1.x; a pass plan needs "
+              "none (quote a value that starts with '%')"};
     if (quote) {
-      if (quote == '"' && c == '\\') {
+      if (quote == '"' && c == '\\' && i + 1 < text.size() && text[i + 1] != '\n') {
         ++i, ++col;  // an escaped character
       } else if (c == quote) {
         if (quote == '\'' && i + 1 < text.size() && text[i + 1] == '\'') {
@@ -234,22 +273,41 @@ std::pair<int, int> stray_comma(const std::string& text) {
       prev = c;
       continue;
     }
-    const bool token_start = prev == '\n' || prev == ' ' || prev == '\t' || prev == ':' ||
-                             prev == '-' || prev == '[' || prev == '{' || prev == ',';
-    if ((c == '"' || c == '\'') && token_start) {
-      quote = c;
-    } else if (c == '#' && (prev == '\n' || prev == ' ' || prev == '\t')) {
+    const bool after_blank = prev == '\n' || prev == ' ' || prev == '\t';
+    if (c == '#' && after_blank) {
       comment = true;
+    } else if (depth > 0) {
+      // Flow context: a token starts after a blank or an indicator.
+      const bool token_start =
+          after_blank || prev == ':' || prev == '[' || prev == '{' || prev == ',';
+      if ((c == '"' || c == '\'') && token_start) {
+        quote = c;
+      } else if (c == '[' || c == '{') {
+        ++depth;
+      } else if (c == ']' || c == '}') {
+        --depth;
+      }
+    } else if (c == ',') {
+      return {line, col,
+              "a ',' outside [ ], { } and quotes; a pass plan has none there (quote the value)"};
+    } else if (word) {
+      word = !blank(i);
+    } else if (plain) {
+      if (c == ':' && blank(i + 1)) plain = false;  // the key ends; its value follows
+    } else if (c == ' ' || c == '\t' || c == '\r') {
+    } else if ((c == '-' || c == '?' || c == ':') && blank(i + 1)) {
+    } else if (c == '&' || c == '!' || c == '*') {
+      word = true;
+    } else if (c == '"' || c == '\'') {
+      quote = c;
     } else if (c == '[' || c == '{') {
-      ++depth;
-    } else if ((c == ']' || c == '}') && depth > 0) {
-      --depth;
-    } else if (c == ',' && depth == 0) {
-      return {line, col};
+      depth = 1;
+    } else {
+      plain = true;
     }
     prev = c;
   }
-  return {-1, -1};
+  return {};
 }
 
 // The 0-based line where the second document of `text` starts: its '---'
@@ -280,17 +338,19 @@ PassPlan PassPlan::from_yaml(const std::string& text, const std::string& source)
          std::to_string(text.size()) + " bytes, more than the limit of " +
              std::to_string(kMaxYamlBytes) + " bytes for a pass plan");
   // NOTE [yaml-cpp loops on a stray comma]
-  // yaml-cpp 0.7 (Debian 12 and 13) never returns from LoadAll when a ','
-  // stands where block context expects a token (",x", "# c\n,x", "!a ,:";
-  // found by the fuzzer in tests/compile). A pass plan needs commas only
-  // inside [ ] or { } or quotes, so any other is refused before yaml-cpp sees
-  // the text.
-  if (auto at = stray_comma(text); at.first >= 0) {
+  // yaml-cpp 0.7 (Debian 12 and 13) never returns from LoadAll, growing its
+  // memory as it goes, when a ',' stands where block context expects a token
+  // (",x", "# c\n,x", "!a ,:", "a[[b # c\n,": the brackets there belong to
+  // a plain scalar) and after some directive lines that are not %YAML's
+  // ("%aY: .a [x, ..." with flow collections below it). The fuzzer in
+  // tests/compile found each; the last two grew past 2 GiB before libFuzzer
+  // stopped them. A pass plan needs commas only inside [ ] or { } or quotes,
+  // and no directive, so the text is refused before yaml-cpp sees it.
+  if (Refusal r = refused_before_yaml(text); r.line >= 0) {
     YAML::Mark mark = YAML::Mark::null_mark();
-    mark.line = at.first;
-    mark.column = at.second;
-    fail(source, mark,
-         "a ',' outside [ ], { } and quotes; a pass plan has none there (quote the value)");
+    mark.line = r.line;
+    mark.column = r.column;
+    fail(source, mark, r.why);
   }
   std::vector<YAML::Node> docs;
   try {

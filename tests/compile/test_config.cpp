@@ -124,6 +124,29 @@ TEST(PassPlan, MalformedYamlNamesTheLine) {
   // enabled is not a bool.
   e = err("fsdp:\n  enabled: maybe\n");
   EXPECT_NE(e.find("line 2"), std::string::npos) << e;
+  // A ',' in block context, after brackets that belong to a plain scalar
+  // (NOTE [yaml-cpp loops on a stray comma]: yaml-cpp would never return),
+  // and one inside a real flow sequence, which is fine.
+  e = err("a[[b # c\n,\n");
+  EXPECT_NE(e.find("line 2"), std::string::npos) << e;
+  EXPECT_NE(e.find("a ',' outside [ ], { } and quotes"), std::string::npos) << e;
+  e = err("fsdp:\n  patterns: [a, b]\n  bogus: 1\n");
+  EXPECT_NE(e.find("bogus"), std::string::npos) << e;
+  // A directive other than %YAML's (yaml-cpp would never return from some),
+  // and %YAML's, which is fine.
+  e = err("%aY: .a [x\nfsdp: [[x]]\n");
+  EXPECT_NE(e.find("line 1"), std::string::npos) << e;
+  EXPECT_NE(e.find("a directive"), std::string::npos) << e;
+  // A quoted scalar over two lines (yaml-cpp loops on some).
+  e = err("fsdp:\n  enabled: 'a\n,b'\n");
+  EXPECT_NE(e.find("line 2"), std::string::npos) << e;
+  EXPECT_NE(e.find("a quoted scalar that goes on past its line"), std::string::npos) << e;
+  // A flow collection over two lines.
+  e = err("fsdp:\n  patterns: [a,\n    b]\n");
+  EXPECT_NE(e.find("line 2"), std::string::npos) << e;
+  EXPECT_NE(e.find("not closed on its line"), std::string::npos) << e;
+  e = err("%YAML 1.2\n---\nfsdp:\n  bogus: 1\n");
+  EXPECT_NE(e.find("bogus"), std::string::npos) << e;
   // Not a map at the top.
   e = err("- a\n- b\n");
   EXPECT_NE(e.find("line 1"), std::string::npos) << e;
