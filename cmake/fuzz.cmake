@@ -4,11 +4,19 @@
 # A libFuzzer binary of SOURCES (a fuzz target plus the torch-free sources it
 # parses with), built with this build's compiler when it is clang, else with
 # a clang++ found on the machine; and the ctest test <suite>.LibFuzzerSeeded
-# that runs it bounded and repeatably: 20000 inputs mutated from CORPUS with
-# a fixed seed (libFuzzer then tries the same inputs on every machine with
-# this clang), at most 60 s; a crash or a hang (30 s) fails the test and
-# leaves the input as crash-* or timeout-* in the build folder (add it to
-# CORPUS once fixed). Fuzzing for longer, by hand: drop -seed and -runs.
+# that runs it bounded: 20000 inputs mutated from CORPUS with a fixed seed,
+# at most 60 s; a crash or a hang (30 s) fails the test and leaves the input
+# as crash-* or timeout-* in the build folder (add it to CORPUS once fixed).
+# Fuzzing for longer, by hand: drop -seed and -runs.
+# NOTE [A fuzz run is not repeatable]: the seed does not make the inputs
+# repeat. libFuzzer also learns from the values its comparisons see,
+# pointers among them, and ASLR moves those, so each run tries inputs of its
+# own: a CI run met a yaml-cpp loop that runs before had not (NOTE [yaml-cpp
+# loops on a stray comma]). The memory limit is on each allocation
+# (-malloc_limit_mb), not on the process (-rss_limit_mb=0): at the RSS limit
+# libFuzzer first prints a heap profile, which under ASan outlasted ctest's
+# 120 s on that loop (grown to 2 GiB) and saved no input; a loop that grows
+# now ends at -timeout, its input saved.
 # NOTE [A hang is 30 s of wall clock]: libFuzzer's -timeout is an alarm on
 # the wall clock, and the shared test host can stop a process for seconds:
 # one CI run failed with -timeout=10 on an input that runs in 60 ms alone
@@ -53,7 +61,7 @@ function(hp_libfuzzer)
   set(scratch ${CMAKE_CURRENT_BINARY_DIR}/fuzz_scratch)
   add_test(NAME ${F_SUITE}.LibFuzzerSeeded
            COMMAND ${CMAKE_COMMAND} -E env ASAN_OPTIONS=detect_leaks=0
-                   ${fuzzer} -seed=1 -runs=20000 -max_total_time=60 -rss_limit_mb=2048
+                   ${fuzzer} -seed=1 -runs=20000 -max_total_time=60 -rss_limit_mb=0 -malloc_limit_mb=2048
                    -timeout=30 ${scratch} ${F_CORPUS})
   set_tests_properties(${F_SUITE}.LibFuzzerSeeded PROPERTIES
     WORKING_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR} TIMEOUT 120 FIXTURES_REQUIRED ${fixture})
