@@ -16,6 +16,23 @@ void keep_freed_memory_mapped();
 void install_memory_tracker();
 /// True once install_memory_tracker() ran.
 bool memory_tracker_installed();
+/// While one lives on a thread, CPU tensors allocated on that thread take
+/// their memory from a pool of blocks freed by earlier such tensors, and give
+/// it back to the pool when they die (NOTE [The step cache] in memory.cpp).
+/// Installs the tracking allocator. Tensors allocated outside any scope are
+/// untouched.
+class StepCacheScope {
+ public:
+  StepCacheScope();
+  ~StepCacheScope();
+  StepCacheScope(const StepCacheScope&) = delete;
+  StepCacheScope& operator=(const StepCacheScope&) = delete;
+};
+/// Bytes of free blocks the step cache holds.
+int64_t step_cache_free_bytes();
+/// Hands every free block of the step cache back to malloc.
+void empty_step_cache();
+
 /// Bytes of CPU tensor storage currently allocated through the tracker.
 int64_t memory_allocated();
 /// Highest memory_allocated() since the last reset_peak_memory().

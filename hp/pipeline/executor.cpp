@@ -20,6 +20,7 @@
 #include <thread>
 #include <utility>
 
+#include "hp/core/memory.h"
 #include "hp/schedule/action.h"
 #include "hp/schedule/progress.h"
 
@@ -523,6 +524,8 @@ struct Executor::State {
     // The stages' device is current for the step (streams, events, allocations).
     c10::OptionalDeviceGuard on_device;
     if (!opts.device.is_cpu()) on_device.reset_device(opts.device);
+    std::optional<StepCacheScope> cache;  // NOTE [The step cache] in hp/core/memory.cpp
+    if (opts.cache_cpu_memory && opts.device.is_cpu()) cache.emplace();
     stats = StepStats{};
     recvs.clear();
     local_grad.clear();

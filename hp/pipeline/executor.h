@@ -77,6 +77,10 @@ struct ExecutorOptions {
   /// on the benchmark host, so 0 by default). More than 0 is refused on a
   /// Comm that does not say early receives are free (NCCL).
   int receive_lookahead = 0;
+  /// On the CPU, CPU tensors allocated during a step take their memory from
+  /// the step cache, a pool of blocks freed by earlier such tensors (NOTE [The
+  /// step cache] in hp/core/memory.cpp). Installs the tracking allocator.
+  bool cache_cpu_memory = false;
 };
 
 /// What one step did on this rank.

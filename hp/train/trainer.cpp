@@ -518,6 +518,7 @@ TrainResult run_rank(const TrainConfig& config, std::shared_ptr<distributed::Com
   eopts.dtype = config.model.dtype;
   eopts.device = device;
   eopts.receive_lookahead = config.receive_lookahead;
+  eopts.cache_cpu_memory = true;  // the CPU's caching allocator (CUDA has its own)
   pipeline::Executor executor(sched, rank, stage, comm, eopts);
 
   // Parameters: this rank's tensors, and the replicas to sum across stages.

@@ -98,7 +98,8 @@ class Runtime {
           const std::map<int, py::object>& chunk_forward,
           const std::map<int, std::vector<torch::Tensor>>& chunk_parameters, py::object loss,
           py::object activation_shape, py::object dtype, py::object device, double timeout_s,
-          const py::object& dp_group, int receive_lookahead, const std::string& p2p)
+          const py::object& dp_group, int receive_lookahead, const std::string& p2p,
+          bool cache_cpu_memory)
       : sched_(schedule_from_csv(schedule_csv)),
         loss_(std::move(loss)),
         activation_shape_(std::move(activation_shape)),
@@ -244,6 +245,7 @@ class Runtime {
     eo.dtype = dtype.cast<c10::ScalarType>();
     eo.device = on;
     eo.receive_lookahead = receive_lookahead;
+    eo.cache_cpu_memory = cache_cpu_memory;
     executor_ = std::make_unique<pipeline::Executor>(sched_, rank_, *stage_, comm_, std::move(eo));
   }
 
@@ -323,6 +325,7 @@ class Runtime {
   std::unique_ptr<pipeline::GradientReducer> reducer_;
   bool broken_ = false;
   std::string broken_reason_;
+
   std::string p2p_note_;
 };
 
@@ -334,6 +337,11 @@ void bind_pipeline(py::module_& m) {
       "keep_freed_memory_mapped", [] { keep_freed_memory_mapped(); },
       "Keeps freed CPU memory in the process for reuse instead of returning it to the kernel "
       "after every large free (NOTE [glibc malloc and page faults] in hp/core/memory.cpp).");
+  sub.def("cpu_cache_bytes", &step_cache_free_bytes,
+          "Bytes of free CPU blocks the step cache holds (NOTE [The step cache] in "
+          "hp/core/memory.cpp).");
+  sub.def("empty_cpu_cache", &empty_step_cache,
+          "Hands every free block of the step cache back to malloc.");
   sub.def(
       "schedule_csv",
       [](const std::string& name, int ranks, int microbatches, int chunks) {
@@ -378,11 +386,12 @@ void bind_pipeline(py::module_& m) {
                        const std::map<int, py::object>& forward,
                        const std::map<int, std::vector<torch::Tensor>>& parameters, py::object loss,
                        py::object shape, py::object dtype, py::object device, double timeout_s,
-                       const py::object& dp_group, int receive_lookahead, const std::string& p2p) {
+                       const py::object& dp_group, int receive_lookahead, const std::string& p2p,
+                       bool cache_cpu_memory) {
              try {
                return std::make_unique<Runtime>(csv, group, forward, parameters, loss, shape, dtype,
-                                                device, timeout_s, dp_group, receive_lookahead,
-                                                p2p);
+                                                device, timeout_s, dp_group, receive_lookahead, p2p,
+                                                cache_cpu_memory);
              } catch (const std::invalid_argument& e) {
                throw py::value_error(e.what());
              }
@@ -391,7 +400,7 @@ void bind_pipeline(py::module_& m) {
            py::arg("chunk_parameters"), py::arg("loss"), py::arg("activation_shape"),
            py::arg("dtype"), py::arg("device") = py::none(), py::arg("timeout_s") = 300.0,
            py::arg("dp_group") = py::none(), py::arg("receive_lookahead") = 0,
-           py::arg("p2p") = "auto")
+           py::arg("p2p") = "auto", py::arg("cache_cpu_memory") = false)
       .def("step", &Runtime::step, py::arg("inputs"),
            "Runs one step of this rank's actions; returns the loss and timings.")
       .def_property_readonly("rank", &Runtime::rank)

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from . import _C
 
-__all__ = ["PipelineSchedule", "schedule", "Pipeline"]
+__all__ = ["PipelineSchedule", "schedule", "Pipeline", "cpu_cache_bytes", "empty_cpu_cache"]
 
 
 @dataclass(frozen=True)
@@ -90,6 +90,20 @@ class PipelineSchedule:
         A chunk held by several ranks (DualPipe's mirrored copies) is a replica:
         give every holder the same initial weights; their gradients are summed."""
         return sorted({self.stage_chunk[s] for s in self.stages_of_rank(rank)})
+
+
+def cpu_cache_bytes() -> int:
+    """Bytes of free blocks the step cache holds: memory that CPU tensors of
+    earlier steps freed, kept for the next steps' tensors
+    (``Pipeline(keep_freed_memory)``)."""
+    return _C.pipeline.cpu_cache_bytes()
+
+
+def empty_cpu_cache() -> None:
+    """Hands every free block of the step cache back to malloc (like
+    ``torch.cuda.empty_cache()`` for the CUDA allocator's cache). Blocks still
+    in use go back to the cache when their tensors die."""
+    _C.pipeline.empty_cpu_cache()
 
 
 def schedule(name: str, ranks: int, microbatches: int, chunks: int = 2) -> PipelineSchedule:
@@ -167,8 +181,12 @@ class Pipeline:
             its threshold, and every new activation then pays a page fault
             per 4 KiB (a backward ran 10-25 % slower from that alone).
             Process-wide and permanent (glibc's ``M_MMAP_THRESHOLD`` and
-            ``M_TRIM_THRESHOLD``); the process keeps its peak heap. False
-            leaves malloc as it is.
+            ``M_TRIM_THRESHOLD``); the process keeps its peak heap. And the
+            CPU tensors of each step take their memory from the step cache:
+            blocks freed by earlier steps' tensors, by size class, handed out
+            without going through malloc (at most 1 GiB of free blocks is
+            kept; :func:`cpu_cache_bytes`, :func:`empty_cpu_cache`; NOTE [The
+            step cache] in hp/core/memory.cpp). False leaves malloc as it is.
     """
 
     def __init__(
@@ -266,6 +284,7 @@ class Pipeline:
             dp_group,
             receive_lookahead,
             p2p,
+            keep_freed_memory,
         )
         self.rank = self._runtime.rank
         #: The point-to-point in use on this rank: "shm" (rings beside the group

@@ -4,8 +4,10 @@
 #include <torch/torch.h>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "hp/core/compat.h"
@@ -57,4 +59,61 @@ TEST(Memory, TrackerCountsAllocationsFreesAndPeak) {
   EXPECT_EQ(hp::memory_allocated() - before, 1000);
   alloc->raw_deallocate(p);
   EXPECT_EQ(hp::memory_allocated(), before);
+}
+
+TEST(Memory, StepCacheReusesBlocksFreedInAScope) {
+  hp::empty_step_cache();
+  ASSERT_EQ(hp::step_cache_free_bytes(), 0);
+  const int64_t before = hp::memory_allocated();
+  void* first = nullptr;
+  {
+    hp::StepCacheScope scope;
+    ASSERT_TRUE(hp::memory_tracker_installed());
+    {
+      auto t = torch::full({1000}, 7.0f);  // 4000 bytes: the class of 4032
+      first = t.data_ptr();
+      EXPECT_EQ(reinterpret_cast<uintptr_t>(first) % 64, 0u);
+      EXPECT_EQ(hp::memory_allocated() - before, 4000);  // what was asked, not the class
+    }
+    EXPECT_EQ(hp::step_cache_free_bytes(), 4032);
+    EXPECT_EQ(hp::memory_allocated(), before);
+    // The same class takes the same block back, with the tensor's own values.
+    auto u = torch::zeros({997}, torch::kFloat32);
+    EXPECT_EQ(u.data_ptr(), first);
+    EXPECT_EQ(hp::step_cache_free_bytes(), 0);
+    const float* z = u.data_ptr<float>();
+    EXPECT_TRUE(std::all_of(z, z + 997, [](float x) { return x == 0.0f; }));
+    // Another class does not.
+    auto v = torch::ones({1250}, torch::kFloat32);  // 5000 bytes: the class of 5120
+    EXPECT_NE(v.data_ptr(), first);
+    u = torch::Tensor();
+    v = torch::Tensor();
+    EXPECT_EQ(hp::step_cache_free_bytes(), 4032 + 5120);
+  }
+  // Out of any scope: malloc, and freed to malloc.
+  {
+    auto w = torch::ones({1000}, torch::kFloat32);
+    EXPECT_NE(w.data_ptr(), first);
+    EXPECT_EQ(hp::step_cache_free_bytes(), 4032 + 5120);
+  }
+  EXPECT_EQ(hp::step_cache_free_bytes(), 4032 + 5120);
+  // A pooled block freed on another thread, out of any scope, goes back too.
+  torch::Tensor moved;
+  {
+    hp::StepCacheScope scope;
+    moved = torch::ones({1000}, torch::kFloat32);
+    EXPECT_EQ(moved.data_ptr(), first);
+  }
+  std::thread([t = std::move(moved)]() mutable { t = torch::Tensor(); }).join();
+  EXPECT_EQ(hp::step_cache_free_bytes(), 4032 + 5120);
+  // Blocks over 64 MiB are never pooled.
+  {
+    hp::StepCacheScope scope;
+    auto big = torch::empty({(int64_t(64) << 20) / 4 + 16}, torch::kFloat32);
+    EXPECT_EQ(hp::memory_allocated() - before, (int64_t(64) << 20) + 64);
+  }
+  EXPECT_EQ(hp::step_cache_free_bytes(), 4032 + 5120);
+  EXPECT_EQ(hp::memory_allocated(), before);
+  hp::empty_step_cache();
+  EXPECT_EQ(hp::step_cache_free_bytes(), 0);
 }

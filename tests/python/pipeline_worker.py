@@ -9,7 +9,8 @@ single-process training.
 DEVICE "cuda" puts the rank of local rank r on GPU r mod the GPU count (two
 ranks may share one GPU: the runtime stages through host memory over Gloo).
 LOOKAHEAD is Pipeline's receive_lookahead; given, the runtime also leaves
-glibc's malloc as it is (keep_freed_memory=False): the non-default paths.
+glibc's malloc as it is and runs without the step cache
+(keep_freed_memory=False): the non-default paths.
 P2P is Pipeline's p2p ("auto", "group" or "shm"; not given: Pipeline's
 default)."""
 
@@ -82,6 +83,9 @@ def main():
             "device": str(next(q for c in chunks.values() for q in c.parameters()).device),
             "backend": pipe._runtime.backend,
             "p2p": pipe.p2p,
+            # Free blocks of the step cache (process-wide: after this and the
+            # schedules before it).
+            "cpu_cache_bytes": hp.pipeline.cpu_cache_bytes(),
         }
     torch.save(results, os.path.join(out_dir, f"rank{world_rank}.pt"))
     dist.destroy_process_group()

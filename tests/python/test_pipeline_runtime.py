@@ -84,6 +84,8 @@ def test_every_schedule_equals_single_process_training(p, tmp_path):
         for r, res in enumerate(ranks):
             got = res[name]
             assert (got["backend"], got["p2p"]) == ("gloo+shm", "shm"), got["backend"]
+            # keep_freed_memory's default on the CPU: the steps ran with the step cache.
+            assert got["cpu_cache_bytes"] > 0, f"{name} rank {r}"
             assert sorted(got["chunks"]) == sched.chunks_of_rank(r), name
             seen.update(got["chunks"])
             assert_equals_reference(got, ref_losses, ref_chunks, f"{name} p={p} rank {r}")
@@ -112,7 +114,8 @@ def test_pipeline_times_data_parallel_equals_single_process_training(names, tmp_
 def test_receives_posted_ahead_equal_single_process_training(lookahead, p2p, backend, tmp_path):
     # The default (none ahead) runs in every test above; here one batch ahead
     # over Gloo and three over the rings of the default p2p, with malloc left
-    # as it is (NOTE [Receives posted ahead] in hp/pipeline/executor.cpp).
+    # as it is and no step cache (NOTE [Receives posted ahead] in
+    # hp/pipeline/executor.cpp).
     names, p = ["1f1b", "interleaved-zb", "zbv", "dualpipev"], 2
     run_ranks(p, [",".join(names), "1", "cpu", str(lookahead), p2p], tmp_path)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(p)]
@@ -121,6 +124,7 @@ def test_receives_posted_ahead_equal_single_process_training(lookahead, p2p, bac
         ref_losses, ref_chunks = pm.reference(sched.num_chunks, sched.num_microbatches)
         for r, res in enumerate(ranks):
             assert res[name]["backend"] == backend, res[name]["backend"]
+            assert res[name]["cpu_cache_bytes"] == 0, "keep_freed_memory=False: no step cache"
             assert_equals_reference(res[name], ref_losses, ref_chunks,
                                     f"{name} lookahead {lookahead} rank {r}")
 
