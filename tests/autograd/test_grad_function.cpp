@@ -394,6 +394,32 @@ TEST_F(SplitTest, BackwardIntoGradFallsBackOnANonLeafInput) {
   EXPECT_THROW(gf.backward_into_grad(), c10::Error);  // the graph is freed
 }
 
+TEST_F(SplitTest, BackwardIntoGradLeavesAnUntrainedLeafAlone) {
+  // NOTE [An unlimited engine call where limits change nothing]: a graph that
+  // reaches a leaf outside the inputs and weights (here `frozen`, which
+  // requires grad but is not trained) keeps the engine limited, so that
+  // leaf's .grad stays as it was; one that reaches only inputs and weights
+  // runs unlimited, and both equal plain autograd.
+  auto w = param({5, 5});
+  auto frozen = torch::randn({5, 5}, kF64).requires_grad_(true);
+  auto x = torch::randn({4, 5}, kF64);
+  auto sens = torch::randn({4, 5}, kF64);
+  for (bool reach : {true, false}) {
+    Fn fn = [&](const TensorList& in) {
+      auto h = torch::tanh(in[0].matmul(w));
+      return TensorList{reach ? h.matmul(frozen).matmul(w) : h.matmul(w).matmul(w)};
+    };
+    auto r = reference(fn, {x}, {w}, {0}, {sens}, false);
+    w.mutable_grad() = torch::Tensor();
+    frozen.mutable_grad() = torch::Tensor();
+    auto [out, gf] = forward_and_gradfn(fn, {x}, ForwardAndGradOptions().weights({w}));
+    TensorList dx = gf.backward_into_grad({sens});
+    expect_close(dx[0], r.dx[0], reach ? "dx past an untrained leaf" : "dx");
+    expect_close(w.grad(), r.dw[0], reach ? ".grad past an untrained leaf" : ".grad");
+    EXPECT_FALSE(frozen.grad().defined()) << "reach " << reach;
+  }
+}
+
 TEST_F(SplitTest, UndefinedInputsAreIgnored) {
   auto x = torch::randn({3, 3}, kF64).requires_grad_(true);
   auto w = param({3, 3});
