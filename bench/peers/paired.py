@@ -31,7 +31,8 @@ point-to-point instead. PyTorch's side always uses its Gloo group.
 
 One process holds both sides, so they share what is process-wide: the
 Python runtime keeps freed memory mapped (Pipeline(keep_freed_memory)), which
-PyTorch's side then gets too.
+PyTorch's side then gets too. The step cache that the same option turns on
+is not process-wide: only our side's steps take blocks from it.
 """
 import argparse
 import copy
