@@ -249,6 +249,32 @@ class Runtime {
     executor_ = std::make_unique<pipeline::Executor>(sched_, rank_, *stage_, comm_, std::move(eo));
   }
 
+  // NOTE [A Pipeline's group dies with it]
+  // The Comms hold the user's ProcessGroup (and the groups made beside it).
+  // When ours is its last reference, ~ProcessGroupGloo joins its worker
+  // threads, and a worker still freeing a finished collective that holds a
+  // Python tensor takes the GIL to do so: with the GIL held here (a Python
+  // object's dealloc), that join would never return. So the Comms go without
+  // the GIL, after the executor, the stages and the reducer (which hold
+  // Python callables) went with it. And the Python side keeps no reference
+  // cycle through this object (the loss it is given does not hold the
+  // Pipeline), so a dropped Pipeline lets its groups go at once instead of at
+  // the interpreter's shutdown. (That alone does not end the abort at exit of
+  // NOTE [Gloo work freed during shutdown] in bench/peers/common.py: a Gloo
+  // worker of a group that Python still holds can free a finished
+  // collective's Python tensor after the main thread began the shutdown.)
+  ~Runtime() {
+    executor_.reset();
+    reducer_.reset();
+    stage_.reset();
+    std::shared_ptr<distributed::Comm> comm = std::move(comm_), dp = std::move(dp_);
+    py::gil_scoped_release release;
+    comm.reset();
+    dp.reset();
+  }
+  Runtime(const Runtime&) = delete;
+  Runtime& operator=(const Runtime&) = delete;
+
   /// One step: every action of this rank once. Returns the mean loss over
   /// the microbatches (the same on every rank) and this rank's timings.
   py::dict step(std::vector<torch::Tensor> inputs) {

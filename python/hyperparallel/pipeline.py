@@ -92,6 +92,24 @@ class PipelineSchedule:
         return sorted({self.stage_chunk[s] for s in self.stages_of_rank(rank)})
 
 
+class _LossOfMicrobatch:
+    """The loss of one microbatch: ``loss_fn(output, targets[mb])`` with the
+    targets of the step that runs."""
+
+    def __init__(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+        self.loss_fn = loss_fn
+        self.targets: List[torch.Tensor] = []
+        self.rank = -1
+
+    def __call__(self, output: torch.Tensor, mb: int) -> torch.Tensor:
+        if not self.targets:
+            raise ValueError(
+                f"rank {self.rank} runs the last stage of microbatch {mb}'s route: give step() "
+                "the targets"
+            )
+        return self.loss_fn(output, self.targets[mb])
+
+
 def cpu_cache_bytes() -> int:
     """Bytes of free blocks the step cache holds: memory that CPU tensors of
     earlier steps freed, kept for the next steps' tensors
@@ -268,7 +286,11 @@ class Pipeline:
             shape = activation_shape
         else:
             shape = tuple(int(d) for d in activation_shape)  # read once by the runtime
-        self._targets: List[torch.Tensor] = []
+        # The runtime holds the loss, which must not hold the Pipeline: that
+        # cycle through a C++ object is never collected, and the group would
+        # live until the interpreter's shutdown (NOTE [A Pipeline's group dies
+        # with it] in python/csrc/bind_pipeline.cpp).
+        self._loss = _LossOfMicrobatch(loss_fn)
         self._loss_fn = loss_fn
         self.schedule = schedule
         self._runtime = _C.pipeline.Runtime(
@@ -276,7 +298,7 @@ class Pipeline:
             group,
             forward,
             params,
-            self._loss_of_microbatch,
+            self._loss,
             shape,
             dtype,
             device,
@@ -287,6 +309,7 @@ class Pipeline:
             keep_freed_memory,
         )
         self.rank = self._runtime.rank
+        self._loss.rank = self.rank
         #: The point-to-point in use on this rank: "shm" (rings beside the group
         #: to the ranks of its host that it exchanges with) or "group".
         self.p2p = "shm" if self._runtime.backend.endswith("+shm") else "group"
@@ -297,14 +320,6 @@ class Pipeline:
                 stacklevel=2,
             )
         self.last_stats: Dict[str, object] = {}
-
-    def _loss_of_microbatch(self, output: torch.Tensor, mb: int) -> torch.Tensor:
-        if not self._targets:
-            raise ValueError(
-                f"rank {self.rank} runs the last stage of microbatch {mb}'s route: give step() "
-                "the targets"
-            )
-        return self._loss_fn(output, self._targets[mb])
 
     @staticmethod
     def _split(batch, m: int, what: str) -> List[torch.Tensor]:
@@ -339,10 +354,10 @@ class Pipeline:
             raise ValueError(f"rank {self.rank} runs a route's first stage: give step() the inputs")
         if not tgts and self.schedule.needs_targets(self.rank):
             raise ValueError(f"rank {self.rank} runs a route's last stage: give step() the targets")
-        self._targets = tgts
+        self._loss.targets = tgts
         try:
             stats = self._runtime.step(ins)
         finally:
-            self._targets = []
+            self._loss.targets = []
         self.last_stats = stats
         return stats["loss"]

@@ -132,3 +132,19 @@ def test_step_errors_are_python_exceptions(one_rank_group):
                                  activation_shape=(2, 4), group=one_rank_group)
     with pytest.raises(RuntimeError, match="one number"):
         pipe4.step(x, y)
+
+
+def test_a_dropped_pipeline_lets_its_group_go(one_rank_group):
+    # NOTE [A Pipeline's group dies with it]: no reference cycle keeps a
+    # Pipeline (and the group its runtime holds) alive until the interpreter's
+    # shutdown; dropping it frees it at once, after a step too.
+    import weakref
+
+    s1 = hp.pipeline.schedule("1f1b", ranks=1, microbatches=2)
+    pipe = hp.pipeline.Pipeline({0: lin()}, s1, loss_fn=mse, activation_shape=(2, 4),
+                                group=one_rank_group)
+    x = torch.randn(4, 4, dtype=torch.float64)
+    assert pipe.step(x, x.clone()) >= 0.0
+    gone = weakref.ref(pipe)
+    del pipe
+    assert gone() is None, "a reference cycle keeps the Pipeline alive"
