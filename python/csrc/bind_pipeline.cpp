@@ -351,7 +351,6 @@ class Runtime {
   std::unique_ptr<pipeline::GradientReducer> reducer_;
   bool broken_ = false;
   std::string broken_reason_;
-
   std::string p2p_note_;
 };
 

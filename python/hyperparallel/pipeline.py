@@ -291,7 +291,6 @@ class Pipeline:
         # live until the interpreter's shutdown (NOTE [A Pipeline's group dies
         # with it] in python/csrc/bind_pipeline.cpp).
         self._loss = _LossOfMicrobatch(loss_fn)
-        self._loss_fn = loss_fn
         self.schedule = schedule
         self._runtime = _C.pipeline.Runtime(
             schedule.csv,
