@@ -500,14 +500,20 @@ struct Executor::State {
         // is communication, recorded as the receive's own event. The compute
         // event keeps only the compute: it starts `waited` after the call
         // did (for FB, whose second wait falls in the middle, the event is
-        // as long as the compute and ends when it ended). Counting the wait
-        // as compute once made the measured costs of waiting stages look
-        // heavier, the simulator pessimistic about 1F1B and the measured
-        // bubble too small.
+        // as long as the compute and ends when it ended), and never before
+        // its first wait ended, so that it never overlaps a receive's event
+        // on its rank. The little the call did before its first wait (a
+        // lookup; under load, a preemption of tens of microseconds, which
+        // once put the event before its receive's end) counts as overhead.
+        // Counting the wait as compute once made the measured costs of
+        // waiting stages look heavier, the simulator pessimistic about 1F1B
+        // and the measured bubble too small.
         double waited = 0.0;
         for (const auto& [w0, w1] : sp.waits)
           waited += sec(w1) - sec(w0);
-        start = std::min(end, start + waited);
+        start = start + waited;
+        if (!sp.waits.empty()) start = std::max(start, sec(sp.waits.front().second));
+        start = std::min(end, start);
         stats.compute += end - start;
       }
       stats.events.push_back({rank, sp.action, start, end});
