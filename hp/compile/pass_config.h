@@ -61,6 +61,8 @@ class PassPlan {
   bool enabled() const;
   /// Sets `fsdp.enabled` explicitly.
   void set_enabled(bool on) { enabled_ = on; }
+  /// `fsdp.enabled` when it was set explicitly (in YAML or by set_enabled).
+  std::optional<bool> explicit_enabled() const { return enabled_; }
 
   const std::vector<std::pair<std::string, FSDPModuleConfig>>& modules() const { return modules_; }
   const std::vector<std::pair<std::string, FSDPModuleConfig>>& patterns() const {

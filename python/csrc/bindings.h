@@ -18,6 +18,10 @@ void bind_schedule(py::module_& m);
 void bind_pipeline(py::module_& m);
 /// Measured costs and predicted schedules: _C.profile (bind_profile.cpp).
 void bind_profile(py::module_& m);
+#ifdef HP_BIND_COMPILE
+/// The pass plan's YAML reader: _C.compile (bind_compile.cpp).
+void bind_compile(py::module_& m);
+#endif
 
 /// Registers every part in `m`.
 inline void bind_all(py::module_& m) {
@@ -26,6 +30,9 @@ inline void bind_all(py::module_& m) {
   bind_schedule(m);
   bind_pipeline(m);
   bind_profile(m);
+#ifdef HP_BIND_COMPILE
+  bind_compile(m);
+#endif
 }
 
 }  // namespace hp::python
