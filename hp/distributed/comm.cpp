@@ -9,6 +9,8 @@
 #include <cerrno>
 #include <cstdlib>
 #include <exception>
+#include <functional>
+#include <utility>
 
 #include "hp/distributed/comm_internal.h"
 
@@ -19,6 +21,21 @@ void Work::wait() {
   if (done_) return;
   done_ = true;  // a second wait after an error must not block again
   impl_->wait();
+}
+
+namespace {
+thread_local std::function<void()> t_interrupt_check;
+}  // namespace
+
+InterruptCheck::InterruptCheck(std::function<void()> check)
+    : previous_(std::exchange(t_interrupt_check, std::move(check))) {}
+
+InterruptCheck::~InterruptCheck() {
+  t_interrupt_check = std::move(previous_);
+}
+
+void poll_interrupt_check() {
+  if (t_interrupt_check) t_interrupt_check();
 }
 
 namespace {

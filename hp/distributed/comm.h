@@ -9,6 +9,7 @@
 #include <c10/util/intrusive_ptr.h>
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -220,6 +221,13 @@ class Comm {
   /// all_reduce_async: `tensor` becomes the reduction of every rank's.
   Work all_reduce_async(const at::Tensor& tensor, ReduceOp op);
 
+  /// Tells the peers that this rank stopped taking part (its step failed, or
+  /// was interrupted, while the process lives on): their waits on it fail at
+  /// once, naming this rank and `why`, instead of at the timeout (NOTE [A
+  /// failed step reaches the peers]). After it this Comm is unusable, as
+  /// after a CommError. A transport that cannot tell does nothing.
+  virtual void abandon(const std::string& why) { (void)why; }
+
   /// A Comm over a subset of this group's `ranks` (ranks of this Comm, sorted,
   /// without duplicates, including rank()). Only the members call it, with the
   /// same list; calls with the same list are matched in order. In the subgroup,
@@ -320,6 +328,42 @@ std::shared_ptr<Comm> with_host_staging(std::shared_ptr<Comm> inner,
 /// over NCCL, else staged through host memory (`with_host_staging`; NOTE
 /// [Ranks on devices] in hp/train/trainer.cpp).
 std::shared_ptr<Comm> for_device(std::shared_ptr<Comm> comm, const c10::Device& device);
+
+// NOTE [A failed step reaches the peers]
+// A rank whose step fails while its process lives on (a notebook, a
+// try/except around the step, Ctrl-C caught by Python) sends nothing more,
+// and its peers used to wait for its next message until the timeout (300 s
+// by default); a rank that dies is seen at once (its connections close, its
+// pidfd fires). So the executor calls Comm::abandon on any failure of a step:
+// over shared-memory rings it marks both ends of each of this rank's rings,
+// and a peer waiting on one of them fails at its next look (well within
+// 0.1 s), naming the rank and why; its own step fails in turn and abandons
+// its rings, so the failure runs down the pipeline. A plain Gloo or NCCL
+// group has no such signal (Backend::abort is a no-op for Gloo): there the
+// peers of a live failed rank wait their timeout.
+//
+// NOTE [Signals during a wait]
+// A Python rank waits inside Pipeline.step with the GIL released, so
+// Python's SIGINT handler (KeyboardInterrupt) could not run until the wait
+// ended: Ctrl-C did nothing for the whole timeout. A thread may install an
+// InterruptCheck for the length of a call: waits on shared-memory rings call
+// it about every 0.1 s, and what it throws ends the wait (then the step, and
+// through NOTE [A failed step reaches the peers] the peers' steps).
+
+/// Installs `check` for the calling thread while alive (NOTE [Signals during
+/// a wait]); nests, restoring the previous one.
+class InterruptCheck {
+ public:
+  explicit InterruptCheck(std::function<void()> check);
+  ~InterruptCheck();
+  InterruptCheck(const InterruptCheck&) = delete;
+  InterruptCheck& operator=(const InterruptCheck&) = delete;
+
+ private:
+  std::function<void()> previous_;
+};
+/// Calls the calling thread's InterruptCheck, if any (it may throw).
+void poll_interrupt_check();
 
 /// `inner` with its point-to-point run as a single stream runs NCCL's: each
 /// rank's operations (a batch as one unit) start one after the other in

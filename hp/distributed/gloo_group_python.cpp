@@ -9,6 +9,9 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <signal.h>
+
+#include <array>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -37,10 +40,37 @@ namespace {
 // Everything after construction is C++ over c10d::ProcessGroup: the backend
 // object is shared with C++ (intrusive refcount) and Python keeps no
 // reference. Python's signal handlers are not installed, so Ctrl-C and
-// SIGTERM keep their C++ behaviour.
+// SIGTERM keep their C++ behaviour (NOTE [The embedded interpreter keeps our
+// signals]).
 std::once_flag g_init;
 
+// NOTE [The embedded interpreter keeps our signals]
+// install_signal_handlers = 0 keeps Python's own start-up from taking
+// SIGINT, but `import torch.distributed` still did (a module imported on the
+// way installs Python's default_int_handler): an `hp train` worker then
+// caught Ctrl-C into a flag that no Python code ever reads, and trained on.
+// The dispositions of the signals a user sends to end a rank are saved
+// before the interpreter starts and put back once torch is imported.
+class KeepSignalDispositions {
+ public:
+  KeepSignalDispositions() {
+    for (size_t i = 0; i < kSignals.size(); ++i)
+      sigaction(kSignals[i], nullptr, &saved_[i]);
+  }
+  ~KeepSignalDispositions() {
+    for (size_t i = 0; i < kSignals.size(); ++i)
+      sigaction(kSignals[i], &saved_[i], nullptr);
+  }
+  KeepSignalDispositions(const KeepSignalDispositions&) = delete;
+  KeepSignalDispositions& operator=(const KeepSignalDispositions&) = delete;
+
+ private:
+  static constexpr std::array<int, 5> kSignals{SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGPIPE};
+  std::array<struct sigaction, 5> saved_{};
+};
+
 void start_interpreter() {
+  KeepSignalDispositions keep;
   PyConfig config;
   PyConfig_InitPythonConfig(&config);
   config.install_signal_handlers = 0;

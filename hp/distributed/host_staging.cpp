@@ -117,6 +117,7 @@ class HostStagingComm : public Comm {
   }
 
   void barrier() override { inner_->barrier(); }
+  void abandon(const std::string& why) override { inner_->abandon(why); }
 
   std::shared_ptr<Comm> split(const std::vector<int>& ranks) override {
     return std::make_shared<HostStagingComm>(inner_->split(ranks), options_);

@@ -69,6 +69,7 @@ class OrderedComm : public Comm, public std::enable_shared_from_this<OrderedComm
   }
   void broadcast(const at::Tensor& t, int root) override { inner_->broadcast(t, root); }
   void barrier() override { inner_->barrier(); }
+  void abandon(const std::string& why) override { inner_->abandon(why); }
   std::shared_ptr<Comm> split(const std::vector<int>& ranks) override {
     return inner_->split(ranks);
   }

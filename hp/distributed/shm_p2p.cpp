@@ -3,6 +3,7 @@
 // wrapped Comm (NOTE [Shared-memory point-to-point]).
 #include <fcntl.h>
 #include <linux/futex.h>
+#include <poll.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
 #include <sys/types.h>
@@ -58,8 +59,8 @@ namespace {
 // * Matching is by source in posting order (NOTE [Point-to-point without
 //   tags]), as on the wrapped Comm. Peers on other
 //   hosts go through the wrapped Comm directly.
-// * A peer that dies is noticed by its process id (kill(pid, 0)) while
-//   waiting; the error names it like the Gloo path does.
+// * A peer that dies is noticed while waiting (NOTE [A dead peer is not a
+//   zombie]); the error names it like the Gloo path does.
 // The rings are created by their receiver, opened by their sender, and
 // unlinked as soon as both mapped them, so a crash leaves nothing behind.
 constexpr uint64_t kRecord = 64;             // header size and record alignment
@@ -70,11 +71,20 @@ constexpr uint64_t kRedirect = 1ull << 62;  // header flag: the data comes over 
 constexpr uint64_t kReserve = 1ull << 20;   // ring space kept for redirect headers
 constexpr auto kSpin = std::chrono::microseconds(50);
 
+// One end of a ring telling the other that it stopped taking part (NOTE [A
+// failed step reaches the peers] in comm.h): `why` is written first, then
+// `flag` is set with release order.
+struct Abandoned {
+  std::atomic<uint32_t> flag;
+  char why[252];
+};
 struct RingControl {
   alignas(64) std::atomic<uint64_t> head;  // bytes published, only grows
   alignas(64) std::atomic<uint64_t> tail;  // bytes consumed, only grows
   alignas(64) std::atomic<uint32_t> seq;   // bumped on each publish: the futex word
   std::atomic<uint32_t> sleepers;
+  alignas(64) Abandoned by_writer;  // the sender stopped: its receiver stops waiting
+  alignas(64) Abandoned by_reader;  // the receiver stopped: a sender waiting for room stops
 };
 struct RecordHeader {
   uint64_t flags;  // 0, kRedirect or kWrapMark
@@ -207,6 +217,7 @@ class ShmComm : public Comm, public std::enable_shared_from_this<ShmComm> {
     inner_->all_gather(all, mine);
     const int64_t key = mine[0].item<int64_t>();
     pid_.resize(n);
+    pidfd_.assign(n, -1);
     in_.resize(n);
     out_.resize(n);
     local_.assign(n, false);
@@ -274,6 +285,8 @@ class ShmComm : public Comm, public std::enable_shared_from_this<ShmComm> {
     };
     phase(/*create=*/true);
     phase(/*create=*/false);
+    for (int q = 0; q < n; ++q)
+      if (local_[q]) pidfd_[q] = static_cast<int>(::syscall(SYS_pidfd_open, pid_[q], 0));
     for (const auto& c : created)
       shm_unlink(c.c_str());
     std::vector<int> everyone(n);
@@ -291,7 +304,11 @@ class ShmComm : public Comm, public std::enable_shared_from_this<ShmComm> {
     // 4 of 4 such runs passed.
     overflow_ = options.overflow_on_inner ? inner_ : inner_->split(everyone);
   }
-  ~ShmComm() override { unmap(); }
+  ~ShmComm() override {
+    unmap();
+    for (int fd : pidfd_)
+      if (fd >= 0) ::close(fd);
+  }
 
   int rank() const override { return inner_->rank(); }
   int world_size() const override { return inner_->world_size(); }
@@ -408,6 +425,33 @@ class ShmComm : public Comm, public std::enable_shared_from_this<ShmComm> {
     }
   }
 
+  void abandon(const std::string& why) override {
+    auto mark = [&](Abandoned& a) {
+      if (a.flag.load(std::memory_order_acquire)) return;
+      const size_t n = std::min(why.size(), sizeof(a.why) - 1);
+      std::memcpy(a.why, why.data(), n);
+      a.why[n] = '\0';
+      a.flag.store(1, std::memory_order_release);
+    };
+    for (size_t q = 0; q < out_.size(); ++q) {
+      if (out_[q].ctl) {
+        mark(out_[q].ctl->by_writer);
+        out_[q].ctl->seq.fetch_add(1);  // a receiver asleep on the futex wakes and sees it
+        futex_wake(&out_[q].ctl->seq);
+      }
+      if (in_[q].ctl) mark(in_[q].ctl->by_reader);
+    }
+    inner_->abandon(why);
+  }
+
+  // Throws when `a` says the peer at the other end stopped taking part.
+  void check_abandoned(const Abandoned& a, int peer, const std::string& what) const {
+    if (!a.flag.load(std::memory_order_acquire)) return;
+    throw CommError("rank " + std::to_string(rank()) + ": rank " + std::to_string(peer) +
+                        " stopped taking part while this rank was " + what + ": " + a.why,
+                    {peer}, false);
+  }
+
   [[noreturn]] void fail_waiting(int peer, const std::string& what, bool lost) const {
     std::ostringstream os;
     os << "rank " << rank() << ": ";
@@ -421,7 +465,26 @@ class ShmComm : public Comm, public std::enable_shared_from_this<ShmComm> {
     throw CommError(os.str(), lost ? std::vector<int>{peer} : std::vector<int>{}, !lost);
   }
 
-  bool peer_alive(int q) const { return ::kill(pid_[q], 0) == 0 || errno != ESRCH; }
+  // NOTE [A dead peer is not a zombie]
+  // kill(pid, 0) succeeds on a zombie: a rank that died but whose launcher
+  // has not reaped it yet (torchrun waits for its ranks in order) looked
+  // alive, and its peer waited the whole timeout. A pidfd polls readable as
+  // soon as the process exits, reaped or not, and cannot name a reused pid.
+  // Where pidfd_open is missing (Linux < 5.3) the process's state in
+  // /proc/PID/stat tells a zombie ('Z') or a dead one ('X').
+  bool peer_alive(int q) const {
+    if (pidfd_[q] >= 0) {
+      pollfd pfd{pidfd_[q], POLLIN, 0};
+      return ::poll(&pfd, 1, 0) == 0;
+    }
+    if (::kill(pid_[q], 0) != 0 && errno == ESRCH) return false;
+    std::ifstream stat("/proc/" + std::to_string(pid_[q]) + "/stat");
+    std::string line;
+    if (!std::getline(stat, line)) return true;
+    const auto paren = line.rfind(')');  // the name may hold spaces and parentheses
+    const char state = paren != std::string::npos && paren + 2 < line.size() ? line[paren + 2] : '?';
+    return state != 'Z' && state != 'X';
+  }
 
   void wait_for(PendingRecv& p, int src) {
     const auto start = std::chrono::steady_clock::now();
@@ -444,10 +507,12 @@ class ShmComm : public Comm, public std::enable_shared_from_this<ShmComm> {
         std::this_thread::yield();
         continue;
       }
+      check_abandoned(ctl->by_writer, src, "receiving from it");
       if (now > deadline) fail_waiting(src, "receiving from rank " + std::to_string(src), false);
       if (now - last_check > std::chrono::milliseconds(100)) {
         last_check = now;
         if (!peer_alive(src)) fail_waiting(src, "receiving from rank " + std::to_string(src), true);
+        poll_interrupt_check();
       }
       ctl->sleepers.fetch_add(1);
       if (ctl->seq.load(std::memory_order_acquire) == seen)
@@ -501,9 +566,11 @@ class ShmComm : public Comm, public std::enable_shared_from_this<ShmComm> {
       auto now = std::chrono::steady_clock::now();
       if (now - start > timeout())
         fail_waiting(dst, "sending to rank " + std::to_string(dst) + " (its ring is full)", false);
+      check_abandoned(r.ctl->by_reader, dst, "sending to it");
       if (now - last_check > std::chrono::milliseconds(100)) {
         last_check = now;
         if (!peer_alive(dst)) fail_waiting(dst, "sending to rank " + std::to_string(dst), true);
+        poll_interrupt_check();
       }
       std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
@@ -522,6 +589,7 @@ class ShmComm : public Comm, public std::enable_shared_from_this<ShmComm> {
   std::shared_ptr<Comm> overflow_;  // messages that do not go through a ring
   std::vector<bool> local_;
   std::vector<pid_t> pid_;
+  std::vector<int> pidfd_;  // -1: none (this rank, or no pidfd_open); see peer_alive
   std::vector<Ring> in_, out_;  // by peer: rings from it / to it
   std::mutex mu_;               // the incoming rings' tails, posted_ and mailbox_
   std::mutex send_mu_;          // the outgoing rings' heads

@@ -238,10 +238,11 @@ LaunchResult launch_local(const LaunchOptions& o) {
   sa.sa_handler = on_signal;
   sigemptyset(&sa.sa_mask);
   struct sigaction old_int {
-  }, old_term{};
+  }, old_term{}, old_hup{};
   g_pending_signal = 0;
   sigaction(SIGINT, &sa, &old_int);
   sigaction(SIGTERM, &sa, &old_term);
+  sigaction(SIGHUP, &sa, &old_hup);  // a closed terminal ends the ranks too
 
   auto t0 = Clock::now();
   std::vector<bool> running(o.nproc, false);
@@ -293,6 +294,7 @@ LaunchResult launch_local(const LaunchOptions& o) {
       setpgid(0, 0);
       signal(SIGINT, SIG_DFL);
       signal(SIGTERM, SIG_DFL);
+      signal(SIGHUP, SIG_DFL);
       if (log_fd >= 0) {
         dup2(log_fd, 1);
         dup2(log_fd, 2);
@@ -327,6 +329,7 @@ LaunchResult launch_local(const LaunchOptions& o) {
         waitpid(result.ranks[q].pid, nullptr, 0);
       sigaction(SIGINT, &old_int, nullptr);
       sigaction(SIGTERM, &old_term, nullptr);
+      sigaction(SIGHUP, &old_hup, nullptr);
       TORCH_CHECK(false, "launch: cannot run '", o.command[0], "': ", std::strerror(child_err));
     }
   }
@@ -389,6 +392,7 @@ LaunchResult launch_local(const LaunchOptions& o) {
   }
   sigaction(SIGINT, &old_int, nullptr);
   sigaction(SIGTERM, &old_term, nullptr);
+  sigaction(SIGHUP, &old_hup, nullptr);
   return result;
 }
 

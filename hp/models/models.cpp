@@ -3,6 +3,10 @@
 // model is cut never changes its values.
 #include "hp/models/models.h"
 
+#include <unistd.h>
+
+#include <algorithm>
+
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <cmath>
@@ -189,6 +193,17 @@ void ModelSpec::check() const {
   } else {
     TORCH_CHECK(in_features >= 1, "mlp needs in_features >= 1");
   }
+  // A size no run can hold is an error before anything is allocated (a raw
+  // allocator message otherwise, or a machine swapping): the weights alone,
+  // counted in double so that no product overflows.
+  const double d = double(d_model), width = kind == "gpt" ? d : std::max(d, double(in_features));
+  const double params = kind == "gpt" ? double(layers) * 12.0 * d * d + double(vocab + seq_len) * d * 2
+                                      : double(layers + 1) * width * width;
+  const double bytes = params * double(c10::elementSize(dtype));
+  const double memory = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGESIZE));
+  TORCH_CHECK(memory <= 0 || bytes <= memory, "the ", kind, "'s weights alone (about ", params,
+              " parameters, ", bytes / double(1ull << 30), " GiB) exceed this machine's ",
+              memory / double(1ull << 30), " GiB of memory: use a smaller --d-model or --layers");
 }
 
 int64_t ModelSpec::cuttable_layers() const {

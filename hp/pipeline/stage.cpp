@@ -65,6 +65,10 @@ torch::Tensor PipelineStage::forward(int stage, int mb, const torch::Tensor& inp
   s.output = hooks_.around_forward ? hooks_.around_forward(stage, mb, run) : run();
   TORCH_CHECK(s.output.requires_grad(), "stage ", stage, " microbatch ", mb,
               ": the output does not require grad (does the stage have parameters?)");
+  // What is sent must be dense. A stage may legally return a strided view
+  // (y.t().contiguous().t()); it is copied once, inside the graph, so the
+  // copy's backward hands the gradient on and the copy is what gets released.
+  if (!is_last && !s.output.is_contiguous()) s.output = s.output.contiguous();
   if (is_last) {
     s.is_last = true;
     if (s.output.device().is_cpu()) {

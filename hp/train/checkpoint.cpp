@@ -32,7 +32,7 @@ namespace fs = std::filesystem;
 constexpr const char* kMagic = "hyperparallel checkpoint v1";
 constexpr const char* kMarkerMagic = "hyperparallel checkpoint complete v1";
 constexpr size_t kMaxHeaderBytes = size_t(1) << 16;
-constexpr const char* kTempInfix = ".tmp.";
+constexpr const char* kTempInfix = ".tmp.";  // write_text_file's temporaries
 
 std::string shown(const std::string& s) {
   return schedule::escape_bytes(s, 200);
@@ -85,52 +85,11 @@ std::string error_text(int err) {
   return std::strerror(err);
 }
 
-// Writes `data` to a temporary file next to `path`, fsyncs it, renames it
-// over `path` and fsyncs the folder. `halfway` runs after half the bytes
-// are written (the fault point of a kill during a save).
+// Checkpoint files are written whole (NOTE [Output files are whole] in
+// hp/schedule/text.cpp); `halfway` is the fault point of a kill during a save.
 void write_atomically(const std::string& path, const std::string& data,
                       const std::function<void()>& halfway = {}) {
-  static std::atomic<int> counter{0};
-  const std::string tmp =
-      path + kTempInfix + std::to_string(::getpid()) + "-" + std::to_string(counter++);
-  auto fail = [&](const std::string& what, int err) {
-    ::unlink(tmp.c_str());
-    throw std::runtime_error("cannot write '" + shown(path) + "': " + what + ": " +
-                             error_text(err));
-  };
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) fail("cannot create a temporary file", errno);
-  size_t done = 0;
-  bool half_done = false;
-  while (done < data.size()) {
-    size_t chunk = std::min<size_t>(data.size() - done, size_t(1) << 24);
-    if (!half_done && halfway && done + chunk > data.size() / 2) chunk = data.size() / 2 - done;
-    ssize_t n = chunk == 0 ? 0 : ::write(fd, data.data() + done, chunk);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      int err = errno;
-      ::close(fd);
-      fail("write", err);
-    }
-    done += static_cast<size_t>(n);
-    if (!half_done && halfway && done >= data.size() / 2) {
-      half_done = true;
-      halfway();
-    }
-  }
-  if (::fsync(fd) != 0) {
-    int err = errno;
-    ::close(fd);
-    fail("fsync", err);
-  }
-  if (::close(fd) != 0) fail("close", errno);
-  if (::rename(tmp.c_str(), path.c_str()) != 0) fail("rename", errno);
-  fs::path parent = fs::path(path).parent_path();
-  int dfd = ::open(parent.empty() ? "." : parent.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd >= 0) {
-    ::fsync(dfd);  // the rename itself reaches the disk
-    ::close(dfd);
-  }
+  schedule::write_text_file(path, data, halfway);
 }
 
 // The whole file, or false when it cannot be opened.

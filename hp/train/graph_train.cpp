@@ -14,6 +14,7 @@
 #include "hp/distributed/collectives.h"
 #include "hp/models/data.h"
 #include "hp/recompute/checkpoint.h"
+#include "hp/schedule/text.h"
 #include "hp/train/progress.h"
 #include "hp/train/report.h"
 
@@ -215,7 +216,8 @@ TrainResult run_graph_rank(const TrainConfig& config, std::shared_ptr<distribute
     result.rank_param_bytes.push_back(a[4].item<double>());
     result.rank_hidden_comm.push_back(a[5].item<double>());
   }
-  if (!config.trace.empty()) std::ofstream(config.trace) << chrome_trace(trainer.graph(), by_rank);
+  if (!config.trace.empty())
+    schedule::write_text_file(config.trace, chrome_trace(trainer.graph(), by_rank));
   if (!config.report.empty()) write_report(config, result, config.report);
   return result;
 }

@@ -1,5 +1,6 @@
 // Report and summary of a training run, from rank 0's TrainResult.
 #include "hp/train/report.h"
+#include "hp/schedule/text.h"
 
 #include <nlohmann/json.hpp>
 
@@ -98,13 +99,7 @@ std::string report_json(const TrainConfig& c, const TrainResult& r) {
 }
 
 void write_report(const TrainConfig& c, const TrainResult& r, const std::string& path) {
-  std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp);
-    if (!out) throw std::runtime_error("cannot write the report to '" + path + "'");
-    out << report_json(c, r);
-  }
-  std::filesystem::rename(tmp, path);
+  schedule::write_text_file(path, report_json(c, r));  // NOTE [Output files are whole]
 }
 
 namespace {

@@ -246,7 +246,15 @@ class Runtime {
     eo.device = on;
     eo.receive_lookahead = receive_lookahead;
     eo.cache_cpu_memory = cache_cpu_memory;
-    executor_ = std::make_unique<pipeline::Executor>(sched_, rank_, *stage_, comm_, std::move(eo));
+    {
+      // The executor's agreement is a collective (NOTE [Ranks agree on the
+      // pipeline]). Made with the GIL held, its all-gather over the group
+      // that torch.distributed made timed out on both ranks (p2p="group"),
+      // as waits on Gloo work under the GIL do here (NOTE [A Pipeline's
+      // group dies with it]): every collective runs with the GIL released.
+      py::gil_scoped_release release;
+      executor_ = std::make_unique<pipeline::Executor>(sched_, rank_, *stage_, comm_, std::move(eo));
+    }
   }
 
   // NOTE [A Pipeline's group dies with it]
@@ -285,9 +293,20 @@ class Runtime {
           "(and, after a communication error, a new process group)");
     pipeline::StepStats stats;
     double loss = 0;
+    // A Python exception raised by a signal handler during a wait (Ctrl-C's
+    // KeyboardInterrupt): made and dropped with the GIL held.
+    std::shared_ptr<py::error_already_set> interrupted;
     {
       py::gil_scoped_release release;
       inputs_ = std::move(inputs);
+      // NOTE [Signals during a wait] in hp/distributed/comm.h.
+      distributed::InterruptCheck check([&interrupted] {
+        py::gil_scoped_acquire gil;
+        if (PyErr_CheckSignals() == 0) return;
+        interrupted = std::make_shared<py::error_already_set>();
+        throw std::runtime_error("interrupted: a signal handler raised " +
+                                 std::string(interrupted->type().attr("__name__").cast<std::string>()));
+      });
       try {
         if (reducer_) reducer_->begin_step();
         stats = executor_->run_step();
@@ -302,10 +321,11 @@ class Runtime {
         broken_ = true;
         broken_reason_ = e.what();
         if (broken_reason_.size() > 200) broken_reason_ = broken_reason_.substr(0, 200) + "...";
-        throw;
+        if (!interrupted) throw;
       }
       inputs_.clear();
     }
+    if (interrupted) throw *interrupted;  // the handler's own exception, e.g. KeyboardInterrupt
     py::dict d;
     d["loss"] = loss;
     d["wall"] = stats.wall;

@@ -8,13 +8,24 @@
 //   dist_worker kill F p2p|coll  rank F SIGKILLs itself after a barrier; the others
 //                                wait on a pending irecv from F (p2p) or start an
 //                                all_reduce (coll), and must fail naming rank F
+//   dist_worker zombie F         rank F runs in a child of its process that is
+//                                not reaped for 5 s after it exits; the others,
+//                                over shared-memory rings, wait on a receive from
+//                                F and must fail naming it while F is a zombie
+//   dist_worker sigint F         rank F sends itself SIGINT once its group is
+//                                made: it must die of it (NOTE [The embedded
+//                                interpreter keeps our signals])
 //   dist_worker allreduce        one all_reduce, checked (the netns test)
 // HP_DIST_TIMEOUT_MS sets the Comm timeout (default 10000).
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
 #include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
+
+#include <chrono>
+#include <thread>
 
 #include <cstdio>
 #include <cstdlib>
@@ -177,6 +188,22 @@ int main(int argc, char** argv) {
   std::string mode = argc > 1 ? argv[1] : "";
   try {
     hp::launch::apply_rank_pinning();
+    if (mode == "zombie" && argc > 2 && std::getenv("RANK") &&
+        std::atoi(std::getenv("RANK")) == std::atoi(argv[2])) {
+      // The launcher's child forks the rank and does not reap it until 5 s
+      // after it exited: the rank is a zombie meanwhile (as under a launcher that waits for its
+      // ranks in order).
+      pid_t child = fork();
+      if (child < 0) throw std::runtime_error("fork failed");
+      if (child > 0) {
+        siginfo_t info{};
+        waitid(P_PID, static_cast<id_t>(child), &info, WEXITED | WNOWAIT);  // exited, not reaped
+        std::this_thread::sleep_for(std::chrono::seconds(5));
+        int status = 0;
+        waitpid(child, &status, 0);
+        std::_Exit(WIFEXITED(status) ? WEXITSTATUS(status) : 1);
+      }
+    }
     hp::distributed::CommOptions o;
     if (const char* t = std::getenv("HP_DIST_TIMEOUT_MS"))
       o.timeout = std::chrono::milliseconds(std::atoi(t));
@@ -207,6 +234,33 @@ int main(int argc, char** argv) {
         comm->all_reduce(t);
       }
       throw std::runtime_error("the operation with the killed rank succeeded");
+    } else if (mode == "zombie" && argc > 2) {
+      const int f = std::atoi(argv[2]);
+      auto rings = hp::distributed::with_shared_memory_p2p(comm);
+      auto buf = at::zeros({4}, at::kDouble);
+      Work pending;
+      if (rings->rank() != f) pending = rings->irecv(buf, f);
+      comm->barrier();
+      if (rings->rank() == f) std::_Exit(3);
+      const auto t0 = std::chrono::steady_clock::now();
+      try {
+        pending.wait();
+      } catch (const std::exception& e) {
+        const double s =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        std::fprintf(stderr, "dist_worker rank %d: failed after %.2f s: %s\n", g_rank, s,
+                     e.what());
+        std::fflush(stderr);
+        std::_Exit(2);
+      }
+      throw std::runtime_error("the receive from the dead rank succeeded");
+    } else if (mode == "sigint" && argc > 2) {
+      comm->barrier();  // every rank's group is complete
+      if (comm->rank() == std::atoi(argv[2])) {
+        raise(SIGINT);
+        std::this_thread::sleep_for(std::chrono::seconds(2));
+        throw std::runtime_error("survived SIGINT");
+      }
     } else if (mode == "allreduce") {
       auto t = data_of(comm->rank());
       comm->all_reduce(t);

@@ -146,6 +146,31 @@ INSTANTIATE_TEST_SUITE_P(Dist, LaunchKill,
                                   std::to_string(i.param.victim) + "_" + i.param.how;
                          });
 
+// A rank that died but was not reaped yet (a zombie) is gone for its peers
+// over the shared-memory rings: they fail naming it at once, not at the
+// timeout (NOTE [A dead peer is not a zombie] in hp/distributed/shm_p2p.cpp).
+TEST(LaunchZombie, RingPeersFailNamingAnUnreapedDeadRank) {
+  TempDir dir;
+  auto r = hp::launch::launch_local(worker_launch(2, {"zombie", "1"}, dir, 20000));
+  std::string log = read_file(dir.path + "/rank_0.log");
+  EXPECT_NE(log.find("lost connection to rank 1"), std::string::npos) << logs_of(r, dir);
+  const auto at = log.find("failed after ");
+  ASSERT_NE(at, std::string::npos) << logs_of(r, dir);
+  // Rank 1's process is reaped 5 s after it exits: before that, only a check
+  // that sees a zombie as dead can fail rank 0.
+  EXPECT_LT(std::stod(log.substr(at + 13)), 2.0) << log;
+}
+
+// Making a Gloo group (through an embedded Python on the pip target) leaves
+// SIGINT's default in place: Ctrl-C ends a rank.
+TEST(Launch, SigintEndsARankAfterItMadeItsGroup) {
+  TempDir dir;
+  auto r = hp::launch::launch_local(worker_launch(2, {"sigint", "1"}, dir));
+  ASSERT_EQ(int(r.ranks.size()), 2);
+  EXPECT_EQ(r.ranks[1].state, RankStatus::State::Signaled) << r.summary() << logs_of(r, dir);
+  EXPECT_EQ(r.ranks[1].signal, SIGINT) << r.summary() << logs_of(r, dir);
+}
+
 TEST(Launch, TerminatesRanksThatOutliveTheTimeoutAfterAFailure) {
   LaunchOptions o;
   o.nproc = 2;

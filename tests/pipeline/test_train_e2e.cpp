@@ -143,6 +143,22 @@ TEST(TrainEndToEndFailures, AKilledRankFailsTheRunFastAndByName) {
   EXPECT_LT(r.seconds, c.timeout_s + 10) << "the surviving ranks must not hang";
 }
 
+// A report that cannot be written whole (a file size limit here, a full disk
+// elsewhere) fails the run naming the file and leaves no partial report
+// (NOTE [Output files are whole] in hp/schedule/text.cpp). Gloo's own
+// point-to-point: the rings' shared memory would meet the size limit first.
+TEST(TrainEndToEndFailures, AReportThatCannotBeWrittenFailsTheRunAndLeavesNoFile) {
+  TrainConfig c = small("1f1b", 2);
+  c.steps = 1;
+  auto dir = fresh_dir("report-limit");
+  const std::string report = (dir / "report.json").string();
+  HpRun r = run_hp(train_flags(c) + " --p2p gloo --report " + report, "ulimit -f 1; trap '' XFSZ;");
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("cannot write '" + report + "': write: File too large"), std::string::npos)
+      << r.output;
+  EXPECT_FALSE(std::filesystem::exists(report));
+}
+
 // Real processes with --p2p shm: the same training, and a killed rank is
 // still named by the survivors within the timeout (they watch its pid).
 TEST(TrainEndToEnd, SharedMemoryPointToPointEqualsSingleProcessTraining) {

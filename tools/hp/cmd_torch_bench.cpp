@@ -16,6 +16,7 @@
 
 #include "hp/core/subprocess.h"
 #include "hp/schedule/generators.h"
+#include "hp/schedule/text.h"
 #include "tools/hp/commands.h"
 
 namespace hp::cli {
@@ -201,7 +202,7 @@ void run_bench(const BenchArgs& a) {
         100 * r.simulated_bubble, r.peak_mib, r.overhead_pct);
     md << line;
   }
-  if (!a.markdown.empty()) std::ofstream(a.markdown) << md.str();
+  if (!a.markdown.empty()) hp::schedule::write_text_file(a.markdown, md.str());
 }
 
 void add_bench_command(CLI::App& app) {

@@ -32,6 +32,7 @@
 
 #include "hp/models/data.h"
 #include "hp/models/models.h"
+#include "hp/schedule/text.h"
 #include "tools/hp/commands.h"
 
 namespace hp::cli {
@@ -162,13 +163,7 @@ void run_export(PeersExportArgs a) {
   m["batches"] = batches;
   w.close();
 
-  const auto tmp = dir / "manifest.json.tmp";
-  {
-    std::ofstream out(tmp);
-    if (!out) throw std::runtime_error("cannot write '" + tmp.string() + "'");
-    out << m.dump(1) << "\n";
-  }
-  fs::rename(tmp, dir / "manifest.json");
+  hp::schedule::write_text_file((dir / "manifest.json").string(), m.dump(1) + "\n");
   std::cout << "hp peers export: " << params.size() << " parameters (" << count << " values), "
             << a.steps * a.microbatches << " microbatches of " << a.microbatch_size << " from "
             << data.description() << " -> " << (dir / "manifest.json").string() << "\n";

@@ -2,6 +2,7 @@
 // B, one transfer, activation memory) on the device it runs on, and predicts
 // every schedule's step at a target p and m from those costs, beside the
 // Zero Bubble paper's Table 5 (hp/train/profile.h).
+#include <cmath>
 #include <cstdio>
 #include <iostream>
 #include <memory>
@@ -49,7 +50,16 @@ void add_profile_command(CLI::App& app) {
   t->add_option("--repeats", c.repeats, "timed runs (medians are reported)")->capture_default_str();
   t->add_option("--comm", c.comm,
                 "seconds per transfer of one activation (default: measured between two ranks of "
-                "this machine)");
+                "this machine)")
+      ->check([](const std::string& v) -> std::string {
+        double x = 0;
+        try {
+          x = std::stod(v);
+        } catch (const std::exception&) {
+          return "--comm must be a number of seconds";
+        }
+        return std::isfinite(x) && x >= 0 ? "" : "--comm must be a finite number of seconds >= 0";
+      });
   t->add_option("--schedules", a->schedules, "comma-separated schedules (default: all)");
   t->add_option("--seed", c.seed, "seed of the weights and inputs");
   t->callback([a] {
