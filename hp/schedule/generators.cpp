@@ -7,6 +7,8 @@
 #include <stdexcept>
 #include <utility>
 
+#include "hp/schedule/budget.h"
+#include "hp/schedule/vshape.h"
 #include "hp/schedule/zb_auto.h"
 
 namespace hp::schedule {
@@ -365,9 +367,22 @@ Schedule dualpipe(int p, int m) {
 }  // namespace
 
 const std::vector<std::string>& names() {
-  static const std::vector<std::string> k = {
-      "naive", "gpipe", "1f1b", "interleaved-1f1b", "interleaved-bfs", "interleaved-zb",
-      "zb-h1", "zb-h2", "zbv",  "dualpipe",         "dualpipev",       "zb-auto"};
+  static const std::vector<std::string> k = {"naive",
+                                             "gpipe",
+                                             "1f1b",
+                                             "interleaved-1f1b",
+                                             "interleaved-bfs",
+                                             "interleaved-zb",
+                                             "zb-h1",
+                                             "zb-h2",
+                                             "zbv",
+                                             "dualpipe",
+                                             "dualpipev",
+                                             "zb-auto",
+                                             "v-min",
+                                             "v-half",
+                                             "v-zb",
+                                             "auto"};
   return k;
 }
 
@@ -386,6 +401,14 @@ std::string describe(const std::string& name) {
   if (name == "dualpipev") return "DualPipe folded onto a V (one model copy)";
   if (name == "zb-auto")
     return "the Zero Bubble paper's search plus local search, under a memory limit";
+  if (name == "v-min")
+    return "V-shape block, about 1/3 of 1F1B's memory (controllable-memory paper)";
+  if (name == "v-half")
+    return "V-shape block, about 1/2 of 1F1B's memory (controllable-memory paper)";
+  if (name == "v-zb")
+    return "V-shape block, zero bubble at 1F1B's memory (controllable-memory paper)";
+  if (name == "auto")
+    return "the best schedule found under --mem-limit (default 1x), loop or V placement";
   return "";
 }
 
@@ -416,6 +439,14 @@ Schedule build(const std::string& name, int ranks, int microbatches, const Build
     s = dualpipev(ranks, microbatches);
   } else if (name == "zb-auto") {
     s = zb_auto(ranks, microbatches, o.costs, o.mem_limit);
+  } else if (name == "v-min") {
+    s = v_block_schedule(VBlock::Min, ranks, microbatches);
+  } else if (name == "v-half") {
+    s = v_block_schedule(VBlock::Half, ranks, microbatches);
+  } else if (name == "v-zb") {
+    s = v_block_schedule(VBlock::ZB, ranks, microbatches);
+  } else if (name == "auto") {
+    s = budget_search(ranks, microbatches, o.costs, o.mem_limit);
   } else {
     std::string known;
     for (const auto& n : names())

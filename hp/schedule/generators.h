@@ -14,8 +14,9 @@ namespace hp::schedule {
 struct BuildOptions {
   int chunks = 2;   ///< v: virtual stages per rank (interleaved-*)
   CostModel costs;  ///< costs and memory (zb-auto searches under these)
-  /// zb-auto, zbv: per-rank activation memory limit; 0 = the generator's
-  /// default (zb-auto: 2 p mem_b, the paper's ZB-2p; zbv: p mem_b, 1F1B's).
+  /// zb-auto, zbv, auto: per-rank activation memory limit; 0 = the
+  /// generator's default (zb-auto: 2 p mem_b, the paper's ZB-2p; zbv and
+  /// auto: p mem_b, 1F1B's).
   double mem_limit = 0;
 };
 
@@ -29,7 +30,8 @@ std::string describe(const std::string& name);
 /// microbatches: naive, gpipe (alias afab), 1f1b, interleaved-1f1b
 /// (depth-first), interleaved-bfs (breadth-first / looped), interleaved-zb
 /// (depth-first with the backward split), zb-h1, zb-h2, zbv,
-/// dualpipe, dualpipev, zb-auto. Throws std::invalid_argument stating any
+/// dualpipe, dualpipev, zb-auto, v-min, v-half, v-zb (vshape.h) and auto
+/// (the memory-budget search, budget.h). Throws std::invalid_argument stating any
 /// unmet constraint (even ranks, enough microbatches, divisibility) and what
 /// to change.
 Schedule build(const std::string& name, int ranks, int microbatches,

@@ -25,7 +25,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # The generators docs/schedules.md lists, in its order.
 DOCUMENTED = [
     "naive", "gpipe", "1f1b", "interleaved-1f1b", "interleaved-bfs", "interleaved-zb",
-    "zb-h1", "zb-h2", "zbv", "dualpipe", "dualpipev", "zb-auto",
+    "zb-h1", "zb-h2", "zbv", "dualpipe", "dualpipev", "zb-auto", "v-min", "v-half", "v-zb",
+    "auto",
 ]
 
 

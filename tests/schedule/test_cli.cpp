@@ -1,6 +1,7 @@
 // tests/schedule/test_cli.cpp: `hp schedule` as a user runs it: the compare
-// table leads with step time and idle, tune writes a CSV that show reads back,
-// and bad input files are refused with the file and the line.
+// table leads with step time and idle, tune and recommend write a CSV that
+// show reads back, and bad input is refused with the file, the line or the
+// bound.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
@@ -98,6 +99,48 @@ TEST(Cli, TuneWritesACsvThatShowReads) {
   CliRun bad = hp("schedule tune --costs " + costs + " -p 3 -o " + out);
   EXPECT_EQ(bad.status, 1);
   EXPECT_NE(bad.out.find("has 4 stages but -p is 3"), std::string::npos) << bad.out;
+  std::remove(costs.c_str());
+  std::remove(out.c_str());
+}
+
+// Issue 32: every schedule under the limit, fastest first, the top one as CSV;
+// a limit below what any schedule reaches names the smallest one.
+TEST(Cli, RecommendWritesTheFastestFittingScheduleAsCsv) {
+  const std::string costs = temp("rec_costs.json"), out = temp("rec.csv");
+  write(costs,
+        R"({"stages": [{"f": 1.4, "i": 1.4, "w": 0.7, "comm": 0.1},
+                       {"f": 1, "i": 1, "w": 0.8, "comm": 0.1},
+                       {"f": 1, "i": 1, "w": 0.8, "comm": 0.1},
+                       {"f": 1.9, "i": 2.1, "w": 1.0, "mem_b": 1.5, "mem_w": 0.7}]})");
+  CliRun r = hp("schedule recommend --costs " + costs + " -m 16 --mem-limit 0.5x -o " + out);
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("memory limit 3 (1F1B's: 6, smallest possible: 1.25)"), std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("(over limit)"), std::string::npos) << r.out;
+  // The first row is the one written; no row within the limit comes after one over it.
+  std::istringstream in(r.out);
+  std::string line, first;
+  bool over_seen = false;
+  while (std::getline(in, line)) {
+    if (line.rfind("schedule ", 0) == 0) {
+      std::getline(in, first);
+      break;
+    }
+  }
+  ASSERT_FALSE(first.empty()) << r.out;
+  const std::string top = first.substr(0, first.find(' '));
+  EXPECT_NE(r.out.find("wrote " + out + " (" + top + ")"), std::string::npos) << r.out;
+  while (std::getline(in, line) && !line.empty()) {
+    const bool over = line.find("(over limit)") != std::string::npos;
+    EXPECT_FALSE(over_seen && !over) << line;
+    over_seen = over_seen || over;
+  }
+  CliRun s = hp("schedule show --from " + out + " --no-color");
+  EXPECT_EQ(s.status, 0) << s.out;
+  CliRun low = hp("schedule recommend --costs " + costs + " -m 16 --mem-limit 1");
+  EXPECT_EQ(low.status, 1);
+  EXPECT_NE(low.out.find("below the smallest any schedule reaches (1.25"), std::string::npos)
+      << low.out;
   std::remove(costs.c_str());
   std::remove(out.c_str());
 }

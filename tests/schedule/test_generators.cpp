@@ -176,7 +176,8 @@ TEST(Property, EveryScheduleLowersValidatesSimulates) {
       for (int m : {1, 2, 3, 4, 5, 6, 8, 9, 12, 16, 17, 24}) {
         for (int v : {1, 2, 3}) {
           if (v > 1 && name.find("interleaved") == std::string::npos) continue;
-          if (name == "zb-auto" && (m > 16 || p > 6)) continue;  // keep the suite fast
+          if ((name == "zb-auto" || name == "auto") && (m > 16 || p > 6))
+            continue;  // keep the suite fast
           hs::BuildOptions o;
           o.chunks = v;
           hs::Schedule s;
@@ -271,7 +272,7 @@ TEST(Names, ListsEveryGenerator) {
   const auto& n = hs::names();
   for (const char* want :
        {"naive", "gpipe", "1f1b", "interleaved-1f1b", "interleaved-bfs", "interleaved-zb", "zb-h1",
-        "zb-h2", "zbv", "dualpipe", "dualpipev", "zb-auto"}) {
+        "zb-h2", "zbv", "dualpipe", "dualpipev", "zb-auto", "v-min", "v-half", "v-zb", "auto"}) {
     EXPECT_NE(std::find(n.begin(), n.end(), want), n.end()) << want;
     EXPECT_FALSE(hs::describe(want).empty()) << want;
   }

@@ -1,5 +1,6 @@
 // `hp schedule`: list, show (terminal timeline + statistics, SVG, trace, JSON,
-// CSV), compare, tune (a schedule for measured per-stage costs) and
+// CSV), compare, tune (a schedule for measured per-stage costs), recommend
+// (every schedule under a memory limit for a cost file, the best as CSV) and
 // paper-table (the Zero Bubble paper's tables beside ours), all through the
 // torch-free hp/schedule.
 #include <unistd.h>
@@ -12,6 +13,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "hp/schedule/budget.h"
 #include "hp/schedule/cost_file.h"
 #include "hp/schedule/formulas.h"
 #include "hp/schedule/generators.h"
@@ -48,7 +50,7 @@ void add_common(CLI::App* c, Common& o) {
   c->add_option("--mem-w", o.mem_w, "memory from I until W")->capture_default_str();
   c->add_option("--mem-limit", o.mem_limit,
                 "per-rank memory limit: a number, or a multiple of p*mem_b like 2x "
-                "(zb-auto searches under it; default 2x)");
+                "(zb-auto, zbv and auto search under it; default 2x for zb-auto, 1x else)");
 }
 
 hs::CostModel costs_of(const Common& o) {
@@ -319,6 +321,181 @@ void run_tune(const TuneArgs& a) {
       p, a.out.c_str());
 }
 
+struct RecommendArgs {
+  std::string costs, out, mem_limit;
+  int p = 0, m = 0;
+  bool json = false;
+};
+
+// `hp schedule recommend`: every schedule (the search `auto` included) under
+// a cost file's per-stage costs, simulated, the ones within the memory limit
+// first, by step time; the top one written as CSV for `hp train
+// --schedule-file`.
+void run_recommend(const RecommendArgs& a) {
+  if (a.costs.empty()) throw std::invalid_argument("hp schedule recommend: give --costs FILE");
+  hs::CostModel costs = hs::parse_stage_costs(hs::read_input_file(a.costs), a.costs);
+  const int stages = static_cast<int>(costs.stage_f.size());
+  const int p = a.p > 0 ? a.p : stages;
+  if (p != stages)
+    throw std::invalid_argument(a.costs + " has " + std::to_string(stages) + " stages but -p is " +
+                                std::to_string(p) + "; give one stage per rank (or leave -p out)");
+  const int m = a.m > 0 ? a.m : 4 * p;
+  if (m < 1 || m > 100000)
+    throw std::invalid_argument("-m " + std::to_string(m) + ": give 1 to 100000 microbatches");
+  double mem_b = 0;
+  for (double v : costs.stage_mem_b)
+    mem_b = std::max(mem_b, v);
+  const double one_f1b = p * mem_b;
+  double limit = parse_mem_limit(a.mem_limit, one_f1b);
+  if (limit <= 0) limit = one_f1b;
+  const double floor = hs::smallest_feasible_memory(p, m, costs);
+  if (limit < floor - 1e-9 * std::max(1.0, floor))
+    throw std::invalid_argument("--mem-limit " + num(limit) +
+                                " is below the smallest any schedule reaches (" + num(floor) +
+                                ": one microbatch at a time); give at least " + num(floor));
+  std::vector<std::pair<std::string, std::string>> skipped;
+  std::vector<hs::Recommendation> rows = hs::recommend(p, m, costs, limit, &skipped);
+  if (rows.empty() || !rows.front().fits)
+    throw std::invalid_argument("no schedule fits memory limit " + num(limit));
+  const hs::Recommendation& top = rows.front();
+  if (!a.out.empty()) {
+    hs::Schedule best = top.schedule;
+    hs::validate(hs::lower(best));
+    write_file(a.out, hs::to_csv(best));
+  }
+  if (a.json) {
+    nlohmann::json j = nlohmann::json::array();
+    for (const auto& row : rows) {
+      auto o = nlohmann::json::parse(hs::summary_json(row.result, row.name));
+      o["fits"] = row.fits;
+      j.push_back(o);
+    }
+    nlohmann::json sk = nlohmann::json::array();
+    for (const auto& [n, why] : skipped)
+      sk.push_back({{"name", n}, {"reason", why}});
+    std::cout << nlohmann::json{{"ranks", p},
+                                {"microbatches", m},
+                                {"mem_limit", limit},
+                                {"one_f1b_memory", one_f1b},
+                                {"smallest_feasible_memory", floor},
+                                {"best", top.name},
+                                {"csv", a.out},
+                                {"sorted_by", "fits, then makespan"},
+                                {"schedules", j},
+                                {"skipped", sk}}
+                     .dump(2)
+              << "\n";
+    return;
+  }
+  std::printf("p=%d m=%d from %s, memory limit %s (1F1B's: %s, smallest possible: %s)\n\n", p, m,
+              a.costs.c_str(), num(limit).c_str(), num(one_f1b).c_str(), num(floor).c_str());
+  std::printf("%-18s %9s %8s %9s  %s\n", "schedule", "step time", "bubble", "peak-mem",
+              "peak memory per rank");
+  for (const auto& row : rows) {
+    std::string per;
+    for (size_t i = 0; i < row.result.peak_memory.size(); ++i) {
+      if (i == 12 && row.result.peak_memory.size() > 14) {
+        per += " ...";
+        break;
+      }
+      per += (i ? " " : "") + num(row.result.peak_memory[i]);
+    }
+    std::printf("%-18s %9s %8s %9s  %s%s\n", row.name.c_str(), num(row.result.makespan).c_str(),
+                pct(row.result.bubble_rate).c_str(), num(row.result.max_peak_memory).c_str(),
+                per.c_str(), row.fits ? "" : "  (over limit)");
+  }
+  std::printf(
+      "\nwithin the limit first, then by step time (makespan, the costs' time unit); bubble: "
+      "the\nZero Bubble paper's rate; memory in the file's mem_b unit. Other cuts than one "
+      "stage\nper rank get each stage's costs split evenly over its chunks.\n");
+  if (!a.out.empty())
+    std::printf("wrote %s (%s); run it: hp train --schedule-file %s ...\n", a.out.c_str(),
+                top.name.c_str(), a.out.c_str());
+  if (!skipped.empty()) {
+    std::printf("\nnot applicable for p=%d m=%d:\n", p, m);
+    for (const auto& [n, why] : skipped)
+      std::printf("  %-16s %s\n", n.c_str(), why.c_str());
+  }
+}
+
+std::string rate(double v);
+
+struct MemoryTableArgs {
+  double f = 1, b = 1, w = 1, comm = 0, mem_w = 1;
+  bool json = false;
+};
+
+// `hp schedule memory-table`: at 1/3, 1/2, 1 and 2x of 1F1B's activation
+// memory (p mem_b), for p in {4, 8, 16} and m in {3p, 6p}, the bubble rate of
+// every fixed schedule that fits and of the search `auto`, with the
+// controllable-memory paper's values for V-Min, V-Half and V-ZB beside ours.
+void run_memory_table(const MemoryTableArgs& a) {
+  hs::CostModel c;
+  c.f = a.f;
+  c.b = a.b;
+  c.w = a.w;
+  c.comm = a.comm;
+  c.mem_b = 1;
+  c.mem_w = a.mem_w;
+  c.check();
+  const std::vector<std::string> fixed = {"1f1b", "zb-h1", "zb-h2", "v-min", "v-half", "v-zb"};
+  nlohmann::json rows = nlohmann::json::array();
+  if (!a.json) {
+    std::printf(
+        "bubble rate (the Zero Bubble paper's) at a memory limit, F=%s B=%s W=%s comm=%s, "
+        "mem_b=1 mem_w=%s\n(mem_w = 1: the controllable-memory paper's count, memory held "
+        "until W); '-': over the limit;\nours / paper for V-Min (2p/3m), V-Half (p/2m), V-ZB "
+        "(0); zbv: the hand-made ZB-V; auto: the search\n\n",
+        num(a.f).c_str(), num(a.b).c_str(), num(a.w).c_str(), num(a.comm).c_str(),
+        num(a.mem_w).c_str());
+    std::printf("| limit | p | m | 1F1B | ZB-H1 | ZB-H2 | zbv | V-Min | V-Half | V-ZB | auto |\n");
+    std::printf("|---|---|---|---|---|---|---|---|---|---|---|\n");
+  }
+  hs::SimOptions quiet;
+  quiet.record_timeline = false;
+  for (double frac : {1.0 / 3, 0.5, 1.0, 2.0}) {
+    for (int p : {4, 8, 16}) {
+      for (int mult : {3, 6}) {
+        const int m = mult * p;
+        const double limit = frac * p;
+        auto cell = [&](const hs::Schedule& s, double paper) {
+          const hs::SimResult r = hs::simulate(s, c, quiet);
+          nlohmann::json j = {{"bubble_rate", r.bubble_rate},
+                              {"peak_memory", r.max_peak_memory},
+                              {"fits", r.max_peak_memory <= limit + 1e-9}};
+          if (paper >= 0) j["paper"] = paper;
+          return j;
+        };
+        nlohmann::json row = {{"limit_x", frac}, {"limit", limit}, {"p", p}, {"m", m}};
+        for (const auto& n : fixed) {
+          const double paper = n == "v-min"    ? 2.0 * p / (3.0 * m)
+                               : n == "v-half" ? p / (2.0 * m)
+                               : n == "v-zb"   ? 0.0
+                                               : -1.0;
+          row[n] = cell(hs::build(n, p, m), paper);
+        }
+        row["zbv"] = cell(hs::zbv_handmade(p, m), -1);
+        row["auto"] = cell(hs::budget_search(p, m, c, limit), -1);
+        rows.push_back(row);
+        if (a.json) continue;
+        auto show = [&](const char* key) {
+          const auto& j = row[key];
+          if (!j["fits"].get<bool>()) return std::string("-");
+          std::string t = rate(j["bubble_rate"].get<double>());
+          if (j.contains("paper")) t += " / " + rate(j["paper"].get<double>());
+          return t;
+        };
+        const char* lx = frac < 0.4 ? "1/3" : frac < 0.9 ? "1/2" : frac < 1.5 ? "1" : "2";
+        std::printf("| %sx (%s) | %d | %d | %s | %s | %s | %s | %s | %s | %s | %s |\n", lx,
+                    num(limit).c_str(), p, m, show("1f1b").c_str(), show("zb-h1").c_str(),
+                    show("zb-h2").c_str(), show("zbv").c_str(), show("v-min").c_str(),
+                    show("v-half").c_str(), show("v-zb").c_str(), show("auto").c_str());
+      }
+    }
+  }
+  if (a.json) std::cout << nlohmann::json{{"rows", rows}}.dump(2) << "\n";
+}
+
 struct PaperArgs {
   int table = 0;  // 0: both
   bool json = false;
@@ -402,7 +579,9 @@ void run_paper(const PaperArgs& a) {
 
 void add_schedule_command(CLI::App& app) {
   CLI::App* sched =
-      app.add_subcommand("schedule", "pipeline schedules: list, show, compare, tune, paper-table");
+      app.add_subcommand("schedule",
+                         "pipeline schedules: list, show, compare, tune, recommend, paper-table, "
+                         "memory-table");
   sched->require_subcommand(1);
 
   CLI::App* list = sched->add_subcommand("list", "list the schedule generators");
@@ -449,6 +628,33 @@ void add_schedule_command(CLI::App& app) {
   tune->add_option("-o,--out", tune_args->out, "write the schedule CSV here")->required();
   tune->add_flag("--json", tune_args->json, "print the comparison as JSON");
   tune->callback([tune_args]() { run_tune(*tune_args); });
+
+  auto rec_args = std::make_shared<RecommendArgs>();
+  CLI::App* rec = sched->add_subcommand(
+      "recommend", "every schedule under a memory limit for a cost file, fastest first");
+  rec->add_option("--costs", rec_args->costs,
+                  "per-stage costs JSON, one stage per rank (docs/schedules.md)")
+      ->required();
+  rec->add_option("-p,--ranks", rec_args->p, "pipeline ranks (default: the file's stages)");
+  rec->add_option("-m,--microbatches", rec_args->m, "microbatches (default 4p)");
+  rec->add_option("--mem-limit", rec_args->mem_limit,
+                  "per-rank memory limit: a number, or a multiple of p*max(mem_b) like 0.5x "
+                  "(default 1x)");
+  rec->add_option("-o,--out", rec_args->out, "write the fastest fitting schedule as CSV here");
+  rec->add_flag("--json", rec_args->json, "print the ranking as JSON");
+  rec->callback([rec_args]() { run_recommend(*rec_args); });
+
+  auto mt_args = std::make_shared<MemoryTableArgs>();
+  CLI::App* mt = sched->add_subcommand(
+      "memory-table", "bubble rates at 1/3, 1/2, 1 and 2x of 1F1B's memory (docs/schedules.md)");
+  mt->add_option("--F", mt_args->f, "forward cost")->capture_default_str();
+  mt->add_option("--B", mt_args->b, "input-gradient cost")->capture_default_str();
+  mt->add_option("--W", mt_args->w, "weight-gradient cost")->capture_default_str();
+  mt->add_option("--comm", mt_args->comm, "cost of one cross-rank transfer")->capture_default_str();
+  mt->add_option("--mem-w", mt_args->mem_w, "memory from I until W (mem_b = 1)")
+      ->capture_default_str();
+  mt->add_flag("--json", mt_args->json, "print as JSON");
+  mt->callback([mt_args]() { run_memory_table(*mt_args); });
 
   auto paper_args = std::make_shared<PaperArgs>();
   CLI::App* paper = sched->add_subcommand(

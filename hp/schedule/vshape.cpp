@@ -1,0 +1,520 @@
+// hp/schedule/vshape.cpp: V-Min, V-Half and V-ZB from the controllable-memory
+// paper's building blocks (repeat, fill W, squeeze, read off the order), and
+// the memory-capped list scheduler on the V placement.
+#include "hp/schedule/vshape.h"
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <deque>
+#include <limits>
+#include <stdexcept>
+
+namespace hp::schedule {
+
+// NOTE [V-shape building blocks]
+// Qi et al. (arXiv 2405.15362) build a schedule by repeating one microbatch's
+// pattern, its *building block*, every 6 slots (a slot is one op of one V
+// stage; a rank runs 6 ops per microbatch: F, I and W of its two stages). The
+// block says, per rank r, in which slot the down forward (stage r), the up
+// forward (stage 2p-1-r) and the two input gradients (up stage first: the
+// backward comes back down the V) run. The block's *lifespan* on a rank (first
+// F to last W of one microbatch) decides the peak memory: about lifespan / 6
+// microbatches are alive at once. With a the spacing of the down forwards
+// between neighbouring ranks, b that of the up input gradients and u that of
+// the up forwards and down input gradients:
+//
+//   f_down(r) = a r
+//   f_up(r)   = a (p-1) + 1 + u (p-1-r)          (the V turns on rank p-1)
+//   i_up(r)   = f_up(0) + 1 + g1 + b r            (the loss is on rank 0)
+//   i_down(r) = i_up(p-1) + 1 + g2 + u (p-1-r)
+//
+// V-Min is a = b = u = 1 (g1 = 2 when 3 divides p, else 0; g2 = 0): rank 0's
+// lifespan is about 4p slots, (p+4)/3 microbatches of activations in the
+// paper's count (memory held until W). V-Half is a = b = 2, u = 1 (g1 = 3 when
+// p is even, else 0; g2 = 1): about 6p slots, (p+2)/2 microbatches. (Both
+// are the paper's code's offsets.) V-ZB is a = b = 4, u = 2, g1 = g2 = 0: about
+// 12p slots, p microbatches, and zero bubble at F = B = W from m = 3p on (below
+// that the steady state is never reached; the schedule is still valid). The
+// g's keep a rank's four offsets distinct modulo 6 (two ops never share a
+// slot); V-ZB's are for every p (even offsets 4r and 2 + 4r, odd ones 1 - 2r
+// and 3 - 2r modulo 6).
+//
+// From the block to a schedule (as the paper's code does): the ops of m
+// microbatches at offset + 6k, W's in the free slots in the order of their
+// I's; then the *squeeze*: walking all ops in slot order, an op of the warmup
+// (before rank 0's first down I) or of the cooldown (from the first forward
+// of the last microbatch on) moves to the earliest free slot after its inputs
+// where no rank's peak memory grows; the same again without the W's (the
+// cooldown only), and the W's placed again. Each rank's order is its ops by
+// slot; simulate() then runs them as early as their inputs allow under any
+// costs (with transfers), which closes the remaining gaps.
+
+// NOTE [Stretched blocks]
+// Below V-Min's memory no block of period 6 fits: V-Min's lifespan (about 4p
+// slots on rank 0, the round trip of one microbatch) is the shortest a V can
+// have. Repeating the same block every P > 6 slots keeps the lifespan and
+// holds about 6/P as many microbatches in flight, at 6/P of the throughput in
+// the steady state: e.g. p = 8, m = 24 at a third of 1F1B's memory (2.67 of
+// V-Min's 4) gives a bubble rate of about 0.45 (V-Min itself: 0.16). The
+// memory-budget search (budget.h) tries V-Min's block at several periods.
+
+namespace {
+
+constexpr int kTypes = 4;  // f_down, f_up, i_up, i_down; W's are kept apart
+constexpr double kInf = std::numeric_limits<double>::infinity();
+constexpr double kEps = 1e-9;
+
+std::vector<BlockOffsets> family(int p, int a, int b, int u, int g1, int g2) {
+  std::vector<BlockOffsets> out(p);
+  const int f_up0 = a * (p - 1) + 1 + u * (p - 1);
+  const int i_up_last = f_up0 + 1 + g1 + b * (p - 1);
+  for (int r = 0; r < p; ++r) {
+    out[r].f_down = a * r;
+    out[r].f_up = a * (p - 1) + 1 + u * (p - 1 - r);
+    out[r].i_up = f_up0 + 1 + g1 + b * r;
+    out[r].i_down = i_up_last + 1 + g2 + u * (p - 1 - r);
+  }
+  return out;
+}
+
+bool distinct_mod(const std::vector<BlockOffsets>& b, int period) {
+  for (const auto& o : b) {
+    const int v[4] = {o.f_down % period, o.f_up % period, o.i_up % period, o.i_down % period};
+    for (int i = 0; i < 4; ++i)
+      for (int j = i + 1; j < 4; ++j)
+        if (v[i] == v[j]) return false;
+  }
+  return true;
+}
+
+// The slots of one V block schedule, per rank: ops[r][t][k] for the four
+// types, and the W's (w[r]: slot, with the I it follows).
+struct Slots {
+  int p = 0, m = 0;
+  std::vector<std::array<std::vector<int>, kTypes>> ops;
+  std::vector<std::vector<int>> w;  // W slots per rank, in the order of their I's
+};
+
+// Memory on a rank over its slots, in half-microbatch units as the paper
+// counts it: F +1, W -1 (I changes nothing); without explicit W's, a pending
+// W runs in each free slot.
+int peak_of(const std::vector<int>& occ, bool explicit_w) {
+  int cur = 0, res = 0, pending = 0;
+  for (int t : occ) {
+    if (t == 0 || t == 1) {
+      ++cur;
+    } else if (t == 2 || t == 3) {
+      ++pending;
+    } else if (t == 4) {
+      --cur;
+    } else if (!explicit_w && pending > 0) {
+      --cur;
+      --pending;
+    }
+    res = std::max(res, cur);
+  }
+  return res;
+}
+
+// W's in the free slots, in the order of the I's (up stage's first when
+// `split`, as the paper's code places them at the end).
+std::vector<int> place_w(const std::array<std::vector<int>, kTypes>& ops, bool split,
+                         std::vector<int>* w_type) {
+  int bound = 0;
+  for (const auto& v : ops)
+    for (int x : v)
+      bound = std::max(bound, x);
+  std::vector<int> occ(bound + 1, -1);
+  for (int t = 0; t < kTypes; ++t)
+    for (int x : ops[t])
+      occ[x] = t;
+  std::vector<int> out;
+  std::deque<int> fifo;  // types of the I's waiting for their W
+  int pend[2] = {0, 0};
+  w_type->clear();
+  auto take = [&](int slot) {
+    int t;
+    if (split) {
+      t = pend[0] > 0 ? 2 : 3;
+      --pend[t - 2];
+    } else {
+      t = fifo.front();
+      fifo.pop_front();
+      --pend[t - 2];
+    }
+    out.push_back(slot);
+    w_type->push_back(t);
+  };
+  for (int i = 0; i <= bound; ++i) {
+    if (occ[i] >= 0) {
+      if (occ[i] >= 2) {
+        fifo.push_back(occ[i]);
+        ++pend[occ[i] - 2];
+      }
+    } else if (pend[0] + pend[1] > 0) {
+      take(i);
+    }
+  }
+  int i = bound;
+  while (pend[0] + pend[1] > 0)
+    take(++i);
+  return out;
+}
+
+// The squeeze of NOTE [V-shape building blocks] (one pass). With `with_w`,
+// w holds explicit W slots that move too, warmup included; without, only the
+// cooldown moves and W's are implicit.
+void squeeze(Slots& s, bool with_w) {
+  const int p = s.p, m = s.m;
+  const int types = with_w ? kTypes + 1 : kTypes;
+  auto slot_ref = [&](int r, int t, int k) -> int& {
+    return t < kTypes ? s.ops[r][t][k] : s.w[r][k];
+  };
+  auto count = [&](int r, int t) {
+    return t < kTypes ? static_cast<int>(s.ops[r][t].size()) : static_cast<int>(s.w[r].size());
+  };
+  std::vector<std::vector<int>> occ(p);
+  int peak = 0;
+  for (int r = 0; r < p; ++r) {
+    int bound = 0;
+    for (int t = 0; t < types; ++t)
+      for (int k = 0; k < count(r, t); ++k)
+        bound = std::max(bound, slot_ref(r, t, k));
+    occ[r].assign(bound + 1, -1);
+    for (int t = 0; t < types; ++t)
+      for (int k = 0; k < count(r, t); ++k)
+        occ[r][slot_ref(r, t, k)] = t;
+    peak = std::max(peak, peak_of(occ[r], with_w));
+  }
+  struct Item {
+    int slot, r, t, k;
+  };
+  std::vector<Item> items;
+  for (int r = 0; r < p; ++r)
+    for (int t = 0; t < types; ++t)
+      for (int k = 0; k < count(r, t); ++k)
+        items.push_back({slot_ref(r, t, k), r, t, k});
+  std::sort(items.begin(), items.end(), [](const Item& a, const Item& b) {
+    if (a.slot != b.slot) return a.slot < b.slot;
+    if (a.r != b.r) return a.r < b.r;
+    if (a.t != b.t) return a.t < b.t;
+    return a.k < b.k;
+  });
+  int phase = 0;
+  std::vector<int> b_sorted;
+  for (const Item& it : items) {
+    const int r = it.r, t = it.t, k = it.k;
+    if (phase == 0 && t == 3 && r == 0) phase = 1;
+    if (phase == 1) {
+      if (t == 0 && k == m - 1) phase = 2;
+      continue;
+    }
+    if (phase == 0 && !with_w) continue;
+    int dep = -1;
+    if (t == 0 || t == 2) {
+      if (r > 0) dep = std::max(dep, s.ops[r - 1][t][k]);
+    } else if (t == 1 || t == 3) {
+      if (r + 1 < p) dep = std::max(dep, s.ops[r + 1][t][k]);
+    }
+    if (t > 0 && t < kTypes) dep = std::max(dep, s.ops[r][t - 1][k]);
+    if (t == kTypes) {
+      b_sorted.assign(s.ops[r][2].begin(), s.ops[r][2].end());
+      b_sorted.insert(b_sorted.end(), s.ops[r][3].begin(), s.ops[r][3].end());
+      std::nth_element(b_sorted.begin(), b_sorted.begin() + k, b_sorted.end());
+      dep = std::max(dep, b_sorted[k]);
+    }
+    if (k > 0) dep = std::max(dep, slot_ref(r, t, k - 1));
+    int& cur = slot_ref(r, t, k);
+    const int from = cur;
+    for (int cand = dep + 1; cand < from; ++cand) {
+      if (occ[r][cand] >= 0) continue;
+      occ[r][from] = -1;
+      occ[r][cand] = t;
+      if (peak_of(occ[r], with_w) <= peak) {
+        cur = cand;
+        break;
+      }
+      occ[r][cand] = -1;
+      occ[r][from] = t;
+    }
+  }
+}
+
+}  // namespace
+
+std::vector<BlockOffsets> v_block_offsets(VBlock kind, int p) {
+  if (p < 1) throw std::invalid_argument("V block: needs p >= 1 (got p=" + std::to_string(p) + ")");
+  if (kind == VBlock::Min) return family(p, 1, 1, 1, p % 3 == 0 ? 2 : 0, 0);
+  if (kind == VBlock::Half) return family(p, 2, 2, 1, p % 2 == 0 ? 3 : 0, 1);
+  return family(p, 4, 4, 2, 0, 0);
+}
+
+std::vector<BlockOffsets> v_block_family(int p, int a, int b, int u, int period) {
+  if (p < 1 || a < 1 || b < 1 || u < 1 || period < 6)
+    throw std::invalid_argument(
+        "V block: needs p >= 1, spacings a, b, u >= 1 and period >= 6 (got p=" + std::to_string(p) +
+        ", a=" + std::to_string(a) + ", b=" + std::to_string(b) + ", u=" + std::to_string(u) +
+        ", period=" + std::to_string(period) + ")");
+  for (int sum = 0; sum <= 2 * period; ++sum)
+    for (int g1 = 0; g1 <= sum; ++g1) {
+      auto blk = family(p, a, b, u, g1, sum - g1);
+      if (distinct_mod(blk, period)) return blk;
+    }
+  throw std::invalid_argument("V block: no offsets distinct modulo " + std::to_string(period) +
+                              " for spacings a=" + std::to_string(a) + ", b=" + std::to_string(b) +
+                              ", u=" + std::to_string(u));
+}
+
+Schedule schedule_from_v_block(const std::vector<BlockOffsets>& block, int p, int m,
+                               const std::string& name, int period) {
+  if (p < 1 || m < 1)
+    throw std::invalid_argument("schedule '" + name + "': needs p >= 1 and m >= 1 (got p=" +
+                                std::to_string(p) + ", m=" + std::to_string(m) + ")");
+  if (static_cast<int>(block.size()) != p)
+    throw std::invalid_argument("schedule '" + name + "': the block has " +
+                                std::to_string(block.size()) +
+                                " ranks, not p=" + std::to_string(p));
+  for (int r = 0; r < p; ++r) {
+    const auto& o = block[r];
+    std::vector<BlockOffsets> one = {o};
+    if (period < 6 || !distinct_mod(one, period) || o.f_down < 0)
+      throw std::invalid_argument("schedule '" + name + "': rank " + std::to_string(r) +
+                                  "'s block offsets (" + std::to_string(o.f_down) + ", " +
+                                  std::to_string(o.f_up) + ", " + std::to_string(o.i_up) + ", " +
+                                  std::to_string(o.i_down) +
+                                  ") must be non-negative and distinct modulo the period " +
+                                  std::to_string(period) + " (>= 6; two ops on one slot)");
+  }
+  Slots s;
+  s.p = p;
+  s.m = m;
+  s.ops.resize(p);
+  s.w.resize(p);
+  std::vector<int> wt;
+  for (int r = 0; r < p; ++r) {
+    const int off[kTypes] = {block[r].f_down, block[r].f_up, block[r].i_up, block[r].i_down};
+    for (int t = 0; t < kTypes; ++t)
+      for (int k = 0; k < m; ++k)
+        s.ops[r][t].push_back(off[t] + period * k);
+    s.w[r] = place_w(s.ops[r], false, &wt);
+  }
+  squeeze(s, true);
+  squeeze(s, false);
+  Schedule out = make_v_layout(p, m);
+  out.name = name;
+  for (int r = 0; r < p; ++r) {
+    const int dn = r, up = 2 * p - 1 - r;
+    std::vector<std::pair<int, Action>> seq;
+    for (int k = 0; k < m; ++k) {
+      seq.emplace_back(s.ops[r][0][k], Action::make(Op::F, dn, k));
+      seq.emplace_back(s.ops[r][1][k], Action::make(Op::F, up, k));
+      seq.emplace_back(s.ops[r][2][k], Action::make(Op::I, up, k));
+      seq.emplace_back(s.ops[r][3][k], Action::make(Op::I, dn, k));
+    }
+    const std::vector<int> w = place_w(s.ops[r], true, &wt);
+    int next[2] = {0, 0};
+    for (size_t j = 0; j < w.size(); ++j) {
+      const int t = wt[j];
+      seq.emplace_back(w[j], Action::make(Op::W, t == 2 ? up : dn, next[t - 2]++));
+    }
+    std::stable_sort(seq.begin(), seq.end(),
+                     [](const auto& a, const auto& b) { return a.first < b.first; });
+    for (auto& [slot, a] : seq)
+      out.actions[r].push_back(a);
+  }
+  return out;
+}
+
+Schedule v_block_schedule(VBlock kind, int p, int m) {
+  const char* name = kind == VBlock::Min ? "v-min" : kind == VBlock::Half ? "v-half" : "v-zb";
+  if (p < 1 || m < 1)
+    throw std::invalid_argument(std::string("schedule '") + name +
+                                "': needs p >= 1 and m >= 1 (got p=" + std::to_string(p) +
+                                ", m=" + std::to_string(m) + ")");
+  return schedule_from_v_block(v_block_offsets(kind, p), p, m, name);
+}
+
+// NOTE [Admission on the V]
+// A rank holds a microbatch's down-stage activations from its down F until
+// its down I, which comes only after the microbatch went down the V, turned,
+// came back up through this rank's up stage and went down again. If a rank
+// let its memory fill with down forwards, the up forward it waits for could
+// find no room, and nothing would ever free any: a deadlock. So a down F
+// admits a microbatch only when the rank keeps room for one up forward after
+// it (mem + mem_b(down) + mem_b(up) within the limit). After every admission
+// one up F fits; up F's run in microbatch order, so the room goes to the
+// oldest microbatch without its up F here, and every microbatch older than
+// that one already holds its up activations and frees them with its I and W,
+// which need no room (mem_w <= mem_b). By induction on age the oldest
+// microbatch in flight can always take its next step: any limit that holds
+// one microbatch on every rank (both stages) finishes. (Reserving room for
+// every admitted microbatch's up F is safe too but left rank 0 with half the
+// microbatches in flight: 23 % bubble where V-Min's block has 16 %.)
+// NOTE [Blocks as priorities]
+// A block's order run as a fixed list waits whenever its next op's input is
+// late: under F != B or with transfers V-Min's tight block loses most of its
+// advantage (p = 16, m = 128: bubble 7 % at unit costs, 37 % at F = 1.3, W =
+// 0.7, comm 0.1). As priorities in the list scheduler, a rank runs the
+// earliest-slot op that is ready instead, and the admission rule caps memory
+// at any limit, so one block family covers every budget between V-Min's and
+// 1F1B's memory and below V-Min's (down to one microbatch per rank). A
+// `window` keeps a rank near the block's order (an op runs only within that
+// many slots of the earliest next op that memory allows): at p = 8, m = 24,
+// F = 1.3, W = 0.7, comm 0.1 under V-Min's memory, window 12 gives a bubble
+// rate of 0.35, any ready op 0.41, the fixed order 0.40. A window can leave
+// every rank waiting on an op it excludes; the stuck guard then refuses the
+// run and the search goes on without it.
+Schedule greedy_v(int p, int m, const CostModel& costs, const VGreedyParams& vp) {
+  if (p < 1 || m < 1)
+    throw std::invalid_argument("greedy V: needs p >= 1 and m >= 1 (got p=" + std::to_string(p) +
+                                ", m=" + std::to_string(m) + ")");
+  costs.check(2 * p);
+  if (static_cast<int>(vp.warmup.size()) != p && vp.priority.empty())
+    throw std::invalid_argument("greedy V: warmup needs one entry per rank");
+  if (!vp.priority.empty() && static_cast<int>(vp.priority.size()) != p)
+    throw std::invalid_argument("greedy V: the priority block needs one entry per rank");
+  Schedule s = make_v_layout(p, m);
+  s.name = "v-greedy";
+  const int S = 2 * p;
+  std::vector<double> fc(S), ic(S), wc(S), mb(S), mw(S), hop(S, 0.0);
+  double min_cost = kInf, min_hop = kInf;
+  for (int st = 0; st < S; ++st) {
+    fc[st] = costs.stage_cost(s, Op::F, st);
+    ic[st] = costs.stage_cost(s, Op::I, st);
+    wc[st] = costs.stage_cost(s, Op::W, st);
+    mb[st] = costs.stage_mem_b_of(s, st);
+    mw[st] = costs.stage_mem_w_of(s, st);
+    if (st + 1 < S) {
+      hop[st] = costs.boundary_cost(s, st, st + 1);
+      if (st != p - 1) min_hop = std::min(min_hop, hop[st]);
+    }
+    min_cost = std::min({min_cost, fc[st], ic[st], wc[st]});
+  }
+  if (!(min_hop < kInf)) min_hop = 0;
+  const double slack = kEps * std::max(1.0, vp.mem_limit);
+  for (int r = 0; r < p; ++r) {
+    const double need = mb[r] + mb[S - 1 - r];
+    if (need > vp.mem_limit + slack)
+      throw std::invalid_argument("memory limit " + std::to_string(vp.mem_limit) +
+                                  " cannot hold one microbatch on rank " + std::to_string(r) +
+                                  " of the V (both of its stages: " + std::to_string(need) +
+                                  "); raise --mem-limit");
+  }
+  std::vector<std::vector<double>> f_arr(S, std::vector<double>(m, kInf)), g_arr(f_arr);
+  for (int k = 0; k < m; ++k)
+    f_arr[0][k] = 0.0;
+  std::vector<int> nf(S, 0), ni(S, 0);
+  std::vector<double> t(p, 0.0), mem(p, 0.0);
+  std::vector<std::deque<std::pair<int, int>>> pend(p);
+  std::vector<int> done(p, 0);  // W's run
+  int unfinished = p;
+  long long waits = 0;  // consecutive decisions to wait: all ranks blocked means stuck
+  while (unfinished > 0) {
+    int r = -1;
+    for (int q = 0; q < p; ++q)
+      if (done[q] < 2 * m && (r < 0 || t[q] < t[r])) r = q;
+    const double T = t[r];
+    const int dn = r, up = S - 1 - r;
+    const bool up_room = mem[r] + mb[up] <= vp.mem_limit + slack;
+    const bool up_f = nf[up] < nf[dn] && f_arr[up][nf[up]] <= T + kEps && up_room;
+    const bool dn_avail = nf[dn] < m && f_arr[dn][nf[dn]] <= T + kEps;
+    const bool dn_room = mem[r] + mb[dn] + mb[up] <= vp.mem_limit + slack;
+    const bool i_up = ni[up] < nf[up] && g_arr[up][ni[up]] <= T + kEps;
+    const bool i_dn = ni[dn] < ni[up] && g_arr[dn][ni[dn]] <= T + kEps;
+    const bool in_warmup = !vp.warmup.empty() && nf[dn] - ni[dn] < vp.warmup[r];
+    int op = -1;  // 0 down F, 1 up F, 2 up I, 3 down I, 4 W
+    if (!vp.priority.empty()) {
+      const BlockOffsets& o = vp.priority[r];
+      long long best = std::numeric_limits<long long>::max();
+      long long first = best;  // the earliest slot among the next ops with room, ready or not
+      if (nf[dn] < m && dn_room) first = std::min(first, o.f_down + 6LL * nf[dn]);
+      if (nf[up] < nf[dn] && up_room) first = std::min(first, o.f_up + 6LL * nf[up]);
+      if (ni[up] < nf[up]) first = std::min(first, o.i_up + 6LL * ni[up]);
+      if (ni[dn] < ni[up]) first = std::min(first, o.i_down + 6LL * ni[dn]);
+      auto offer = [&](bool ok, int which, int offset, int k) {
+        const long long key = offset + 6LL * k;
+        if (ok && key < best && key <= first + vp.window) {
+          best = key;
+          op = which;
+        }
+      };
+      offer(dn_avail && dn_room, 0, o.f_down, nf[dn]);
+      offer(up_f, 1, o.f_up, nf[up]);
+      offer(i_up, 2, o.i_up, ni[up]);
+      offer(i_dn, 3, o.i_down, ni[dn]);
+      if (op < 0 && !pend[r].empty()) op = 4;
+    } else if (up_f) {
+      op = 1;
+    } else if (dn_avail && dn_room && in_warmup) {
+      op = 0;
+    } else if (i_dn || i_up) {
+      if (i_dn && i_up)
+        op = g_arr[dn][ni[dn]] <= g_arr[up][ni[up]] ? 3 : 2;
+      else
+        op = i_dn ? 3 : 2;
+    } else if (!pend[r].empty()) {
+      op = 4;
+    } else if (dn_avail && dn_room) {
+      op = 0;
+    }
+    if (op < 0) {
+      if (++waits > 64LL * p + 1024)
+        throw std::invalid_argument("greedy V: no rank can proceed under memory limit " +
+                                    std::to_string(vp.mem_limit) + "; raise --mem-limit");
+      double next = kInf;
+      if (nf[up] < nf[dn] && up_room) next = std::min(next, f_arr[up][nf[up]]);
+      if (nf[dn] < m && dn_room) next = std::min(next, f_arr[dn][nf[dn]]);
+      if (ni[up] < nf[up]) next = std::min(next, g_arr[up][ni[up]]);
+      if (ni[dn] < ni[up]) next = std::min(next, g_arr[dn][ni[dn]]);
+      if (next <= T + kEps) next = kInf;  // known but blocked (memory): wait for others
+      double bound = kInf;
+      for (int q = 0; q < p; ++q)
+        if (q != r && done[q] < 2 * m) bound = std::min(bound, t[q] + min_cost + min_hop);
+      const double target = std::min(next, bound);
+      if (!(target < kInf))
+        throw std::invalid_argument("greedy V: stuck on rank " + std::to_string(r) +
+                                    " under memory limit " + std::to_string(vp.mem_limit) +
+                                    "; raise --mem-limit");
+      t[r] = std::max(target, T + kEps);
+      continue;
+    }
+    waits = 0;
+    double end = T;
+    if (op == 0) {
+      const int k = nf[dn]++;
+      end = T + fc[dn];
+      mem[r] += mb[dn];
+      s.actions[r].push_back(Action::make(Op::F, dn, k));
+      f_arr[dn + 1][k] = end + hop[dn];  // dn + 1 is on rank r + 1, or the turn (free)
+    } else if (op == 1) {
+      const int k = nf[up]++;
+      end = T + fc[up];
+      mem[r] += mb[up];
+      s.actions[r].push_back(Action::make(Op::F, up, k));
+      if (up + 1 < S)
+        f_arr[up + 1][k] = end + hop[up];
+      else
+        g_arr[up][k] = end;  // the loss: the last stage's own gradient
+    } else if (op == 2 || op == 3) {
+      const int st = op == 2 ? up : dn;
+      const int k = ni[st]++;
+      end = T + ic[st];
+      mem[r] += mw[st] - mb[st];
+      s.actions[r].push_back(Action::make(Op::I, st, k));
+      pend[r].emplace_back(st, k);
+      if (st > 0) g_arr[st - 1][k] = end + hop[st - 1];
+    } else {
+      const auto [st, k] = pend[r].front();
+      pend[r].pop_front();
+      end = T + wc[st];
+      mem[r] -= mw[st];
+      s.actions[r].push_back(Action::make(Op::W, st, k));
+      if (++done[r] == 2 * m) --unfinished;
+    }
+    t[r] = end;
+  }
+  return s;
+}
+
+}  // namespace hp::schedule
