@@ -61,9 +61,12 @@ double number(const json& stage, const char* key, double dflt, bool required,
     throw std::invalid_argument(where + ": \"" + key + "\" must be a number, got " +
                                 escape_bytes(it->dump(), 40));
   const double v = it->get<double>();
-  if (!std::isfinite(v) || v < 0 || (required && !(v > 0)))
+  // Above kMaxCost a step's sums of costs leave the doubles' range (1e308
+  // made `tune` print "inf -nan%").
+  if (!std::isfinite(v) || v < 0 || (required && !(v > 0)) || v > kMaxCost)
     throw std::invalid_argument(where + ": \"" + key + "\" must be " +
-                                (required ? "positive" : "non-negative") + " and finite, got " +
+                                (required ? "positive" : "non-negative") +
+                                " and at most 1e12, got " +
                                 escape_bytes(it->dump(), 40));
   return v;
 }
@@ -71,6 +74,10 @@ double number(const json& stage, const char* key, double dflt, bool required,
 }  // namespace
 
 CostModel parse_stage_costs(const std::string& text, const std::string& source) {
+  if (text.size() > kMaxCostFileBytes)
+    throw std::invalid_argument(source + ": " + std::to_string(text.size()) +
+                                " bytes; a cost file is at most " +
+                                std::to_string(kMaxCostFileBytes) + " (one short entry per stage)");
   json doc = parse_strict(text, source);
   if (!doc.is_object())
     throw std::invalid_argument(source +
@@ -90,9 +97,10 @@ CostModel parse_stage_costs(const std::string& text, const std::string& source) 
     throw std::invalid_argument(source +
                                 ": \"stages\" must be a non-empty array, one object per "
                                 "pipeline stage");
-  if (st->size() > 100000)
+  if (st->size() > static_cast<size_t>(kMaxScheduleRanks))  // NOTE [One size rule]
     throw std::invalid_argument(source + ": " + std::to_string(st->size()) +
-                                " stages; at most 100000");
+                                " stages (one per rank); at most " +
+                                std::to_string(kMaxScheduleRanks));
   CostModel c;
   c.f = c.b = c.w = c.mem_b = c.mem_w = 0;
   int index = 0;

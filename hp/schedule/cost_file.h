@@ -34,6 +34,10 @@ namespace hp::schedule {
 /// and stage_mem_w, and f, b, w, comm, send, mem_b, mem_w set to the stage
 /// maxima.
 CostModel parse_stage_costs(const std::string& json_text, const std::string& source);
+/// Largest cost file text parse_stage_costs reads (checked before parsing).
+constexpr std::size_t kMaxCostFileBytes = std::size_t{1} << 20;
+/// Largest cost (or memory) of one stage it accepts.
+constexpr double kMaxCost = 1e12;
 
 /// Reads a whole regular file of at most `max_bytes` bytes (kMaxInputBytes,
 /// schedule.h, by default). Throws

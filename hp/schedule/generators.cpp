@@ -414,6 +414,13 @@ std::string describe(const std::string& name) {
 
 Schedule build(const std::string& name, int ranks, int microbatches, const BuildOptions& o) {
   check_basic(name, ranks, microbatches);
+  // NOTE [One size rule]: the interleaved ones take o.chunks stages per rank,
+  // the V and DualPipe ones two, the rest one.
+  const bool interleaved_kind = name.rfind("interleaved", 0) == 0;
+  const bool two = name == "zbv" || name == "dualpipe" || name == "dualpipev" ||
+                   name.rfind("v-", 0) == 0 || name == "auto";
+  check_schedule_size("schedule '" + name + "'", ranks, microbatches,
+                      interleaved_kind ? std::max(1, o.chunks) : two ? 2 : 1);
   Schedule s;
   if (name == "naive") {
     s = naive(ranks, microbatches);

@@ -2,6 +2,10 @@
 // a Schedule.
 #include "hp/schedule/schedule.h"
 
+#include <cstdio>
+
+#include <cmath>
+
 #include <algorithm>
 #include <istream>
 #include <map>
@@ -389,11 +393,8 @@ Schedule from_csv(const std::string& text, const std::string& source) {
     throw std::invalid_argument(source + ": no actions, cannot infer the stages");
   if (s.num_microbatches < 1)
     throw std::invalid_argument(source + ": no actions, cannot infer the microbatches");
-  if (s.num_stages > 100000 || s.num_microbatches > 1000000 || s.num_ranks > 100000 ||
-      static_cast<long long>(s.num_stages) * s.num_microbatches > 100000000LL)
-    throw std::invalid_argument(source + ": sizes too large (ranks " + std::to_string(s.num_ranks) +
-                                ", stages " + std::to_string(s.num_stages) + ", microbatches " +
-                                std::to_string(s.num_microbatches) + ")");
+  check_schedule_size(source, s.num_ranks, s.num_microbatches,
+                      double(s.num_stages) / double(s.num_ranks));
   if (!have_lowered) s.lowered = has_comm;
   if (s.stage_rank.empty()) {
     // Infer placement from where each stage's compute actions sit.
@@ -437,6 +438,26 @@ Schedule from_csv(const std::string& text, const std::string& source) {
     throw std::invalid_argument(source + ": " + e.what());
   }
   return s;
+}
+
+void check_schedule_size(const std::string& what, int ranks, int microbatches,
+                         double stages_per_rank) {
+  if (ranks < 1 || microbatches < 1) return;  // the caller says what is wrong with those
+  const double v = std::max(1.0, stages_per_rank);
+  const double work = double(ranks) * (v * microbatches) * (v * microbatches);
+  if (ranks <= kMaxScheduleRanks && work <= kMaxScheduleWork) return;
+  const double m_max = std::floor(std::sqrt(kMaxScheduleWork / double(ranks)) / v);
+  char buf[96];
+  std::snprintf(buf, sizeof buf, "%.3g (limit %.3g)", work, kMaxScheduleWork);
+  if (ranks > kMaxScheduleRanks)
+    throw std::invalid_argument(what + ": " + std::to_string(ranks) + " ranks; at most " +
+                                std::to_string(kMaxScheduleRanks));
+  throw std::invalid_argument(
+      what + ": " + std::to_string(ranks) + " ranks and " + std::to_string(microbatches) +
+      " microbatches are too many to schedule in seconds: the work grows with ranks x "
+      "(microbatches x stages per rank)^2 = " + buf + "; use at most " +
+      std::to_string(static_cast<long long>(std::max(1.0, m_max))) + " microbatches at " +
+      std::to_string(ranks) + " ranks (NOTE [One size rule])");
 }
 
 }  // namespace hp::schedule

@@ -93,6 +93,22 @@ std::string to_csv(const Schedule& s);
 /// Largest schedule CSV (or cost file) the readers accept: 16 MiB.
 constexpr std::size_t kMaxInputBytes = std::size_t{16} << 20;
 
+// NOTE [One size rule]
+// Lowering and validating a schedule take time growing with ranks x
+// (microbatches x stages per rank)^2 (measured: 8 x 1024^2, about 2.5 s on
+// two cores), and a generator asked for 1e9 microbatches grew its action
+// lists by about 1.2 GB/s. So every entry point - the generators
+// (`build`), the CSV reader, `hp schedule`, `hp train -s` and
+// `--schedule-file`, `hp profile`, the Python bindings - checks one rule
+// before any work: at most kMaxScheduleRanks ranks, and ranks x
+// (microbatches x stages per rank)^2 at most kMaxScheduleWork.
+constexpr int kMaxScheduleRanks = 4096;
+constexpr double kMaxScheduleWork = double(1 << 23);
+/// Throws std::invalid_argument naming `what`, the sizes and the largest
+/// microbatch count allowed at these ranks when the rule above is broken.
+void check_schedule_size(const std::string& what, int ranks, int microbatches,
+                         double stages_per_rank);
+
 /// Reads a CSV written by write_csv. Without metadata lines (plain rows of
 /// actions, one row per rank) it infers a loop layout from the actions.
 /// Strict (NOTE [Strict schedule CSV]): throws std::invalid_argument naming

@@ -319,6 +319,10 @@ schedule::CostModel stage_cost_model(const StageCosts& first, const StageCosts& 
 ProfileResult profile_model(const ProfileConfig& config) {
   const int p = config.p;
   if (p < 1 || config.m < 1) throw std::invalid_argument("-p and -m must be at least 1");
+  // NOTE [One size rule]: the predictions build every schedule at p and m
+  // (DualPipe's and the V ones with two stages per rank), so refuse before
+  // measuring anything.
+  schedule::check_schedule_size("hp profile", p, config.m, 2);
   if (config.warmup < 0 || config.repeats < 1)
     throw std::invalid_argument("--repeats must be at least 1 and --warmup at least 0");
   if (config.microbatch_size < 1)

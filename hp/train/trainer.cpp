@@ -181,18 +181,15 @@ pipeline::StageHooks recompute_hooks() {
 //   many as its memory holds: a rank of the pip target is the hp binary,
 //   LibTorch and an embedded Python with torch imported, about 265 MiB of
 //   private memory measured (kRankStartupBytes), before its model;
-// * the schedule: lowering one (hp/schedule's lower) takes time growing with
-//   ranks x (microbatches x chunks per rank)^2 (measured: 8 x 1024^2, about
-//   2.5 s on two cores), so that product is at most kMaxLoweringWork, and
-//   before the schedule is even built ranks x microbatches^2 is (chunks
-//   only add to it), which keeps the action lists small too;
+// * the schedule: NOTE [One size rule] in hp/schedule/schedule.h, checked
+//   before it is built (ranks x microbatches^2; chunks only add to it) and
+//   as built;
 // * memory: check_memory refuses a run whose lower bound (start-up, the
 //   parameters with their gradients and optimizer state, one microbatch's
 //   activations) exceeds the memory this machine has available;
 // * data: at most models::kMaxCorpusBytes of regular files.
 constexpr int kMaxRanks = 4096;
 constexpr double kRankStartupBytes = 256.0 * (1 << 20);
-constexpr double kMaxLoweringWork = double(1 << 23);
 
 // Available memory in bytes (MemAvailable, capped by a cgroup v2 limit), or
 // a negative number when unknown.
@@ -382,30 +379,17 @@ schedule::Schedule TrainConfig::build_schedule() const {
     schedule::validate(s);
     return s;
   }
-  // NOTE [Bounds of a run]: the schedule's size, before it is built and lowered.
-  auto refuse = [&](double work, double chunks_per_rank) {
-    const double p = nproc, m_max = std::floor(std::sqrt(kMaxLoweringWork / p) / chunks_per_rank);
-    char buf[64];
-    std::snprintf(buf, sizeof buf, "%.3g (limit %.3g)", work, kMaxLoweringWork);
-    throw std::invalid_argument("schedule '" + schedule + "' with " + std::to_string(nproc) +
-                                " ranks and " + std::to_string(microbatches) +
-                                " microbatches is too large to lower in seconds: the time "
-                                "grows with ranks x (microbatches x chunks per rank)^2 = " +
-                                buf + "; use at most " +
-                                std::to_string(int64_t(std::max(1.0, m_max))) +
-                                " --microbatches at --nproc " + std::to_string(nproc));
-  };
-  const double m = microbatches;
+  // NOTE [Bounds of a run]: the schedule's size (NOTE [One size rule] in
+  // hp/schedule/schedule.h), before it is built and again as built.
+  const std::string what = "schedule '" + schedule + "'";
   // Only the interleaved schedules take --chunks; the others fix their own.
-  const double v = schedule.rfind("interleaved", 0) == 0 ? std::max(1, chunks) : 1;
-  if (double(nproc) * (v * m) * (v * m) > kMaxLoweringWork)
-    refuse(double(nproc) * (v * m) * (v * m), v);
+  const int v = schedule.rfind("interleaved", 0) == 0 ? std::max(1, chunks) : 1;
+  schedule::check_schedule_size(what, nproc, microbatches, v);
   schedule::BuildOptions opts;
   opts.chunks = chunks;
   schedule::Schedule built = schedule::build(schedule, nproc, microbatches, opts);
-  const double per_rank = double(built.num_stages) / double(nproc);
-  const double work = double(nproc) * (per_rank * m) * (per_rank * m);
-  if (work > kMaxLoweringWork) refuse(work, per_rank);
+  schedule::check_schedule_size(what, nproc, microbatches,
+                                double(built.num_stages) / double(nproc));
   schedule::Schedule s = schedule::lower(built);
   schedule::validate(s);
   return s;

@@ -47,14 +47,12 @@ using GilRelease = py::gil_scoped_release;
 }
 
 // Largest sizes a generator is asked for (NOTE [No crash from Python]): the
-// same bounds read_csv puts on a file.
+// one rule every entry point checks (NOTE [One size rule]).
 void check_sizes(const std::string& name, int ranks, int microbatches, int chunks) {
-  if (ranks < 1 || microbatches < 1) return;  // the generator says what is wrong
-  if (ranks > 100000 || microbatches > 1000000 || chunks > 1000 ||
-      static_cast<long long>(ranks) * std::max(chunks, 2) * microbatches > 100000000LL)
-    value_error("schedule '" + name + "': sizes too large (ranks " + std::to_string(ranks) +
-                ", microbatches " + std::to_string(microbatches) + ", chunks " +
-                std::to_string(chunks) + "); at most 1e8 (stage, microbatch) pairs");
+  if (chunks > 1000) value_error("schedule '" + name + "': chunks " + std::to_string(chunks) +
+                                 "; at most 1000");
+  // build() checks again with the schedule's own stages per rank.
+  hs::check_schedule_size("schedule '" + name + "'", ranks, microbatches, 1);
 }
 
 // A timeline a renderer can draw: events on existing ranks, finite times.

@@ -428,12 +428,12 @@ TEST(InputFaults, ConfigurationBoundsSayTheLimitAndWhy) {
       {[](TrainConfig& c) { c.lr = -1; }, "--lr must be a finite positive number"},
       {[&](TrainConfig& c) { c.weight_decay = inf; }, "--weight-decay must be a finite"},
       {[](TrainConfig& c) { c.nproc = 100000; }, "--nproc 100000 is out of range"},
-      {[](TrainConfig& c) { c.microbatches = 1000000000; }, "too large to lower in seconds"},
+      {[](TrainConfig& c) { c.microbatches = 1000000000; }, "too many to schedule in seconds"},
       {[](TrainConfig& c) {
          c.schedule = "interleaved-1f1b";
          c.chunks = 1000000;
        },
-       "too large to lower in seconds"},
+       "too many to schedule in seconds"},
       {[](TrainConfig& c) { c.save_every = -1; }, "--save-every must be at least 1"},
       {[](TrainConfig& c) { c.timeout_s = 0; }, "--timeout must be 1 to 604800 seconds"},
       {[](TrainConfig& c) { c.data = "/dev/zero"; }, "is not a regular file or folder"},
@@ -507,7 +507,7 @@ TEST(InputFaults, EveryBadInputOfTheIssueIsRefusedAtOnce) {
   auto same = [](TrainConfig&) {};
   const std::vector<Case> cases = {
       {with([](TrainConfig& c) { c.microbatches = 1000000000; }, ""),
-       "too large to lower in seconds"},
+       "too many to schedule in seconds"},
       {with([](TrainConfig& c) { c.nproc = 100000; }, ""),
        "--nproc 100000 is out of range: 1 to 4096 ranks"},
       {with(

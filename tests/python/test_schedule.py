@@ -67,8 +67,11 @@ def test_unmet_constraints_are_value_errors_that_say_what_to_change():
         hs.build("1f1b", 0, 8)
     with pytest.raises(ValueError, match="dualpipe"):
         hs.build("dualpipe", 3, 8)  # needs an even number of ranks
-    with pytest.raises(ValueError, match="too large"):
+    # NOTE [One size rule]: checked before any work, the same at every entry point.
+    with pytest.raises(ValueError, match="100000 ranks; at most 4096"):
         hs.build("1f1b", 100000, 1000000)
+    with pytest.raises(ValueError, match="too many to schedule in seconds.*use at most 2048"):
+        hs.build("1f1b", 2, 10**9)
 
 
 def test_wrong_types_are_type_errors():

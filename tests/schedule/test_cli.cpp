@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
+#include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -163,4 +164,36 @@ TEST(Cli, ShowRefusesBadFiles) {
   EXPECT_NE(raw.out.find("line 2 (rank 1)"), std::string::npos) << raw.out;
   EXPECT_NE(raw.out.find("1\\x01Q\\x000"), std::string::npos) << raw.out;
   std::remove(path.c_str());
+}
+
+// NOTE [One size rule]: a size no schedule can be made of in seconds is
+// refused before any work, the same at every entry point, saying the bound;
+// costs whose sums leave the doubles' range and oversized cost files too; a
+// file that cannot be written whole is an error, not "wrote".
+TEST(Cli, SizesAndCostsBeyondTheRulesAreRefusedAtOnce) {
+  const auto t0 = std::chrono::steady_clock::now();
+  for (const std::string& args : {std::string("schedule show zb-h1 -p 4 -m 1000000000"),
+                                  std::string("schedule compare -p 4 -m 1000000000")}) {
+    CliRun r = hp(args);
+    EXPECT_EQ(r.status, 1) << args << "\n" << r.out;
+    EXPECT_NE(r.out.find("too many to schedule in seconds"), std::string::npos) << r.out;
+    EXPECT_NE(r.out.find("use at most 1448 microbatches at 4 ranks"), std::string::npos) << r.out;
+  }
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 10.0);
+  const std::string costs = temp("huge_costs.json");
+  write(costs, R"({"stages": [{"f": 1e308, "i": 1e308, "w": 1e308}, {"f": 1, "i": 1, "w": 1}]})");
+  CliRun huge = hp("schedule tune --costs " + costs + " -m 4 -o " + temp("tuned.csv"));
+  EXPECT_EQ(huge.status, 1) << huge.out;
+  EXPECT_NE(huge.out.find("\"f\" must be positive and at most 1e12"), std::string::npos)
+      << huge.out;
+  write(costs, "{\"stages\": [" + std::string(2 << 20, ' ') + "]}");
+  CliRun big = hp("schedule tune --costs " + costs + " -m 4 -o " + temp("tuned.csv"));
+  EXPECT_EQ(big.status, 1) << big.out;
+  EXPECT_NE(big.out.find("a cost file is at most 1048576"), std::string::npos) << big.out;
+  std::remove(costs.c_str());
+  // A CSV that cannot be written (its folder is missing) fails, naming it.
+  CliRun csv = hp("schedule show 1f1b -p 2 -m 4 --csv /nonexistent-hp-folder/s.csv");
+  EXPECT_EQ(csv.status, 1) << csv.out;
+  EXPECT_NE(csv.out.find("cannot write '/nonexistent-hp-folder/s.csv'"), std::string::npos)
+      << csv.out;
 }

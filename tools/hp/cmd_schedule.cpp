@@ -99,10 +99,7 @@ hs::BuildOptions options_of(const Common& o) {
 }
 
 void write_file(const std::string& path, const std::string& text) {
-  std::ofstream out(path);
-  if (!out) throw std::runtime_error("cannot write '" + path + "'");
-  out << text;
-  if (!out) throw std::runtime_error("error writing '" + path + "'");
+  hs::write_text_file(path, text);  // NOTE [Output files are whole]
 }
 
 std::string pct(double v) {
@@ -187,6 +184,8 @@ void run_compare(const CompareArgs& a) {
   };
   std::vector<Row> rows;
   std::vector<std::pair<std::string, std::string>> skipped;
+  // NOTE [One size rule]: refused once, before any schedule is tried.
+  hs::check_schedule_size("hp schedule compare", a.c.p, a.c.m, 1);
   for (const auto& n : hs::names()) {
     try {
       hs::Schedule s = hs::build(n, a.c.p, a.c.m, bo);
@@ -198,6 +197,13 @@ void run_compare(const CompareArgs& a) {
     } catch (const std::invalid_argument& e) {
       skipped.emplace_back(n, e.what());
     }
+  }
+  if (rows.empty()) {
+    std::string why;
+    for (const auto& [n, e] : skipped)
+      why += "\n  " + n + ": " + e;
+    throw std::invalid_argument("hp schedule compare: no schedule can be built at p=" +
+                                std::to_string(a.c.p) + " m=" + std::to_string(a.c.m) + ":" + why);
   }
   // What a user picks by comes first: the step time, then the idle share.
   std::stable_sort(rows.begin(), rows.end(), [](const Row& x, const Row& y) {
