@@ -18,6 +18,7 @@
 #include "hp/pipeline/data_parallel.h"
 #include "hp/pipeline/executor.h"
 #include "hp/pipeline/stage.h"
+#include "hp/recompute/session.h"
 #include "hp/schedule/generators.h"
 #include "hp/schedule/lower.h"
 #include "hp/schedule/schedule.h"
@@ -99,7 +100,9 @@ class Runtime {
           const std::map<int, std::vector<torch::Tensor>>& chunk_parameters, py::object loss,
           py::object activation_shape, py::object dtype, py::object device, double timeout_s,
           const py::object& dp_group, int receive_lookahead, const std::string& p2p,
-          bool cache_cpu_memory)
+          bool cache_cpu_memory,
+          const std::map<int, std::vector<torch::Tensor>>& chunk_dp_parameters = {},
+          bool recompute_sessions = false)
       : sched_(schedule_from_csv(schedule_csv)),
         loss_(std::move(loss)),
         activation_shape_(std::move(activation_shape)),
@@ -205,19 +208,50 @@ class Runtime {
       py::gil_scoped_acquire gil;
       return run();
     };
+    // NOTE [Recompute sessions of a Python pipeline]
+    // hyperparallel.recompute.checkpoint blocks inside a stage share one
+    // recompute between the I and the W of a microbatch when both run inside
+    // the same retaining RecomputeSession (hp/recompute): each I and W of
+    // (stage, mb) opens session (stage, mb), its W (or B) clears it, as
+    // hp train does (hp/train/trainer.cpp). A B retains nothing (nothing comes
+    // after it). Outside such blocks a session costs a thread-local guard.
+    // torch.utils.checkpoint keeps its recompute per engine call, so it
+    // recomputes twice under a split: the Python side says so once.
+    std::vector<std::function<void(int, int)>> done;
+    if (recompute_sessions) {
+      recompute_sessions_ = true;
+      const auto retain = recompute::SessionOptions().retain_on_unpack(true);
+      hooks.around_backward = [retain](int st, int mb, char kind,
+                                       const std::function<void()>& run) {
+        recompute::RecomputeSession session(session_id(st, mb),
+                                            kind == 'B' ? recompute::SessionOptions() : retain);
+        run();
+      };
+      done.push_back([](int st, int mb) { recompute::clear_session(session_id(st, mb)); });
+    }
     // Data parallelism across pipelines: every replica of this pipeline
     // averages its stages' gradients over dp_group as soon as each stage has
     // run its last microbatch (NOTE [Gradient reduction in the cool-down]).
     if (!dp_group.is_none()) {
       dp_ = distributed::for_device(
           distributed::Comm::from_process_group(process_group_of(dp_group), options), on);
+      // A chunk listed in chunk_dp_parameters has only those averaged here:
+      // the others (FSDP2's, NOTE [FSDP2 stages] in
+      // python/hyperparallel/pipeline.py) are reduced by their owner.
       std::map<int, std::vector<torch::Tensor>> stage_params;
-      for (const auto& [st, mod] : modules)
-        stage_params[st] = mod.parameters;
+      for (const auto& [st, mod] : modules) {
+        auto own = chunk_dp_parameters.find(sched_.stage_chunk[st]);
+        stage_params[st] = own != chunk_dp_parameters.end() ? own->second : mod.parameters;
+      }
       reducer_ = std::make_unique<pipeline::GradientReducer>(
           dp_, stage_params, pipeline::microbatches_per_stage(sched_, rank()));
-      hooks.on_done = [r = reducer_.get()](int stage, int mb) { r->on_done(stage, mb); };
+      done.push_back([r = reducer_.get()](int stage, int mb) { r->on_done(stage, mb); });
     }
+    if (!done.empty())
+      hooks.on_done = [done](int stage, int mb) {
+        for (const auto& f : done)
+          f(stage, mb);
+      };
     // The step's loss is the mean over its microbatches (NOTE [The loss scale
     // is the backward's seed] in hp/pipeline/stage.cpp).
     stage_ = std::make_unique<pipeline::PipelineStage>(std::move(modules), stage_loss, hooks,
@@ -318,6 +352,10 @@ class Runtime {
         loss = l.item<double>();
       } catch (const std::exception& e) {
         inputs_.clear();
+        if (recompute_sessions_)
+          for (int st : sched_.stages_of_rank(rank_))
+            for (int mb = 0; mb < sched_.num_microbatches; ++mb)
+              recompute::clear_session(session_id(st, mb));
         broken_ = true;
         broken_reason_ = e.what();
         if (broken_reason_.size() > 200) broken_reason_ = broken_reason_.substr(0, 200) + "...";
@@ -357,7 +395,14 @@ class Runtime {
     }
   }
 
+  /// The recompute session of (stage, mb): the top bit keeps these apart
+  /// from ids a user picks for hyperparallel.recompute.RecomputeSession.
+  static uint64_t session_id(int stage, int mb) {
+    return (uint64_t{1} << 63) | (static_cast<uint64_t>(stage) << 32) | static_cast<uint32_t>(mb);
+  }
+
   schedule::Schedule sched_;
+  bool recompute_sessions_ = false;
   py::object loss_, activation_shape_;
   std::map<int, py::object> chunk_forward_;
   std::shared_ptr<distributed::Comm> comm_;
@@ -432,11 +477,13 @@ void bind_pipeline(py::module_& m) {
                        const std::map<int, std::vector<torch::Tensor>>& parameters, py::object loss,
                        py::object shape, py::object dtype, py::object device, double timeout_s,
                        const py::object& dp_group, int receive_lookahead, const std::string& p2p,
-                       bool cache_cpu_memory) {
+                       bool cache_cpu_memory,
+                       const std::map<int, std::vector<torch::Tensor>>& dp_parameters,
+                       bool recompute_sessions) {
              try {
-               return std::make_unique<Runtime>(csv, group, forward, parameters, loss, shape, dtype,
-                                                device, timeout_s, dp_group, receive_lookahead, p2p,
-                                                cache_cpu_memory);
+               return std::make_unique<Runtime>(
+                   csv, group, forward, parameters, loss, shape, dtype, device, timeout_s, dp_group,
+                   receive_lookahead, p2p, cache_cpu_memory, dp_parameters, recompute_sessions);
              } catch (const std::invalid_argument& e) {
                throw py::value_error(e.what());
              }
@@ -445,7 +492,9 @@ void bind_pipeline(py::module_& m) {
            py::arg("chunk_parameters"), py::arg("loss"), py::arg("activation_shape"),
            py::arg("dtype"), py::arg("device") = py::none(), py::arg("timeout_s") = 300.0,
            py::arg("dp_group") = py::none(), py::arg("receive_lookahead") = 0,
-           py::arg("p2p") = "auto", py::arg("cache_cpu_memory") = false)
+           py::arg("p2p") = "auto", py::arg("cache_cpu_memory") = false,
+           py::arg("chunk_dp_parameters") = std::map<int, std::vector<torch::Tensor>>{},
+           py::arg("recompute_sessions") = false)
       .def("step", &Runtime::step, py::arg("inputs"),
            "Runs one step of this rank's actions; returns the loss and timings.")
       .def_property_readonly("rank", &Runtime::rank)

@@ -27,6 +27,8 @@ optimizer steps them.
 from __future__ import annotations
 
 import datetime
+import math
+import re
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
@@ -140,6 +142,397 @@ def schedule(name: str, ranks: int, microbatches: int, chunks: int = 2) -> Pipel
 Shape = Union[Sequence[int], Callable[[int, int], Sequence[int]]]
 
 
+def _has_split(csv: str) -> bool:
+    """Whether a schedule splits backwards into I (dx) and W (dw) actions."""
+    for line in csv.splitlines():
+        if line.startswith("#"):
+            continue
+        if re.search(r"(?:^|,)\s*\d+[IW]\d+", line):
+            return True
+    return False
+
+
+def _group_ranks(group) -> Tuple[int, ...]:
+    """The global ranks of `group`; a group that torch.distributed did not
+    register (made directly from a store) is known by its size only."""
+    try:
+        return tuple(dist.get_process_group_ranks(group))
+    except (KeyError, ValueError, RuntimeError):
+        return (-1 - group.size(),)
+
+
+# NOTE [FSDP2 stages]
+# A chunk may be, or contain, modules that torch's FSDP2 (`fully_shard`)
+# shards over a data-parallel mesh. Why training went wrong before (issue 29;
+# reproduced with tests/python/stack_worker.py's "fsdp" mode, pp 2 x dp 2,
+# ZB-H1, FSDP2's hooks counted):
+#  - The split was given module.parameters() as its weights: under FSDP2
+#    those are the *sharded* DTensors, which the forward never touches.
+#    FSDP2's pre-forward all-gathers each parameter into an *unsharded*
+#    nn.Parameter (`FSDPParam._unsharded_param`, made at the first
+#    all-gather and reused: only its storage is freed and refilled) and sets
+#    it on the module; the graph's AccumulateGrad nodes are the unsharded
+#    ones. So dw ran for weights with no path to the loss (zeros), and no
+#    engine call was asked for the unsharded weights' gradients. On the
+#    first stage (its input needs no gradient, so no I, and FSDP2 registers
+#    no post-backward function on it) no FSDP2 hook ran at all: 0 reductions,
+#    0 final callbacks in 3 steps - its weights never moved.
+#  - On later stages FSDP2 reduces from autograd hooks: its post-backward
+#    function sits on the module's inputs and runs as soon as the backward
+#    reaches them - in I, before W. It ran with reduction on once per
+#    microbatch (24 times: 2 FSDP2 groups x 4 microbatches x 3 steps), each
+#    time before any gradient of the unsharded weights existed (I computes
+#    dx only), and resharded: the wrong place for a once-per-step reduction
+#    even with the right weights.
+#  - The final callback (`_root_post_backward_final_callback`, queued with
+#    `Variable._execution_engine.queue_callback` from the pre-backward hook)
+#    does run under our C++ engine calls (queue_callback needs only the
+#    thread's current graph task, which Engine::execute sets): 12 times, once
+#    per I.
+# What the runtime does instead (the idea of torch.distributed.pipelining's
+# PipelineStage, which calls post_backward itself after its last backward):
+#  - The split's weights are the unsharded parameters (made once at
+#    construction: one all-gather and reshard per FSDP module), beside the
+#    chunk's plain parameters; dp_group's reducer averages only the plain ones.
+#  - During a step every FSDP2 group of the rank's stages runs with
+#    requires_gradient_sync off, reshard_after_backward off, no reshard after
+#    forward and is_last_backward off: FSDP2's own pre-forward all-gathers at
+#    the stage's first F, its hooks in I change nothing, and the unsharded
+#    weights (and their gradients, accumulated over the microbatches by dw
+#    or B) stay until the step's last W.
+#  - After the step each group's post_backward runs with the user's settings
+#    back (normally: reduce-scatter once, reshard), then the root's final
+#    callback with is_last_backward (waits for the reductions). FSDP2's
+#    reduce-scatter averages over its mesh and the backward's seed is 1/m, so
+#    the sharded gradients are the mean over dp x m microbatches; HSDP
+#    all-reduces over the replicate dimension as well. Counted on the same
+#    run: 6 reductions (2 groups x 3 steps). The step's loss is averaged over
+#    FSDP2's ranks too (unless dp_group, over the same ranks, did it).
+#  - Refused on every rank before the first step (_agree): a mesh dimension
+#    that holds other ranks of the pipeline's group, FSDP2 and dp_group for
+#    the same parameters (or over different ranks), a fully_shard'ed chunk
+#    that the schedule replicates (DualPipe), a chunk whose FSDP2 root is
+#    outside it.
+# Memory: a stage's unsharded parameters (and their unsharded gradients) live
+# from its first F to the end of the step, as the root module's do in plain
+# FSDP2 training (reshard_after_forward=False); between steps only the shards.
+# Resharding between F and W would need an all-gather before every I and every
+# W (W's nodes may read a weight), and a reduce-scatter per microbatch would
+# reduce half-made gradients, so neither is offered.
+
+
+def _fsdp2_classes():
+    try:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.fsdp._fully_shard._fsdp_common import (
+            DDPMeshInfo,
+            FSDPMeshInfo,
+        )
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return None
+    return FSDPModule, FSDPMeshInfo, DDPMeshInfo
+
+
+class _Fsdp2Stages:
+    """The FSDP2 modules of a rank's chunks and the runtime's control of them
+    (NOTE [FSDP2 stages])."""
+
+    def __init__(self, chunks: Mapping[int, object]):
+        classes = _fsdp2_classes()
+        self.roots = []  # FSDPState of each chunk's top-level fully_shard'ed module
+        self.groups = []  # FSDPParamGroup of every state, roots' order
+        self.chunk_groups: Dict[int, list] = {}
+        if classes is None:
+            return
+        fsdp_module, self._fsdp_mesh, self._ddp_mesh = classes
+        for c, mod in chunks.items():
+            if not isinstance(mod, torch.nn.Module):
+                continue
+            named = [(n, m) for n, m in mod.named_modules() if isinstance(m, fsdp_module)]
+            names = [n for n, _ in named]
+            tops = [m for n, m in named
+                    if not any(o != n and (o == "" or n.startswith(o + ".")) for o in names)]
+            groups = []
+            for top in tops:
+                state = top._get_fsdp_state()
+                if any(state is r for _, r in self.roots):
+                    continue  # fully_shard([m1, m2]): one state for several modules
+                self.roots.append((c, state))
+                for m in top.modules():
+                    if isinstance(m, fsdp_module):
+                        pg = m._get_fsdp_state()._fsdp_param_group
+                        if pg is not None and pg not in groups:
+                            groups.append(pg)
+            self.chunk_groups[c] = groups
+            self.groups.extend(groups)
+
+    def __bool__(self):
+        return bool(self.roots)
+
+    def mesh_groups(self, pg) -> list:
+        """The process groups FSDP2 reduces `pg`'s gradients over: the shard
+        dimension's, and for HSDP the replicate dimension's."""
+        mi = pg.mesh_info
+        out = []
+        if isinstance(mi, self._fsdp_mesh):
+            out.append(mi.shard_process_group)
+        if isinstance(mi, self._ddp_mesh):
+            out.append(mi.replicate_process_group)
+        return out
+
+    def data_parallel_ranks(self, pg) -> set:
+        return set(pg.mesh_info.mesh.mesh.flatten().tolist())
+
+    def managed(self, c: int) -> set:
+        """ids of the parameters FSDP2 manages in chunk c, sharded and unsharded."""
+        ids = set()
+        for pg in self.chunk_groups.get(c, []):
+            for fp in pg.fsdp_params:
+                ids.add(id(fp.sharded_param))
+                if hasattr(fp, "_unsharded_param"):
+                    ids.add(id(fp._unsharded_param))
+        return ids
+
+    def check(self, rank: int, pp_ranks: Tuple[int, ...], dp_ranks, replicated) -> Optional[str]:
+        """What is wrong with these FSDP2 modules in this pipeline, or None."""
+        for c, groups in self.chunk_groups.items():
+            if groups and c in replicated:
+                return (f"chunk {c} is fully_shard'ed and held by several ranks of the schedule "
+                        "(DualPipe's mirrored copies): the runtime sums replicas' gradients "
+                        "before FSDP2 reduces them, which it cannot do for sharded gradients; "
+                        "use a schedule without replicas (dualpipev, zbv, ...)")
+            for pg in groups:
+                for g in self.mesh_groups(pg):
+                    ranks = _group_ranks(g)
+                    if len(set(ranks) & set(pp_ranks)) > 1:
+                        return (f"chunk {c} is fully_shard'ed over a mesh dimension of ranks "
+                                f"{list(ranks)}, which holds other ranks of the pipeline's group "
+                                f"{list(pp_ranks)}: FSDP2 would all-gather and reduce across "
+                                "pipeline stages. Shard each chunk over the data-parallel "
+                                "dimension (the copies of this stage, e.g. mesh['dp'] of "
+                                "init_device_mesh(..., mesh_dim_names=('dp', 'pp'))) and give "
+                                "the Pipeline the 'pp' group")
+                if dp_ranks is not None and self.data_parallel_ranks(pg) != set(dp_ranks):
+                    return (f"chunk {c} is fully_shard'ed over ranks "
+                            f"{sorted(self.data_parallel_ranks(pg))} but dp_group has ranks "
+                            f"{list(dp_ranks)}: the plain parameters (dp_group) and FSDP2's "
+                            "would average over different copies; use the same data-parallel "
+                            "ranks for both")
+        return None
+
+    def root_check(self) -> Optional[str]:
+        """Runs FSDP2's lazy initialization with each chunk's top-level
+        fully_shard'ed module as the root; an error when another module is."""
+        for c, state in self.roots:
+            state._lazy_init()
+            if not state._is_root:
+                return (f"chunk {c}: its fully_shard'ed module is not FSDP2's root (an enclosing "
+                        "fully_shard'ed module ran forward first): fully_shard each chunk on "
+                        "its own, or its submodules, and give the Pipeline chunks that were not "
+                        "run before")
+            for s in state._state_ctx.all_states:
+                if s._fsdp_param_group is not None and s._fsdp_param_group not in self.groups:
+                    return (f"chunk {c}: FSDP2's root state reaches modules outside the chunk; "
+                            "fully_shard each chunk on its own")
+        return None
+
+    def unsharded_parameters(self) -> Dict[int, Dict[int, torch.Tensor]]:
+        """{chunk: {id(sharded parameter): unsharded parameter}}: one
+        all-gather (and reshard) of each group that has not all-gathered yet,
+        collectively over its mesh."""
+        out: Dict[int, Dict[int, torch.Tensor]] = {}
+        for c, groups in self.chunk_groups.items():
+            for pg in groups:
+                if any(not hasattr(fp, "_unsharded_param") for fp in pg.fsdp_params):
+                    was_sharded = not pg.is_unsharded
+                    pg.unshard()
+                    pg.wait_for_unshard()
+                    if was_sharded:
+                        pg.reshard()
+                m = out.setdefault(c, {})
+                for fp in pg.fsdp_params:
+                    m[id(fp.sharded_param)] = fp._unsharded_param
+                    m[id(fp._unsharded_param)] = fp._unsharded_param
+        return out
+
+    def begin_step(self) -> None:
+        """Every FSDP2 control as the split needs it during a step; the
+        user's values kept for end_step."""
+        self._saved = []
+        for pg in self.groups:
+            self._saved.append((pg, pg.reduce_grads, pg.all_reduce_grads,
+                                pg.reshard_after_backward, pg.post_forward_mesh_info))
+            pg.reduce_grads = False
+            pg.all_reduce_grads = False
+            pg.reshard_after_backward = False
+            pg.post_forward_mesh_info = None  # no reshard after forward
+        self._last = []
+        for _, state in self.roots:
+            self._last.append(state._state_ctx.is_last_backward)
+            state._state_ctx.is_last_backward = False
+
+    def end_step(self, ok: bool) -> None:
+        """The user's controls back; after a good step, FSDP2's post-backward
+        of every group (the reduce-scatter, once per step) and each root's
+        final callback (waits for it)."""
+        for pg, reduce, all_reduce, reshard, post_forward in self._saved:
+            pg.reduce_grads, pg.all_reduce_grads = reduce, all_reduce
+            pg.reshard_after_backward = reshard
+            pg.post_forward_mesh_info = post_forward
+        for (_, state), last in zip(self.roots, self._last):
+            state._state_ctx.is_last_backward = last
+        if not ok:
+            return
+        for _, state in self.roots:
+            for s in state._state_ctx.all_states:
+                if s._fsdp_param_group is not None:
+                    s._fsdp_param_group.post_backward()
+            state._root_post_backward_final_callback()
+
+
+_AGREE_ROUNDS = 4
+
+
+def _agree(groups, error: Optional[str], device: torch.device, timeout: float) -> None:
+    """Raises on every rank of `groups` when any rank has an `error`, before
+    any of them starts the runtime (whose construction waits on every rank):
+    the rank with the error raises it, the others name the lowest such rank.
+    Flags go through each group's all-reduce (MAX), in one order of the
+    groups on every rank (sorted by their ranks: no two ranks wait on each
+    other in a cycle), _AGREE_ROUNDS times whatever the groups (every member
+    of a group calls it as often), so they cross products of up to that many
+    groups (pp x dp x tp, HSDP's two dp dimensions). A group that shares
+    more than one rank with `pp` (the first group) is left out: that is the
+    misplaced mesh an error names, which the others may not hold."""
+    uniq = {}
+    pp = set(_group_ranks(groups[0])) if groups and groups[0] is not None else set()
+    for k, g in enumerate(groups):
+        if g is None or g.size() < 2:
+            continue
+        ranks = _group_ranks(g)
+        if k > 0 and len(set(ranks) & pp) > 1 and set(ranks) != pp:
+            continue
+        uniq.setdefault(ranks, g)
+    if not uniq:
+        if error:
+            raise ValueError(error)
+        return
+    me, world = dist.get_rank(), dist.get_world_size()
+    flag = torch.tensor([1.0 if error else 0.0, float(world - me) if error else 0.0],
+                        dtype=torch.float64,
+                        device=device if device.type == "cuda" else torch.device("cpu"))
+    order = [uniq[k] for k in sorted(uniq)]
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MAX
+    for _ in range(_AGREE_ROUNDS):
+        for g in order:
+            try:
+                g.allreduce([flag], opts).wait(datetime.timedelta(seconds=timeout))
+            except RuntimeError as e:
+                raise RuntimeError(
+                    f"rank {me}: the ranks {list(_group_ranks(g))} did not all reach the "
+                    f"Pipeline's check of its compositions within {timeout} s (timeout=): did a "
+                    f"rank fail before building its Pipeline? ({e})"
+                ) from e
+    if error:
+        raise ValueError(error)
+    if flag[0].item() > 0:
+        raise ValueError(
+            f"rank {world - int(flag[1].item())} refused this Pipeline (its error says why); "
+            "every rank of the pipeline's groups stops with it, before the first step")
+
+
+def _is_compiled(fn) -> bool:
+    """Whether `fn` is, or (an nn.Module) contains, a torch.compile'd region."""
+    def compiled(obj):
+        cls = type(obj)
+        return (cls.__name__ == "OptimizedModule" and cls.__module__.startswith("torch._dynamo")) \
+            or hasattr(obj, "_torchdynamo_orig_callable")
+
+    if compiled(fn):
+        return True
+    return isinstance(fn, torch.nn.Module) and any(compiled(m) for m in fn.modules())
+
+
+def _without_donated_buffers(fn):
+    """fn, run with AOTAutograd's donated buffers off (NOTE [Compiled stages
+    under a split schedule])."""
+    import torch._functorch.config as functorch_config
+
+    def forward(x):
+        with functorch_config.patch(donated_buffer=False):
+            return fn(x)
+
+    return forward
+
+
+# NOTE [Compiled stages under a split schedule]
+# torch.compile turns a region's backward into one autograd node
+# (AOTAutograd's CompiledFunctionBackward) whose compiled graph computes the
+# gradients of every input of the region together, the parameters' with the
+# activations'. The dx/dw split cannot look inside it: the node leads to the
+# stage's input and to weights, so I runs it (the engine keeps only dx) and
+# W runs it again from the gradient I captured (the engine keeps only dw):
+# the compiled region's backward runs twice per microbatch (counted with a
+# counting bw_compiler in tests/python/test_stack_compile.py), with the same
+# numbers each time, so the gradients are exact. I keeps the graph for W
+# (keep_graph), which AOTAutograd refuses for a backward compiled with
+# donated buffers (its saved activations reused as scratch, which a second
+# run would read): stages' forwards run with functorch's donated_buffer off,
+# so what compiles under the Pipeline never donates. (AOTAutograd compiles a
+# backward lazily and drops donation when that first run keeps the graph, so
+# a donating backward comes from a first run without keep_graph: a B, a first
+# stage's W, or a graph shared with such a stage.) A region whose backward
+# was compiled before, with donated buffers (e.g. a warm-up backward outside
+# the Pipeline), still fails at its first I with AOTAutograd's own error,
+# which names the setting. Fused-backward schedules (B) run it once.
+
+
+# NOTE [Checkpoint under a split schedule]
+# torch.utils.checkpoint (non-reentrant) keeps a region's recomputed
+# activations per autograd graph task (`_current_graph_task_id`): I and W are
+# two engine calls, so a region whose saved tensors both need (a linear's
+# input: its dx needs the weight, its dw the input) recomputes in I and again
+# in W - three forwards of the region per microbatch where a fused backward
+# runs two (counted in tests/python/test_stack_compile.py). The reentrant
+# variant runs its whole backward (dx and dw) inside I, once. The Pipeline
+# cannot change torch's frames, so on a split schedule it counts, during its
+# first step, the non-reentrant regions its stages enter (by wrapping
+# torch.utils.checkpoint's generator for the duration of that step; the
+# forwards run inside it) and warns once when there are any.
+# hyperparallel.recompute.checkpoint shares one recompute: the runtime runs
+# each I and W of (stage, mb) inside recompute session (stage, mb), retaining
+# (NOTE [Recompute sessions of a Python pipeline] in
+# python/csrc/bind_pipeline.cpp).
+
+
+class _CheckpointCounter:
+    """Counts torch.utils.checkpoint's non-reentrant regions entered while
+    active (NOTE [Checkpoint under a split schedule])."""
+
+    def __init__(self):
+        self.count = 0
+
+    def __enter__(self):
+        import torch.utils.checkpoint as ckpt
+
+        self._orig = ckpt._checkpoint_without_reentrant_generator
+
+        def counting(*args, **kwargs):
+            self.count += 1
+            return self._orig(*args, **kwargs)
+
+        ckpt._checkpoint_without_reentrant_generator = counting
+        return self
+
+    def __exit__(self, *exc):
+        import torch.utils.checkpoint as ckpt
+
+
+        ckpt._checkpoint_without_reentrant_generator = self._orig
+        return False
+
+
 class Pipeline:
     """One rank's part of a pipeline: its model chunks, run by the C++
     executor with the schedule's actions (F, I, W, B, sends, receives).
@@ -148,6 +541,15 @@ class Pipeline:
         chunks: ``{chunk: module}`` for every chunk of ``schedule.chunks_of_rank(rank)``;
             any callable taking and returning one tensor works; its weights are
             ``module.parameters()`` that require grad (or give ``parameters``).
+            A module may be, or contain, FSDP2 (``fully_shard``) modules sharded
+            over the data-parallel dimension (NOTE [FSDP2 stages]: FSDP2
+            reduces their gradients once per step), DTensor tensor-parallel
+            layers, ``torch.compile``'d regions (on a schedule with I/W their
+            backward runs in I and again in W; a RuntimeWarning says so) and
+            checkpointed blocks (``hyperparallel.recompute.checkpoint``
+            recomputes once per microbatch; ``torch.utils.checkpoint`` twice
+            on a split schedule, with one RuntimeWarning). See docs/python.md,
+            "With FSDP2, tensor parallelism, torch.compile and checkpointing".
         schedule: a :class:`PipelineSchedule` (see :func:`schedule`).
         loss_fn: ``loss_fn(output, target) -> scalar tensor``, on the last stage
             of each microbatch; the step's loss is the mean over microbatches.
@@ -167,7 +569,9 @@ class Pipeline:
             copies: each stage's gradients are averaged over it as soon as
             the stage has run its last microbatch, and the step's loss is the
             mean over the copies. Each copy is given its own part of the
-            global batch.
+            global batch. Only for parameters that FSDP2 does not manage
+            (FSDP2 reduces its own; giving dp_group where FSDP2 manages every
+            parameter is a ValueError on every rank).
         receive_lookahead: post each receive this many batches of
             sends and receives ahead of where the schedule lists it (Gloo
             only; NCCL, whose operations run in posting order, refuses more
@@ -247,6 +651,14 @@ class Pipeline:
             )
         if p2p not in ("auto", "group", "shm"):
             raise ValueError(f"p2p must be 'auto', 'group' or 'shm', got {p2p!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+            raise TypeError(f"timeout must be a number of seconds, got {type(timeout).__name__}")
+        if not math.isfinite(timeout) or not 0 < timeout <= 7 * 24 * 3600:
+            raise ValueError(f"timeout must be a finite number of seconds in (0, 604800], got {timeout!r}")
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise TypeError(
+                f"dtype must be a torch.dtype (e.g. torch.float32), got {dtype!r}"
+            )
         if group is None:
             if not dist.is_initialized():
                 raise RuntimeError(
@@ -254,6 +666,15 @@ class Pipeline:
                     "torch.distributed.init_process_group first (torchrun sets its variables)"
                 )
             group = dist.group.WORLD
+        if not isinstance(group, dist.ProcessGroup):
+            raise TypeError(
+                "group must be a torch.distributed.ProcessGroup (e.g. "
+                f"torch.distributed.group.WORLD after init_process_group), got {type(group)}"
+            )
+        if dp_group is not None and not isinstance(dp_group, dist.ProcessGroup):
+            raise TypeError(
+                f"dp_group must be None or a torch.distributed.ProcessGroup, got {type(dp_group)}"
+            )
         forward: Dict[int, Callable] = {}
         params: Dict[int, List[torch.Tensor]] = {}
         for c, mod in chunks.items():
@@ -268,12 +689,111 @@ class Pipeline:
                 params[c] = [q for q in mod.parameters() if q.requires_grad]
             else:
                 params[c] = []
+        # Compositions (NOTE [FSDP2 stages]): every rank checks its own, then
+        # all agree before the runtime's construction waits on all of them.
+        fsdp = _Fsdp2Stages(chunks)
+        split = _has_split(schedule.csv)
+        error = None
+        if fsdp:
+            holders: Dict[int, set] = {}
+            for st, c in enumerate(schedule.stage_chunk):
+                holders.setdefault(c, set()).add(schedule.stage_rank[st])
+            replicated = {c for c, h in holders.items() if len(h) > 1}
+            dp_ranks = _group_ranks(dp_group) if dp_group is not None else None
+            error = fsdp.check(group.rank(), _group_ranks(group), dp_ranks, replicated)
+            if error is None and dp_group is not None:
+                for c in fsdp.chunk_groups:
+                    managed = fsdp.managed(c)
+                    if parameters is not None and c in parameters and any(
+                        id(q) in managed for q in parameters[c]
+                    ):
+                        error = (f"chunk {c}: parameters[{c}] lists parameters that FSDP2 "
+                                 "manages (fully_shard), and dp_group was given: both would "
+                                 "reduce the same gradients; leave FSDP2's parameters out of "
+                                 "parameters= (the runtime finds them)")
+                if error is None and all(
+                    all(id(q) in fsdp.managed(c) for q in params[c]) for c in params
+                ):
+                    mesh = sorted(fsdp.data_parallel_ranks(fsdp.groups[0]))
+                    error = ("dp_group was given, but FSDP2 (fully_shard) manages every "
+                             f"parameter of this rank's chunks {sorted(params)} and already "
+                             f"averages their gradients over ranks {mesh}: dp_group and FSDP2 "
+                             "would reduce the same parameters. Drop dp_group (the step's loss "
+                             "is averaged over FSDP2's ranks), or keep it for parameters "
+                             "FSDP2 does not manage")
+            if error is None:
+                try:  # FSDP2's own checks raise here; every rank must still agree
+                    error = fsdp.root_check()
+                except Exception as e:  # noqa: BLE001 - reported through _agree
+                    error = f"FSDP2's initialization of this rank's chunks failed: {e!r}"
+
+        agree_on = [group, dp_group]
+        for pg in fsdp.groups:
+            agree_on.extend(fsdp.mesh_groups(pg))
+        for ps in params.values():
+            for q in ps:
+                mesh = getattr(q, "device_mesh", None)
+                if mesh is not None:
+                    agree_on.extend(mesh.get_group(d) for d in range(mesh.ndim))
+        compiled = sorted(c for c, fn in chunks.items() if _is_compiled(fn))
+        if split and compiled:
+            for c in compiled:
+                forward[c] = _without_donated_buffers(forward[c])
+            warnings.warn(
+                f"Pipeline: chunk(s) {compiled} are torch.compile'd and this schedule splits "
+                "backwards into I (dx) and W (dw): a compiled region's backward is one "
+                "autograd node that computes dx and dw together, so it runs whole in I and "
+                "again in W (twice per microbatch; exact, donated buffers off). A schedule "
+                "without I/W (1f1b, interleaved-1f1b, gpipe) runs it once",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         first = next((q for ps in params.values() for q in ps), None)
+        _agree(agree_on, error,
+               torch.device(device) if device is not None else
+               (first.device if first is not None else torch.device("cpu")),
+               float(timeout))
+        dp_params: Dict[int, List[torch.Tensor]] = {}
+        self._fsdp = fsdp if fsdp else None
+        # The first step of a split schedule looks for torch.utils.checkpoint
+        # (NOTE [Checkpoint under a split schedule]).
+        self._watch_checkpoints = split
+        self._loss_groups: List[dist.ProcessGroup] = []
+        if self._fsdp is not None:
+            unsharded = fsdp.unsharded_parameters()
+            for c, ps in params.items():
+                swap = unsharded.get(c, {})
+                if not swap:
+                    continue
+                mine = [swap.get(id(q), q) for q in ps if q.requires_grad]
+                # FSDP2 reduces every parameter of its modules: each is a
+                # weight of the split, listed in parameters= or not.
+                seen = {id(q) for q in mine}
+                for u in swap.values():
+                    if id(u) not in seen and u.requires_grad:
+                        seen.add(id(u))
+                        mine.append(u)
+                dp_params[c] = [q for q in mine if id(q) not in swap]
+                params[c] = mine
+            dp_ranks = _group_ranks(dp_group) if dp_group is not None else None
+            seen_groups = set()
+            for pg in fsdp.groups:
+                for g in fsdp.mesh_groups(pg):
+                    ranks = _group_ranks(g)
+                    if ranks in seen_groups or g.size() < 2:
+                        continue
+                    seen_groups.add(ranks)
+                    if dp_ranks is None or set(dp_ranks) != fsdp.data_parallel_ranks(pg):
+                        self._loss_groups.append(g)
+            # Activations are in the unsharded parameters' dtype (FSDP2's param_dtype).
+            first = next((q for ps in params.values() for q in ps), None)
         if dtype is None:
             dtype = first.dtype if first is not None else torch.get_default_dtype()
         if device is None:
             device = first.device if first is not None else torch.device("cpu")
         device = torch.device(device)
+        # FSDP2's groups take the loss where they take gradients (NCCL: CUDA).
+        self._loss_device = device if device.type == "cuda" else torch.device("cpu")
         if keep_freed_memory is None:
             keep_freed_memory = device.type == "cpu"
         if not isinstance(keep_freed_memory, bool):
@@ -283,8 +803,25 @@ class Pipeline:
         if keep_freed_memory:
             _C.pipeline.keep_freed_memory_mapped()
         if callable(activation_shape):
-            shape = activation_shape
+            shape_fn = activation_shape
+
+            def shape(stage: int, mb: int) -> Tuple[int, ...]:
+                got = shape_fn(stage, mb)
+                if isinstance(got, (str, bytes)) or not isinstance(got, Sequence) or not all(
+                    isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in got
+                ):
+                    raise TypeError(
+                        f"activation_shape({stage}, {mb}) must return a sequence of ints >= 0 "
+                        f"(a shape), got {got!r}"
+                    )
+                return tuple(got)
+
         else:
+            if isinstance(activation_shape, (str, bytes)) or not isinstance(activation_shape, Sequence):
+                raise TypeError(
+                    "activation_shape must be a shape (a sequence of ints) or "
+                    f"fn(stage, microbatch) -> shape, got {activation_shape!r}"
+                )
             shape = tuple(int(d) for d in activation_shape)  # read once by the runtime
         # The runtime holds the loss, which must not hold the Pipeline: that
         # cycle through a C++ object is never collected, and the group would
@@ -306,6 +843,8 @@ class Pipeline:
             receive_lookahead,
             p2p,
             keep_freed_memory,
+            dp_params,
+            split,
         )
         self.rank = self._runtime.rank
         self._loss.rank = self.rank
@@ -354,9 +893,41 @@ class Pipeline:
         if not tgts and self.schedule.needs_targets(self.rank):
             raise ValueError(f"rank {self.rank} runs a route's last stage: give step() the targets")
         self._loss.targets = tgts
+        ok = False
+        if self._fsdp is not None:
+            self._fsdp.begin_step()
+        counter = _CheckpointCounter() if self._watch_checkpoints else None
         try:
-            stats = self._runtime.step(ins)
+            if counter is not None:
+                with counter:
+                    stats = self._runtime.step(ins)
+            else:
+                stats = self._runtime.step(ins)
+            ok = True
         finally:
             self._loss.targets = []
+            if self._fsdp is not None:
+                self._fsdp.end_step(ok)
+        if counter is not None:
+            self._watch_checkpoints = False
+            if counter.count:
+                warnings.warn(
+                    f"Pipeline: rank {self.rank}'s stages run torch.utils.checkpoint regions "
+                    f"({counter.count} in this step) under a schedule that splits backwards "
+                    "into I and W: each recomputes in I and again in W, twice per microbatch "
+                    "on a stage that sends a gradient back (torch keeps a recompute for one "
+                    "autograd engine call, and I and W are two). "
+                    "hyperparallel.recompute.checkpoint recomputes once: the Pipeline runs I "
+                    "and W of a microbatch in one retaining recompute session",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        if self._loss_groups:
+            # The step's loss: the mean over FSDP2's data-parallel ranks too.
+            loss = torch.tensor([stats["loss"]], dtype=torch.float64, device=self._loss_device)
+            for g in self._loss_groups:
+                g.allreduce([loss]).wait()
+                loss /= g.size()
+            stats["loss"] = loss.item()
         self.last_stats = stats
         return stats["loss"]

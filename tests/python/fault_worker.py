@@ -11,6 +11,7 @@ printed.
     fault_worker.py sigint     rank 0's forward sleeps 6 s in step 0 while
                                rank 1 waits for it; the test sends rank 1
                                SIGINT once it printed "rank 1: stepping"
+    fault_worker.py badshape   rank 1's activation_shape returns a string
     fault_worker.py strided    ZB-H1 with stages that return a strided view
                                (y.t().contiguous().t()); the gradients must
                                equal single-process autograd's
@@ -53,8 +54,9 @@ def main():
         return
     t0 = time.monotonic()
     try:
+        shape = (lambda stage, mb: "2x4") if scenario == "badshape" and rank == 1 else (2, 4)
         pipe = hp.pipeline.Pipeline({rank: forward}, sched, loss_fn=torch.nn.functional.mse_loss,
-                                    activation_shape=(2, 4), parameters={rank: list(lin.parameters())},
+                                    activation_shape=shape, parameters={rank: list(lin.parameters())},
                                     dtype=torch.float64, timeout=60)
     except Exception as e:  # noqa: BLE001 - the test reads the message
         say(rank, "construction failed", t0, str(e).splitlines()[0])

@@ -53,6 +53,9 @@ def test_schedule_arguments():
     # A schedule that cannot run with this p and m says which constraint.
     with pytest.raises(ValueError, match="(?i)microbatch"):
         hp.pipeline.schedule("dualpipe", ranks=4, microbatches=2)
+    # NOTE [One size rule]: refused before any work, naming the bound.
+    with pytest.raises(ValueError, match="too many to schedule in seconds.*at most 2048"):
+        hp.pipeline.schedule("1f1b", ranks=2, microbatches=10**9)
     with pytest.raises(ValueError):
         hp.pipeline.PipelineSchedule.from_csv("not,a,schedule\n\x00")
     with pytest.raises(TypeError):
@@ -84,6 +87,15 @@ def test_pipeline_arguments(one_rank_group):
         hp.pipeline.Pipeline({0: lin()}, s1, p2p=None, **good)
     with pytest.raises(ValueError, match="p2p='shm' moves CPU tensors"):
         hp.pipeline.Pipeline({0: lin()}, s1, p2p="shm", device="meta", **good)
+    for bad in (float("nan"), float("inf"), 0, -1.0):
+        with pytest.raises(ValueError, match="timeout must be a finite number of seconds"):
+            hp.pipeline.Pipeline({0: lin()}, s1, **dict(good, timeout=bad))
+    with pytest.raises(TypeError, match="timeout must be a number"):
+        hp.pipeline.Pipeline({0: lin()}, s1, **dict(good, timeout="60"))
+    with pytest.raises(TypeError, match="dtype must be a torch.dtype.*'float32'"):
+        hp.pipeline.Pipeline({0: lin()}, s1, dtype="float32", **good)
+    with pytest.raises(TypeError, match="activation_shape must be a shape"):
+        hp.pipeline.Pipeline({0: lin()}, s1, **dict(good, activation_shape="2x4"))
     with pytest.raises(TypeError, match="keep_freed_memory"):
         hp.pipeline.Pipeline({0: lin()}, s1, keep_freed_memory="yes", **good)
     # The group has 1 rank, the schedule 2.

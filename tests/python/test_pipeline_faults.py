@@ -102,3 +102,11 @@ def test_a_stage_returning_a_strided_view_trains_exactly():
     for r, out in enumerate(finish(start("strided"))):
         _, msg = event(out, r, "strided done")
         assert float(msg.split()[-1]) <= 1e-12, msg
+
+
+def test_a_shape_callback_returning_no_shape_is_a_clear_error_on_every_rank():
+    out0, out1 = finish(start("badshape"))
+    _, why1 = event(out1, 1, "step failed")
+    assert "activation_shape(0, 0) must return a sequence of ints >= 0 (a shape), got '2x4'" in why1, why1
+    _, why0 = event(out0, 0, "step failed")
+    assert "rank 1 stopped taking part" in why0, why0

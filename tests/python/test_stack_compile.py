@@ -1,0 +1,78 @@
+"""torch.compile'd chunks and activation checkpointing inside hyperparallel's
+Pipeline, on real processes over Gloo in float64: equal to single-process
+training to 1e-9, with the compiled backward's runs and the checkpointed
+blocks' recomputes counted (NOTE [Compiled stages under a split schedule],
+NOTE [Checkpoint under a split schedule] in python/hyperparallel/pipeline.py).
+One launch of 2 processes runs every case."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+import hyperparallel as hp
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import stack_launch as sl  # noqa: E402
+import stack_worker as sw  # noqa: E402
+
+# Fused (1f1b) and split (zb-h1, zbv: two chunks per rank) schedules.
+COMPILED = ["1f1b", "zb-h1", "zbv"]
+# torch.utils.checkpoint, and "hp-": hyperparallel.recompute.checkpoint.
+CHECKPOINTED = ["1f1b", "zb-h1", "hp-zb-h1", "hp-zbv"]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    # Both modes read the schedule list; each takes the names it knows.
+    return sl.run(2, "compile+checkpoint", COMPILED + CHECKPOINTED,
+                  tmp_path_factory.mktemp("compile"))
+
+
+def schedule_of(name):
+    name = name[3:] if name.startswith("hp-") else name
+    return name, hp.pipeline.schedule(name, ranks=2, microbatches=sw.microbatches(name, 2))
+
+
+def test_compiled_chunks_equal_single_process_training(ranks):
+    for name in COMPILED:
+        _, sched = schedule_of(name)
+        ref_losses, ref_chunks = sw.reference(sched.num_chunks, sched.num_microbatches)
+        for r, res in enumerate(ranks):
+            got = res["compile-" + name]
+            sl.assert_equal(got, ref_losses, ref_chunks, f"compiled {name} rank {r}")
+            # Runs of the compiled backward per microbatch: once under B; on a
+            # split schedule twice (I, then W) where the stage sends a
+            # gradient back, once on the route's first stage (no I).
+            for c, runs in got["bw_runs"].items():
+                first = c == 0
+                expect = 1.0 if name == "1f1b" or first else 2.0
+                assert runs == expect, f"{name} rank {r} chunk {c}: {runs} runs per microbatch"
+    for res in ranks:
+        said = [w for w in res["warnings-compile"] if "torch.compile'd" in w]
+        # One warning per split schedule's Pipeline, none for 1f1b.
+        assert len(said) == 2, res["warnings-compile"]
+        assert all("runs whole in I and again in W" in w for w in said), said
+
+
+def test_checkpointed_blocks_recompute_once_or_say_so(ranks):
+    for key in CHECKPOINTED:
+        name, sched = schedule_of(key)
+        ref_losses, ref_chunks = sw.reference(sched.num_chunks, sched.num_microbatches)
+        for r, res in enumerate(ranks):
+            got = res["checkpoint-" + key]
+            sl.assert_equal(got, ref_losses, ref_chunks, f"checkpoint {key} rank {r}")
+            # Forwards of each chunk's block per microbatch: 1 + recomputes.
+            for c, runs in got["runs"].items():
+                if key.startswith("hp-") or name == "1f1b" or c == 0:
+                    expect = 2.0  # one recompute (chunk 0: no I, only W's)
+                else:
+                    expect = 3.0  # torch.utils.checkpoint: in I and again in W
+                assert runs == expect, f"{key} rank {r} chunk {c}: {runs} runs per microbatch"
+    for r, res in enumerate(ranks):
+        said = [w for w in res["warnings-checkpoint"] if "torch.utils.checkpoint" in w]
+        # Once, for zb-h1 (the split schedule with torch's checkpoint).
+        assert len(said) == 1, res["warnings-checkpoint"]
+        assert "hyperparallel.recompute.checkpoint recomputes once" in said[0], said
