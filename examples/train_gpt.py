@@ -22,7 +22,8 @@ import sys
 import time
 
 SCHEDULES = ["naive", "gpipe", "1f1b", "interleaved-1f1b", "interleaved-bfs", "interleaved-zb",
-             "zb-h1", "zb-h2", "zbv", "dualpipe", "dualpipev", "zb-auto"]
+             "zb-h1", "zb-h2", "zbv", "dualpipe", "dualpipev", "zb-auto", "v-min", "v-half", "v-zb",
+             "auto"]
 
 
 def positive(what):
