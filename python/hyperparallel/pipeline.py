@@ -37,8 +37,10 @@ import torch
 import torch.distributed as dist
 
 from . import _C
+from .split_model import split_model  # cutting one model into chunks
 
-__all__ = ["PipelineSchedule", "schedule", "Pipeline", "cpu_cache_bytes", "empty_cpu_cache"]
+__all__ = ["PipelineSchedule", "schedule", "Pipeline", "cpu_cache_bytes", "empty_cpu_cache",
+           "split_model"]
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,392 @@
+"""Cutting one model into a schedule's chunks by module names.
+
+``split_model(model, schedule, rank)`` returns ``{chunk: module}`` for
+``schedule.chunks_of_rank(rank)``, what :class:`hyperparallel.pipeline.Pipeline`
+takes. The model is a sequence of *units*: its embedding module(s), the
+blocks of one container (``nn.ModuleList``, ``nn.Sequential`` or
+``nn.ModuleDict``) and its tail module(s) (final norm, head). Each chunk is a
+consecutive run of units; the embedding goes with the first chunk and the
+tail with the last unless the chunks' names are given. A chunk is a
+:class:`ModelChunk`: a new ``nn.Module`` that holds the model's own submodules
+(no copies: its ``parameters()`` are the model's parameter objects, so an
+optimizer over either steps both).
+
+Two kinds of model:
+
+* transformers' decoder-only language models (``LlamaForCausalLM``,
+  ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM`` and their
+  base models), found without being told: units ``model.embed_tokens``,
+  ``model.layers.<i>``, ``model.norm``, ``lm_head``. A chunk's forward takes
+  the hidden states (token ids on the first chunk), and before its first
+  decoder layer computes what the model's own forward would hand the layers:
+  the position ids ``0..T-1``, the rotary embedding (``model.model.rotary_emb``)
+  and the causal mask (full or sliding-window, per layer type) from the
+  hidden states' shape. No padding mask: every sequence of a microbatch is
+  full length. The last chunk returns the logits.
+* any model whose blocks each take and return one tensor, given by names:
+  ``embed=[...]``, ``blocks="name"``, ``tail=[...]``; a chunk calls its units
+  in order, ``h = unit(h)``.
+
+Every rank builds the whole model the same way (the same seed) and keeps the
+chunks of its stages; a chunk that the schedule gives to two ranks
+(DualPipe's mirrored copies) is then a module over each rank's own model
+instance, with equal initial weights, as the runtime needs.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+__all__ = ["split_model", "ModelChunk"]
+
+# transformers' model types whose base model's forward is exactly
+# embed_tokens -> layers (with rotary embeddings and a causal mask) -> norm,
+# and whose causal LM's forward is lm_head over that (checked against the
+# model's own forward: tests/python/test_split_model.py).
+_HF_DECODERS = ("llama", "mistral", "qwen2", "qwen3")
+
+# A unit: (name in the model, module, kind) with kind "embed", "block",
+# "decoder" (a transformers decoder layer) or "tail".
+_Unit = Tuple[str, nn.Module, str]
+
+
+class ModelChunk(nn.Module):
+    """One chunk of a model cut by :func:`split_model`: the model's own
+    submodules ``units`` (named ``module_names`` in the model), run in order.
+
+    ``forward(x)``: ``x`` is what the chunk before hands on (the hidden
+    states), or the model's input on the first chunk (token ids)."""
+
+    def __init__(self, units: Sequence[_Unit], index: int, num_chunks: int, hf=None):
+        super().__init__()
+        self.index, self.num_chunks = index, num_chunks
+        #: the model's names of this chunk's units, in order
+        self.module_names: List[str] = [n for n, _, _ in units]
+        self._kinds: List[str] = [k for _, _, k in units]
+        self.units = nn.ModuleList([m for _, m, _ in units])
+        self._hf = hf  # (config, layer types per decoder unit) for transformers models
+        if hf is not None and "decoder" in self._kinds:
+            self.rotary_emb = hf[2]  # buffers only; the model's own module
+
+    def named_model_parameters(self):
+        """``(name in the model, parameter)`` of this chunk's parameters: the
+        names of ``model.named_parameters()`` (for checkpoints)."""
+        for name, mod in zip(self.module_names, self.units):
+            for n, q in mod.named_parameters():
+                yield f"{name}.{n}", q
+
+    def _decoder_inputs(self, h: torch.Tensor):
+        from transformers.masking_utils import (
+            create_causal_mask,
+            create_sliding_window_causal_mask,
+        )
+
+        config = self._hf[0]
+        position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        kw = dict(config=config, inputs_embeds=h, attention_mask=None, past_key_values=None,
+                  position_ids=position_ids)
+        masks = {}
+        for t in set(self._hf[1].values()):
+            fn = create_sliding_window_causal_mask if t == "sliding_attention" else create_causal_mask
+            masks[t] = fn(**kw)
+        return position_ids, self.rotary_emb(h, position_ids), masks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x
+        decoder = None
+        for name, kind, mod in zip(self.module_names, self._kinds, self.units):
+            if kind == "decoder":
+                if decoder is None:
+                    decoder = self._decoder_inputs(h)
+                position_ids, position_embeddings, masks = decoder
+                h = mod(h, attention_mask=masks[self._hf[1][name]], position_ids=position_ids,
+                        position_embeddings=position_embeddings)
+                if isinstance(h, tuple):  # older transformers return (hidden_states, ...)
+                    h = h[0]
+            else:
+                h = mod(h)
+        return h
+
+    def extra_repr(self) -> str:
+        return f"chunk {self.index} of {self.num_chunks}: {', '.join(self.module_names)}"
+
+
+def _fail_name(model: nn.Module, name: str, what: str) -> None:
+    names = [n for n, _ in model.named_modules() if n]
+    close = difflib.get_close_matches(name, names, n=3)
+    hint = f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else ""
+    raise ValueError(f"{what}: {type(model).__name__} has no module named {name!r}{hint}")
+
+
+def _module(model: nn.Module, name: str, what: str) -> nn.Module:
+    if not isinstance(name, str):
+        raise TypeError(f"{what}: module names are strs, got {name!r}")
+    mods = dict(model.named_modules())
+    if name not in mods or not name:
+        _fail_name(model, name, what)
+    return mods[name]
+
+
+def _block_names(model: nn.Module, blocks: str) -> List[Tuple[str, nn.Module]]:
+    container = _module(model, blocks, "blocks")
+    if isinstance(container, (nn.ModuleList, nn.Sequential)):
+        items = [(str(i), m) for i, m in enumerate(container)]
+    elif isinstance(container, nn.ModuleDict):
+        items = list(container.items())
+    else:
+        raise ValueError(
+            f"blocks: {blocks!r} is a {type(container).__name__}, not an nn.ModuleList, "
+            "nn.Sequential or nn.ModuleDict of the model's blocks"
+        )
+    if not items:
+        raise ValueError(f"blocks: {blocks!r} holds no blocks")
+    return [(f"{blocks}.{k}", m) for k, m in items]
+
+
+def _hf_units(model: nn.Module):
+    """The units of a transformers decoder-only model and (config, layer type
+    of each decoder, rotary embedding), or None when ``model`` is not one."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type is None or not hasattr(config, "to_dict"):
+        return None
+    if model_type not in _HF_DECODERS:
+        raise ValueError(
+            f"split_model knows the forward of transformers' {', '.join(_HF_DECODERS)} models, "
+            f"not of {type(model).__name__} (model_type {model_type!r}), whose forward may do "
+            "more between its modules (e.g. scale the embedding) than a cut by names keeps. "
+            "Give its units by name (embed=, blocks=, tail=) only if each block takes and "
+            "returns one tensor"
+        )
+    prefix = ""
+    base = model
+    if not hasattr(model, "layers"):
+        inner = getattr(model, getattr(model, "base_model_prefix", "model") or "model", None)
+        if inner is None:
+            inner = getattr(model, "model", None)
+        if not isinstance(inner, nn.Module) or not hasattr(inner, "layers"):
+            return None
+        prefix = [n for n, m in model.named_children() if m is inner][0] + "."
+        base = inner
+    for attr in ("embed_tokens", "layers", "norm", "rotary_emb"):
+        if not isinstance(getattr(base, attr, None), nn.Module):
+            raise ValueError(f"{type(model).__name__}: no module {prefix}{attr}, which "
+                             "a transformers decoder-only model has")
+    units: List[_Unit] = [(prefix + "embed_tokens", base.embed_tokens, "embed")]
+    layer_types = {}
+    types = getattr(config, "layer_types", None)
+    sliding = getattr(config, "sliding_window", None)
+    for i, layer in enumerate(base.layers):
+        name = f"{prefix}layers.{i}"
+        units.append((name, layer, "decoder"))
+        if types:
+            layer_types[name] = types[i]
+        else:
+            layer_types[name] = "full_attention" if sliding is None else "sliding_attention"
+    units.append((prefix + "norm", base.norm, "tail"))
+    head = getattr(model, "lm_head", None)
+    if prefix and isinstance(head, nn.Module):
+        units.append(("lm_head", head, "tail"))
+    return units, (config, layer_types, base.rotary_emb)
+
+
+def _cuts_by_parameters(costs: List[int], first: int, last: int, k: int) -> List[int]:
+    """Blocks per chunk: consecutive groups of at least one block minimizing
+    the largest chunk's parameter count (the first chunk counts the
+    embedding's too, the last the tail's)."""
+    n = len(costs)
+    prefix = [0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    def cost(chunk, i, j):  # blocks i..j-1 in chunk `chunk`
+        return (prefix[j] - prefix[i] + (first if chunk == 0 else 0)
+                + (last if chunk == k - 1 else 0))
+
+    inf = float("inf")
+    # best[c][j]: the smallest largest cost of chunks 0..c holding blocks 0..j-1
+    best = [[inf] * (n + 1) for _ in range(k)]
+    back = [[0] * (n + 1) for _ in range(k)]
+    for j in range(1, n + 1):
+        best[0][j] = cost(0, 0, j)
+    for c in range(1, k):
+        for j in range(c + 1, n + 1):
+            for i in range(c, j):
+                v = max(best[c - 1][i], cost(c, i, j))
+                if v < best[c][j]:
+                    best[c][j], back[c][j] = v, i
+    counts, j = [], n
+    for c in range(k - 1, 0, -1):
+        i = back[c][j]
+        counts.append(j - i)
+        j = i
+    counts.append(j)
+    return counts[::-1]
+
+
+def _numel(mod: nn.Module) -> int:
+    return sum(q.numel() for q in mod.parameters())
+
+
+def split_model(
+    model: nn.Module,
+    schedule,
+    rank: int,
+    *,
+    layers_per_chunk: Optional[Sequence[int]] = None,
+    by: str = "layers",
+    modules: Optional[Sequence[Sequence[str]]] = None,
+    embed: Optional[Sequence[str]] = None,
+    blocks: Optional[str] = None,
+    tail: Optional[Sequence[str]] = None,
+) -> Dict[int, ModelChunk]:
+    """Cuts ``model`` into ``schedule.num_chunks`` consecutive chunks and
+    returns ``{chunk: ModelChunk}`` for ``schedule.chunks_of_rank(rank)``.
+
+    The cut (one of): ``modules``, a list per chunk of the model's module
+    names it holds (blocks such as ``"model.layers.3"``, and where wanted the
+    embedding and tail modules: an embedding or tail module left out goes with
+    the first or last chunk; a chunk may hold the embedding or the tail alone);
+    ``layers_per_chunk``, the blocks of each chunk; ``by="layers"`` (default:
+    as even as can be, the earlier chunks taking the remainder) or
+    ``by="parameters"`` (the largest chunk's parameter count, embedding and
+    tail included, as small as can be).
+
+    The model: a transformers decoder-only LM (see the module's doc), found by
+    itself, or the names ``embed`` (modules run first, in order), ``blocks``
+    (the container of the blocks) and ``tail`` (modules run last). Parameters
+    shared by modules of two chunks (tied embeddings) are refused: the
+    pipeline would not sum their gradients.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    k = getattr(schedule, "num_chunks", None)
+    if not isinstance(k, int) or not callable(getattr(schedule, "chunks_of_rank", None)):
+        raise TypeError(f"schedule must be a PipelineSchedule, got {type(schedule).__name__}")
+    num_ranks = schedule.num_ranks
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < num_ranks:
+        raise ValueError(f"rank must be an int in [0, {num_ranks}), got {rank!r}")
+    if by not in ("layers", "parameters"):
+        raise ValueError(f"by must be 'layers' or 'parameters', got {by!r}")
+    given = [a for a, v in (("layers_per_chunk", layers_per_chunk), ("modules", modules)) if v is not None]
+    if len(given) > 1 or (given and by != "layers"):
+        raise ValueError(f"give one cut: {', '.join(given + (['by'] if by != 'layers' else []))}")
+
+    hf = None
+    if blocks is None:
+        if embed is not None or tail is not None:
+            raise ValueError("embed= and tail= need blocks= (the name of the blocks' container)")
+        found = _hf_units(model)
+        if found is None:
+            raise ValueError(
+                f"cannot find the blocks of {type(model).__name__}: it is not a transformers "
+                "decoder-only model; give embed= (module names run first), blocks= (the name "
+                "of its nn.ModuleList/nn.ModuleDict of blocks) and tail= (module names run last)"
+            )
+        units, hf = found
+    else:
+        units = [(n, _module(model, n, "embed"), "embed") for n in (embed or [])]
+        units += [(n, m, "block") for n, m in _block_names(model, blocks)]
+        units += [(n, _module(model, n, "tail"), "tail") for n in (tail or [])]
+        seen = set()
+        for n, _, _ in units:
+            if n in seen:
+                raise ValueError(f"module {n!r} is named twice")
+            seen.add(n)
+    index = {n: i for i, (n, _, _) in enumerate(units)}
+    block_pos = [i for i, (_, _, kind) in enumerate(units) if kind in ("block", "decoder")]
+    container = units[block_pos[0]][0].rsplit(".", 1)[0]
+    nb = len(block_pos)
+    heads = block_pos[0]  # units before the first block
+    tails = len(units) - block_pos[-1] - 1
+
+    if modules is not None:
+        if isinstance(modules, (str, bytes)) or len(modules) != k:
+            raise ValueError(f"modules must be a list of {k} lists of module names (one per chunk "
+                             f"of the schedule), got {modules!r}")
+        where: Dict[str, int] = {}
+        for c, names in enumerate(modules):
+            if isinstance(names, (str, bytes)):
+                raise TypeError(f"modules[{c}] must be a list of module names, got {names!r}")
+            for n in names:
+                if n not in index:
+                    _module(model, n, f"modules[{c}]")  # raises for a name the model lacks
+                    raise ValueError(
+                        f"modules[{c}]: {n!r} is a module of the model but not one a cut "
+                        f"places: name the blocks ({units[block_pos[0]][0]}, ...) or the "
+                        f"embedding/tail modules ({', '.join(u[0] for u in units if u[2] in ('embed', 'tail'))})"
+                    )
+                if n in where:
+                    raise ValueError(f"module {n!r} is in chunk {where[n]} and chunk {c}")
+                where[n] = c
+        for i, (n, _, kind) in enumerate(units):
+            if n not in where:
+                if kind == "embed":
+                    where[n] = 0
+                elif kind == "tail":
+                    where[n] = k - 1
+                else:
+                    raise ValueError(f"block {n!r} is in no chunk of modules=")
+        for i in range(1, len(units)):
+            a, b = units[i - 1][0], units[i][0]
+            if where[b] < where[a]:
+                raise ValueError(
+                    f"chunks hold consecutive modules: {b!r} (chunk {where[b]}) comes after "
+                    f"{a!r} (chunk {where[a]}) in the model"
+                )
+        for c in range(k):
+            if not any(where[n] == c for n in where):
+                raise ValueError(f"modules[{c}] names no module: chunk {c} would be empty")
+        members = [[u for u in units if where[u[0]] == c] for c in range(k)]
+    else:
+        if nb < k:
+            raise ValueError(
+                f"cannot cut {container!r} ({nb} blocks) into the schedule's {k} chunks: each "
+                "chunk needs at least one block. Use a schedule with fewer chunks, or give "
+                "modules= with the embedding or the norm and head alone in a chunk"
+            )
+        if layers_per_chunk is not None:
+            counts = list(layers_per_chunk)
+            if len(counts) != k or any(
+                not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in counts
+            ) or sum(counts) != nb:
+                raise ValueError(
+                    f"layers_per_chunk must be {k} ints >= 1 (the schedule's chunks) summing to "
+                    f"the {nb} blocks of {container!r}, got {list(layers_per_chunk)!r}"
+                )
+        elif by == "layers":
+            q, r = divmod(nb, k)
+            counts = [q + (1 if c < r else 0) for c in range(k)]
+        else:
+            counts = _cuts_by_parameters(
+                [_numel(units[i][1]) for i in block_pos],
+                sum(_numel(m) for _, m, _ in units[:heads]),
+                sum(_numel(m) for _, m, _ in units[len(units) - tails:]),
+                k,
+            )
+        members, start = [], 0
+        for c, n in enumerate(counts):
+            lo = 0 if c == 0 else heads + start
+            hi = len(units) if c == k - 1 else heads + start + n
+            members.append(units[lo:hi])
+            start += n
+
+    # Parameters shared across chunks (tied embeddings) would get two
+    # gradients the pipeline never sums.
+    owner: Dict[int, Tuple[int, str]] = {}
+    for c, mem in enumerate(members):
+        for n, m, _ in mem:
+            for pn, q in m.named_parameters():
+                prev = owner.setdefault(id(q), (c, f"{n}.{pn}"))
+                if prev[0] != c:
+                    raise ValueError(
+                        f"{n}.{pn} is the parameter {prev[1]} (shared, e.g. tied embeddings: "
+                        f"tie_word_embeddings) but the two are in chunks {prev[0]} and {c}: the "
+                        "pipeline would not sum their gradients. Untie them, or put both "
+                        "modules in one chunk"
+                    )
+    return {c: ModelChunk(members[c], c, k, hf) for c in schedule.chunks_of_rank(rank)}

@@ -1,0 +1,268 @@
+"""hyperparallel.pipeline.split_model: cutting one model into a schedule's
+chunks by module names. Training a transformers LlamaForCausalLM cut by it,
+on real processes (2 ranks, Gloo, float64, four schedules and four ways of
+cutting in one launch), equals single-process training to 1e-9 in losses and
+every parameter; the single-process tests check the cuts, the shared
+parameters and the errors."""
+
+import itertools
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+
+import hyperparallel as hp  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import split_model_worker as w  # noqa: E402
+
+split_model = hp.pipeline.split_model
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_training_a_split_llama_equals_single_process_training(tmp_path):
+    port, procs = free_port(), []
+    names = list(w.CUTS)  # 1f1b, zb-h1, zbv, dualpipe: one launch runs them in turn
+    for r in range(w.P):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(w.P), LOCAL_RANK=str(r),
+                   LOCAL_WORLD_SIZE=str(w.P), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+        procs.append(subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "split_model_worker.py"), str(tmp_path),
+             ",".join(names)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        outs = [pr.communicate(timeout=300) for pr in procs]
+    finally:
+        for pr in procs:
+            if pr.poll() is None:
+                pr.kill()
+    failed = [(r, pr.returncode, outs[r][1]) for r, pr in enumerate(procs) if pr.returncode != 0]
+    assert not failed, "\n".join(f"rank {r} exit {rc}:\n{err[-3000:]}" for r, rc, err in failed)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(w.P)]
+    initial = dict(w.make_model().named_parameters())
+    for name in names:
+        sched = hp.pipeline.schedule(name, ranks=w.P, microbatches=2 * w.P)
+        ref_losses, ref_params = w.reference(sched.num_microbatches)
+        # The steps moved the weights (the comparison below means something).
+        assert max((ref_params[n] - q).abs().max().item() for n, q in initial.items()) > 1e-3
+        seen = set()
+        for r, res in enumerate(ranks):
+            got = res[name]
+            assert sorted(got["chunks"]) == sched.chunks_of_rank(r), name
+            for s, (a, b) in enumerate(zip(got["losses"], ref_losses, strict=True)):
+                assert abs(a - b) <= 1e-9 * max(1.0, abs(b)), f"{name} rank {r} step {s}: {a} vs {b}"
+            for c, params in got["chunks"].items():
+                for n, q in params.items():
+                    err = (q - ref_params[n]).abs().max().item()
+                    assert err <= 1e-9 * max(1.0, ref_params[n].abs().max().item()), (
+                        f"{name} rank {r} chunk {c} {n}: max error {err}")
+                    seen.add(n)
+        assert seen == set(ref_params), f"{name}: parameters in no chunk: {set(ref_params) - seen}"
+    # The cuts asked for.
+    r0, r1 = ranks[0], ranks[1]
+    assert r0["1f1b"]["names"][0] == ["model.embed_tokens", "model.layers.0"]
+    assert r1["1f1b"]["names"][1] == ["model.layers.1", "model.layers.2", "model.layers.3",
+                                      "model.norm", "lm_head"]
+    assert [len(r0["zbv"]["names"][c]) for c in (0, 3)] == [2, 3]  # one layer each
+    # DualPipe: both ranks hold both chunks (mirrored copies), cut 1 + 3.
+    assert r0["dualpipe"]["names"] == r1["dualpipe"]["names"] == r0["1f1b"]["names"] | r1["1f1b"]["names"]
+
+
+def tiny(cls_name, layers=4, **extra):
+    config_cls = getattr(transformers, cls_name.replace("ForCausalLM", "Config"))
+    kw = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
+              num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16,
+              tie_word_embeddings=False, attn_implementation="eager")
+    config = config_cls(**{**kw, **extra})
+    torch.manual_seed(0)
+    return getattr(transformers, cls_name)(config).to(torch.float64)
+
+
+def all_chunks(model, sched, **kw):
+    chunks = {}
+    for r in range(sched.num_ranks):
+        chunks.update(split_model(model, sched, r, **kw))
+    return [chunks[c] for c in range(sched.num_chunks)]
+
+
+@pytest.mark.parametrize("cls_name,extra", [
+    ("LlamaForCausalLM", {}),
+    ("LlamaForCausalLM", {"attn_implementation": "sdpa"}),  # the mask may be None: is_causal
+    ("MistralForCausalLM", {"sliding_window": 3}),
+    ("Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 3, "max_window_layers": 2}),
+    ("Qwen3ForCausalLM", {"head_dim": 8}),
+])
+def test_chunks_in_a_row_compute_the_models_logits(cls_name, extra):
+    # Each chunk computes the positions, rotary embeddings and causal mask
+    # (full or sliding-window, per layer) itself: equal to the model's forward.
+    model = tiny(cls_name, **extra)
+    sched = hp.pipeline.schedule("zbv", ranks=2, microbatches=4)
+    ids = torch.randint(0, 32, (2, 7), generator=torch.Generator().manual_seed(1))
+    h = ids
+    for chunk in all_chunks(model, sched):
+        h = chunk(h)
+    assert torch.equal(h, model(ids).logits)
+
+
+def test_chunks_share_the_models_parameters():
+    model = tiny("LlamaForCausalLM")
+    sched = hp.pipeline.schedule("zbv", ranks=2, microbatches=4)
+    chunks = all_chunks(model, sched)
+    by_name = dict(model.named_parameters())
+    ids = []
+    for chunk in chunks:
+        for n, q in chunk.named_model_parameters():
+            assert q is by_name[n]
+        assert {id(q) for q in chunk.parameters()} == {
+            id(q) for _, q in chunk.named_model_parameters()}
+        ids.extend(id(q) for q in chunk.parameters())
+    assert sorted(ids) == sorted(id(q) for q in model.parameters())  # each exactly once
+    # An optimizer over the chunks' parameters steps the model.
+    for q in chunks[0].parameters():
+        q.grad = torch.ones_like(q)
+    before = model.model.embed_tokens.weight.detach().clone()
+    torch.optim.SGD(chunks[0].parameters(), lr=0.5).step()
+    assert torch.equal(model.model.embed_tokens.weight, before - 0.5)
+
+
+class Generic(nn.Module):
+    """A model of one-tensor blocks: embedding, blocks of uneven widths, tail."""
+
+    def __init__(self, widths=(3, 1, 1, 6, 2, 2, 1), container="list"):
+        super().__init__()
+        torch.manual_seed(0)
+        self.tok = nn.Embedding(10, 4, dtype=torch.float64)
+        blocks = [nn.Sequential(nn.Linear(4, 4 * wd, dtype=torch.float64), nn.Tanh(),
+                                nn.Linear(4 * wd, 4, dtype=torch.float64)) for wd in widths]
+        self.blocks = (nn.ModuleList(blocks) if container == "list" else
+                       nn.ModuleDict({f"b{i}": b for i, b in enumerate(blocks)}))
+        self.ln = nn.LayerNorm(4, dtype=torch.float64)
+        self.head = nn.Linear(4, 10, dtype=torch.float64)
+
+    def forward(self, x):
+        h = self.tok(x)
+        for b in (self.blocks if isinstance(self.blocks, nn.ModuleList) else self.blocks.values()):
+            h = b(h)
+        return self.head(self.ln(h))
+
+
+GENERIC = dict(embed=["tok"], blocks="blocks", tail=["ln", "head"])
+
+
+@pytest.mark.parametrize("container", ["list", "dict"])
+def test_a_model_given_by_names(container):
+    model = Generic(container=container)
+    sched = hp.pipeline.schedule("1f1b", ranks=3, microbatches=3)
+    chunks = all_chunks(model, sched, **GENERIC)
+    key = "blocks.0" if container == "list" else "blocks.b0"
+    assert chunks[0].module_names == ["tok", key, key[:-1] + "1", key[:-1] + "2"]  # 7 = 3 + 2 + 2
+    assert [len(c.module_names) for c in chunks] == [4, 2, 4]
+    x = torch.randint(0, 10, (2, 5))
+    h = x
+    for c in chunks:
+        h = c(h)
+    assert torch.equal(h, model(x))
+
+
+def test_by_parameters_balances_the_largest_chunk():
+    model = Generic()
+    sched = hp.pipeline.schedule("1f1b", ranks=3, microbatches=3)
+    chunks = all_chunks(model, sched, by="parameters", **GENERIC)
+    got = max(sum(q.numel() for q in c.parameters()) for c in chunks)
+    # Brute force over every cut of the 7 blocks into 3 non-empty runs.
+    sizes = [sum(q.numel() for q in b.parameters()) for b in model.blocks]
+    head = sum(q.numel() for q in model.tok.parameters())
+    tail = sum(q.numel() for m in (model.ln, model.head) for q in m.parameters())
+    best = min(
+        max(head + sum(sizes[:i]), sum(sizes[i:j]), sum(sizes[j:]) + tail)
+        for i, j in itertools.combinations(range(1, 7), 2)
+    )
+    assert got == best
+    even = all_chunks(model, sched, **GENERIC)  # by layers: 3, 2, 2
+    assert got < max(sum(q.numel() for q in c.parameters()) for c in even)
+
+
+def test_explicit_names_and_layers_per_chunk():
+    model = tiny("LlamaForCausalLM")
+    sched = hp.pipeline.schedule("1f1b", ranks=3, microbatches=3)
+    # The embedding alone in chunk 0; the norm and head, left out, go with the last.
+    chunks = all_chunks(model, sched, modules=[
+        ["model.embed_tokens"], ["model.layers.0", "model.layers.1"],
+        ["model.layers.2", "model.layers.3"]])
+    assert chunks[0].module_names == ["model.embed_tokens"]
+    assert chunks[2].module_names[-2:] == ["model.norm", "lm_head"]
+    ids = torch.randint(0, 32, (2, 5))
+    h = ids
+    for c in chunks:
+        h = c(h)
+    assert torch.equal(h, model(ids).logits)
+    chunks = all_chunks(model, sched, layers_per_chunk=[2, 1, 1])
+    assert chunks[0].module_names == ["model.embed_tokens", "model.layers.0", "model.layers.1"]
+
+
+def test_bad_splits_name_the_module():
+    model = tiny("LlamaForCausalLM")
+    sched = hp.pipeline.schedule("1f1b", ranks=2, microbatches=2)
+    with pytest.raises(ValueError, match=r"no module named 'model\.layers\.9'"):
+        split_model(model, sched, 0, modules=[["model.layers.0", "model.layers.9"],
+                                              ["model.layers.1"]])
+    with pytest.raises(ValueError, match=r"no module named 'model\.layrs\.0'.*model\.layers\.0"):
+        split_model(model, sched, 0, modules=[["model.layrs.0"], ["model.layers.1"]])
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp' is a module of the model but not"):
+        split_model(model, sched, 0, modules=[["model.layers.0.mlp"], ["model.layers.1"]])
+    with pytest.raises(ValueError, match=r"block 'model\.layers\.3' is in no chunk"):
+        split_model(model, sched, 0, modules=[["model.layers.0"], ["model.layers.1", "model.layers.2"]])
+    with pytest.raises(ValueError, match=r"'model\.layers\.1' \(chunk 0\) comes after 'model\.layers\.0' \(chunk 1\)"):
+        split_model(model, sched, 0, modules=[["model.layers.1"], ["model.layers.0", "model.layers.2",
+                                                                   "model.layers.3"]])
+    with pytest.raises(ValueError, match="layers_per_chunk must be 2 ints"):
+        split_model(model, sched, 0, layers_per_chunk=[1, 2])
+    with pytest.raises(ValueError, match=r"no module named 'blockz'"):
+        split_model(Generic(), sched, 0, embed=["tok"], blocks="blockz")
+    with pytest.raises(ValueError, match=r"'ln' is a LayerNorm, not an nn\.ModuleList"):
+        split_model(Generic(), sched, 0, blocks="ln")
+    with pytest.raises(ValueError, match="cannot find the blocks of Generic"):
+        split_model(Generic(), sched, 0)
+
+
+def test_more_chunks_than_layers_names_the_blocks():
+    model = tiny("LlamaForCausalLM", layers=3)
+    sched = hp.pipeline.schedule("zbv", ranks=2, microbatches=4)  # 4 chunks
+    with pytest.raises(ValueError, match=r"cannot cut 'model\.layers' \(3 blocks\) into the schedule's 4 chunks"):
+        split_model(model, sched, 0)
+    # Possible with the embedding alone in a chunk.
+    chunks = all_chunks(model, sched, modules=[["model.embed_tokens"], ["model.layers.0"],
+                                               ["model.layers.1"], ["model.layers.2"]])
+    assert chunks[3].module_names == ["model.layers.2", "model.norm", "lm_head"]
+
+
+def test_tied_embeddings_across_chunks_are_refused():
+    config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                      num_hidden_layers=2, num_attention_heads=2,
+                                      tie_word_embeddings=True)
+    model = transformers.LlamaForCausalLM(config)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    sched = hp.pipeline.schedule("1f1b", ranks=2, microbatches=2)
+    with pytest.raises(ValueError, match=r"lm_head\.weight is the parameter model\.embed_tokens\.weight"):
+        split_model(model, sched, 0)
+
+
+def test_unknown_transformers_models_are_refused():
+    config = transformers.GPT2Config(n_layer=2, n_embd=8, n_head=2, vocab_size=16, n_positions=8)
+    model = transformers.GPT2LMHeadModel(config)
+    sched = hp.pipeline.schedule("1f1b", ranks=2, microbatches=2)
+    with pytest.raises(ValueError, match=r"not of GPT2LMHeadModel \(model_type 'gpt2'\)"):
+        split_model(model, sched, 0)
