@@ -8,8 +8,6 @@ this file is one rank (torchrun's variables)."""
 
 import json
 import os
-import socket
-import subprocess
 import sys
 
 import torch
@@ -278,34 +276,13 @@ def worker():
     dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(p, tmp_path):
-    """p processes of this file with torchrun's variables; fails with every
-    failed rank's stderr."""
-    port = free_port()
-    procs = []
-    for r in range(p):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(p), LOCAL_RANK=str(r),
-                   LOCAL_WORLD_SIZE=str(p), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), str(tmp_path)],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
-    outs = []
-    try:
-        for pr in procs:
-            outs.append(pr.communicate(timeout=300))
-    finally:
-        for pr in procs:
-            if pr.poll() is None:
-                pr.kill()
-    failed = [(r, pr.returncode, outs[r][1]) for r, pr in enumerate(procs) if pr.returncode]
-    assert not failed, "\n".join(f"rank {r} exit {rc}:\n{err[-3000:]}" for r, rc, err in failed)
+    """p processes of this file (ranks.run_ranks); fails with every failed
+    rank's stderr."""
+    sys.path.insert(0, HERE)
+    import ranks
+
+    ranks.run_ranks(p, [os.path.abspath(__file__), tmp_path], timeout=300)
 
 
 def test_fsdp_on_two_ranks_equals_eager_training(tmp_path):

@@ -9,8 +9,6 @@ variables)."""
 
 import json
 import os
-import socket
-import subprocess
 import sys
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # nothing is downloaded: the config is built here
@@ -199,32 +197,11 @@ def worker():
     dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_fsdp_on_two_ranks_equals_eager(tmp_path):
-    port = free_port()
-    procs = []
-    for r in range(RANKS):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(RANKS), LOCAL_RANK=str(r),
-                   LOCAL_WORLD_SIZE=str(RANKS), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), str(tmp_path)],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
-    outs = []
-    try:
-        for pr in procs:
-            outs.append(pr.communicate(timeout=300))
-    finally:
-        for pr in procs:
-            if pr.poll() is None:
-                pr.kill()
-    failed = [(r, pr.returncode, outs[r][1]) for r, pr in enumerate(procs) if pr.returncode]
-    assert not failed, "\n".join(f"rank {r} exit {rc}:\n{err[-3000:]}" for r, rc, err in failed)
+    sys.path.insert(0, HERE)
+    import ranks
+
+    ranks.run_ranks(RANKS, [os.path.abspath(__file__), tmp_path], timeout=300)
     for r in range(RANKS):
         res = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert set(res) == set(CASES)

@@ -7,40 +7,20 @@ as torchrun starts them, over the default p2p (shared-memory rings)."""
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 
-from test_pipeline_runtime import free_port
+import ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def start(scenario):
-    port = free_port()
-    procs = []
-    for r in range(2):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r),
-                   LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "fault_worker.py"), scenario],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
-    return procs
+    return ranks.start_ranks(2, [os.path.join(HERE, "fault_worker.py"), scenario])
 
 
 def finish(procs, timeout=90):
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=timeout))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for r, (p, (out, err)) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"rank {r} exit {p.returncode}:\n{out}\n{err[-3000:]}"
-    return [out for out, _ in outs]
+    """Every rank's stdout; fails with a rank's output when it exits non-zero."""
+    return [out for out, _ in ranks.wait_ranks(procs, timeout=timeout)]
 
 
 def event(out, rank, what):

@@ -4,7 +4,6 @@ hyperparallel's executor over a Gloo group that torch.distributed made; the
 losses and every chunk's parameters must equal single-process training."""
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -16,6 +15,7 @@ import hyperparallel as hp
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import pipeline_model as pm  # noqa: E402
+import ranks  # noqa: E402
 
 # Every generator but afab (an alias of gpipe).
 SCHEDULES = [
@@ -25,39 +25,10 @@ SCHEDULES = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(p: int, args, tmp_path, timeout=600, check=True, prefix=None):
-    """Starts p processes of pipeline_worker.py with torchrun's variables and
-    waits for all; returns their outputs, failing with every rank's stderr
-    (with check) or returning their exit codes too (without). prefix(r): a
-    command line that rank r's command is appended to."""
-    port = free_port()
-    procs = []
-    for r in range(p):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(p), LOCAL_RANK=str(r),
-                   LOCAL_WORLD_SIZE=str(p), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS="1")
-        command = [sys.executable, os.path.join(HERE, "pipeline_worker.py"), str(tmp_path), *args]
-        procs.append(subprocess.Popen((prefix(r) if prefix else []) + command, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outs = []
-    try:
-        for pr in procs:
-            outs.append(pr.communicate(timeout=timeout))
-    finally:
-        for pr in procs:
-            if pr.poll() is None:
-                pr.kill()
-    if not check:
-        return [(pr.returncode, out, err) for pr, (out, err) in zip(procs, outs)]
-    failed = [(r, pr.returncode, outs[r][1]) for r, pr in enumerate(procs) if pr.returncode != 0]
-    assert not failed, "\n".join(f"rank {r} exit {rc}:\n{err[-3000:]}" for r, rc, err in failed)
-    return outs
+    """p ranks of pipeline_worker.py OUT_DIR ARGS (ranks.run_ranks)."""
+    return ranks.run_ranks(p, [os.path.join(HERE, "pipeline_worker.py"), tmp_path, *args],
+                           timeout=timeout, check=check, prefix=prefix)
 
 
 def assert_equals_reference(got, ref_losses, ref_chunks, what):

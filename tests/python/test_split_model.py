@@ -7,8 +7,6 @@ parameters and the errors."""
 
 import itertools
 import os
-import socket
-import subprocess
 import sys
 
 import pytest
@@ -22,35 +20,16 @@ import hyperparallel as hp  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+import ranks as ranks_  # noqa: E402
 import split_model_worker as w  # noqa: E402
 
 split_model = hp.pipeline.split_model
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_training_a_split_llama_equals_single_process_training(tmp_path):
-    port, procs = free_port(), []
     names = list(w.CUTS)  # 1f1b, zb-h1, zbv, dualpipe: one launch runs them in turn
-    for r in range(w.P):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(w.P), LOCAL_RANK=str(r),
-                   LOCAL_WORLD_SIZE=str(w.P), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-        procs.append(subprocess.Popen(
-            [sys.executable, os.path.join(HERE, "split_model_worker.py"), str(tmp_path),
-             ",".join(names)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    try:
-        outs = [pr.communicate(timeout=300) for pr in procs]
-    finally:
-        for pr in procs:
-            if pr.poll() is None:
-                pr.kill()
-    failed = [(r, pr.returncode, outs[r][1]) for r, pr in enumerate(procs) if pr.returncode != 0]
-    assert not failed, "\n".join(f"rank {r} exit {rc}:\n{err[-3000:]}" for r, rc, err in failed)
+    ranks_.run_ranks(w.P, [os.path.join(HERE, "split_model_worker.py"), tmp_path, ",".join(names)],
+                     timeout=300, env={"HF_HUB_OFFLINE": "1"})
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(w.P)]
     initial = dict(w.make_model().named_parameters())
     for name in names:
