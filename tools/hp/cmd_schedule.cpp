@@ -264,6 +264,26 @@ void run_compare(const CompareArgs& a) {
   }
 }
 
+// The per-stage costs of a cost file and the ranks they give: -p (p_arg),
+// when given, must be the file's stage count.
+std::pair<hs::CostModel, int> costs_and_ranks(const std::string& cmd, const std::string& file,
+                                              int p_arg) {
+  if (file.empty()) throw std::invalid_argument("hp schedule " + cmd + ": give --costs FILE");
+  hs::CostModel costs = hs::parse_stage_costs(hs::read_input_file(file), file);
+  const int stages = static_cast<int>(costs.stage_f.size());
+  const int p = p_arg > 0 ? p_arg : stages;
+  if (p != stages)
+    throw std::invalid_argument(file + " has " + std::to_string(stages) + " stages but -p is " +
+                                std::to_string(p) + "; give one stage per rank (or leave -p out)");
+  return {std::move(costs), p};
+}
+
+// -m at least 1 and within the one size rule (NOTE [One size rule]).
+void check_microbatches(const std::string& cmd, int p, int m) {
+  if (m < 1) throw std::invalid_argument("hp schedule " + cmd + ": -m must be at least 1");
+  hs::check_schedule_size("hp schedule " + cmd, p, m, 2);
+}
+
 struct TuneArgs {
   std::string costs, out, mem_limit;
   int p = 0, m = 8;
@@ -273,16 +293,9 @@ struct TuneArgs {
 // `hp schedule tune`: zb-auto under per-stage costs read from a file, written
 // as a schedule CSV, beside the fixed schedules on the same p-stage cut.
 void run_tune(const TuneArgs& a) {
-  if (a.costs.empty()) throw std::invalid_argument("hp schedule tune: give --costs FILE");
   if (a.out.empty()) throw std::invalid_argument("hp schedule tune: give -o OUT.csv");
-  hs::CostModel costs = hs::parse_stage_costs(hs::read_input_file(a.costs), a.costs);
-  const int stages = static_cast<int>(costs.stage_f.size());
-  const int p = a.p > 0 ? a.p : stages;
-  if (p != stages)
-    throw std::invalid_argument(a.costs + " has " + std::to_string(stages) + " stages but -p is " +
-                                std::to_string(p) + "; give one stage per rank (or leave -p out)");
-  if (a.m < 1 || a.m > 100000)
-    throw std::invalid_argument("-m " + std::to_string(a.m) + ": give 1 to 100000 microbatches");
+  const auto [costs, p] = costs_and_ranks("tune", a.costs, a.p);
+  check_microbatches("tune", p, a.m);
   const double limit = parse_mem_limit(a.mem_limit, p * costs.mem_b);
   hs::Schedule tuned = hs::zb_auto(p, a.m, costs, limit);
   tuned.name = "tuned";
@@ -338,16 +351,9 @@ struct RecommendArgs {
 // first, by step time; the top one written as CSV for `hp train
 // --schedule-file`.
 void run_recommend(const RecommendArgs& a) {
-  if (a.costs.empty()) throw std::invalid_argument("hp schedule recommend: give --costs FILE");
-  hs::CostModel costs = hs::parse_stage_costs(hs::read_input_file(a.costs), a.costs);
-  const int stages = static_cast<int>(costs.stage_f.size());
-  const int p = a.p > 0 ? a.p : stages;
-  if (p != stages)
-    throw std::invalid_argument(a.costs + " has " + std::to_string(stages) + " stages but -p is " +
-                                std::to_string(p) + "; give one stage per rank (or leave -p out)");
+  const auto [costs, p] = costs_and_ranks("recommend", a.costs, a.p);
   const int m = a.m > 0 ? a.m : 4 * p;
-  if (m < 1 || m > 100000)
-    throw std::invalid_argument("-m " + std::to_string(m) + ": give 1 to 100000 microbatches");
+  check_microbatches("recommend", p, m);
   double mem_b = 0;
   for (double v : costs.stage_mem_b)
     mem_b = std::max(mem_b, v);
