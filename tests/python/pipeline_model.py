@@ -36,24 +36,32 @@ def microbatches(name: str, p: int) -> int:
     return 2 * p
 
 
-def reference(num_chunks: int, m: int):
-    """Single-process training of the whole model: gradient accumulation over
-    the microbatches (mean loss), SGD. Returns (losses, chunk parameters)."""
-    chunks = [make_chunk(c, num_chunks) for c in range(num_chunks)]
+def train_single_process(chunks, batch_of, m: int, steps: int, lr: float, loss_of):
+    """The oracle of the pipeline tests: `chunks` (modules, in order) trained
+    as one model in one process, the mean loss over the m microbatches of each
+    step's batch_of(step, m) (gradient accumulation), SGD at lr. Returns (the
+    step losses, {chunk index: its parameters})."""
     params = [q for c in chunks for q in c.parameters()]
-    opt = torch.optim.SGD(params, lr=LR)
+    opt = torch.optim.SGD(params, lr=lr)
     losses = []
-    for step in range(STEPS):
-        x, y = batch(step, m)
+    for step in range(steps):
+        x, y = batch_of(step, m)
         opt.zero_grad()
         total = 0.0
         for xm, ym in zip(x.chunk(m), y.chunk(m)):
             h = xm
             for c in chunks:
                 h = c(h)
-            loss = loss_fn(h, ym) / m
+            loss = loss_of(h, ym) / m
             loss.backward()
             total += loss.item()
         losses.append(total)
         opt.step()
-    return losses, {c: [q.detach().clone() for q in chunks[c].parameters()] for c in range(num_chunks)}
+    return losses, {k: [q.detach().clone() for q in c.parameters()] for k, c in enumerate(chunks)}
+
+
+def reference(num_chunks: int, m: int):
+    """Single-process training of the whole model: gradient accumulation over
+    the microbatches (mean loss), SGD. Returns (losses, chunk parameters)."""
+    chunks = [make_chunk(c, num_chunks) for c in range(num_chunks)]
+    return train_single_process(chunks, batch, m, STEPS, LR, loss_fn)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+import pipeline_model  # noqa: E402
 
 D, H, MB, STEPS, LR = 6, 5, 2, 3, 0.1  # H = 5: dim 0 of the first linear shards unevenly
 
@@ -79,24 +80,7 @@ def reference(num_chunks: int, m: int, steps: int = STEPS, h: int = H):
     """Single-process training of the whole model: mean loss over the m
     microbatches (gradient accumulation), SGD."""
     chunks = [Chunk(c, num_chunks, h=h) for c in range(num_chunks)]
-    params = [q for c in chunks for q in c.parameters()]
-    opt = torch.optim.SGD(params, lr=LR)
-    losses = []
-    for step in range(steps):
-        x, y = batch(step, m)
-        opt.zero_grad()
-        total = 0.0
-        for xm, ym in zip(x.chunk(m), y.chunk(m)):
-            h = xm
-            for c in chunks:
-                h = c(h)
-            loss = loss_fn(h, ym) / m
-            loss.backward()
-            total += loss.item()
-        losses.append(total)
-        opt.step()
-    return losses, {c: [q.detach().clone() for q in chunks[c].parameters()]
-                    for c in range(num_chunks)}
+    return pipeline_model.train_single_process(chunks, batch, m, steps, LR, loss_fn)
 
 
 def microbatches(name: str, p: int) -> int:
