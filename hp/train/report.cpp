@@ -75,6 +75,13 @@ std::string report_json(const TrainConfig& c, const TrainResult& r) {
                         {"w", sc.stage_w[st]},
                         {"comm", sc.comm},
                         {"send", st < sc.stage_send.size() ? sc.stage_send[st] : sc.send}});
+    // Measured activation bytes (NOTE [Memory measured against predicted]);
+    // the cost file takes memory in any one unit.
+    if (sc.stage_mem_b.size() == stages.size())
+      for (size_t st = 0; st < stages.size(); ++st) {
+        stages[st]["mem_b"] = sc.stage_mem_b[st];
+        stages[st]["mem_w"] = sc.stage_mem_w.at(st);
+      }
     if (!stages.empty()) j["stage_costs"] = {{"unit", "seconds"}, {"stages", stages}};
   }
   nlohmann::json ranks = nlohmann::json::array();
@@ -90,6 +97,18 @@ std::string report_json(const TrainConfig& c, const TrainResult& r) {
       one["hidden_comm_fraction"] = r.rank_hidden_comm.at(k);
     } else {
       one["peak_activation_bytes"] = r.rank_peak_bytes[k];
+      // NOTE [Memory measured against predicted]: both peaks in units of
+      // one microbatch's activations on this rank (its stages' mem_b summed).
+      if (k < r.rank_microbatch_bytes.size() && r.rank_microbatch_bytes[k] > 0) {
+        const double unit = r.rank_microbatch_bytes[k];
+        one["microbatch_activation_bytes"] = unit;
+        one["predicted_peak_activation_bytes"] = r.rank_predicted_peak_bytes.at(k);
+        one["peak_activation_microbatches"] = r.rank_peak_bytes[k] / unit;
+        one["predicted_peak_microbatches"] = r.rank_predicted_peak_bytes.at(k) / unit;
+        one["predicted_peak_with_transients_bytes"] = r.rank_predicted_peak_transient_bytes.at(k);
+        one["predicted_peak_with_transients_microbatches"] =
+            r.rank_predicted_peak_transient_bytes.at(k) / unit;
+      }
     }
     ranks.push_back(one);
   }
@@ -169,10 +188,18 @@ std::string summary_text(const TrainConfig& c, const TrainResult& r) {
   for (size_t k = 0; k < r.rank_compute.size(); ++k) {
     std::snprintf(buf, sizeof buf,
                   "  rank %zu: compute %.1f ms, waiting %.1f ms, executor overhead %.2f ms, peak "
-                  "activations %.1f MiB\n",
+                  "activations %.1f MiB",
                   k, r.rank_compute[k] * 1e3, r.rank_comm_wait[k] * 1e3, r.rank_overhead[k] * 1e3,
                   r.rank_peak_bytes[k] / 1048576.0);
     s += buf;
+    if (k < r.rank_microbatch_bytes.size() && r.rank_microbatch_bytes[k] > 0) {
+      const double unit = r.rank_microbatch_bytes[k];
+      std::snprintf(buf, sizeof buf, " (%.2f microbatches; predicted %.2f, %.2f with transients)",
+                    r.rank_peak_bytes[k] / unit, r.rank_predicted_peak_bytes.at(k) / unit,
+                    r.rank_predicted_peak_transient_bytes.at(k) / unit);
+      s += buf;
+    }
+    s += "\n";
   }
   std::snprintf(buf, sizeof buf, "  parameter checksum %.12g\n", r.checksum);
   s += buf;

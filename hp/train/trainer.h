@@ -111,6 +111,13 @@ struct TrainResult {
   double simulated_bubble = 0.0;    ///< simulator's bubble rate from measured F/I/W costs
   double simulated_makespan = 0.0;  ///< simulator's step time (s) from the same costs
   double measured_makespan = 0.0;   ///< last step's measured timeline length (s)
+  /// Per rank (rank 0 only; empty on a device, where the CPU tracker counts
+  /// nothing): the simulator's peak activation bytes under the stage bytes
+  /// measured before the first step, and one microbatch's activations there
+  /// (the sum of its stages' mem_b): NOTE [Memory measured against predicted].
+  std::vector<double> rank_predicted_peak_bytes, rank_microbatch_bytes;
+  /// The same count with each op's measured transient on top (same NOTE).
+  std::vector<double> rank_predicted_peak_transient_bytes;
   /// Per-stage F, I, W (seconds per microbatch) measured from the last step's
   /// timeline and the measured transfer latency: the report's "stage_costs",
   /// which `hp schedule tune --costs` reads (NOTE [Stage cost file]).
