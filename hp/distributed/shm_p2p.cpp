@@ -482,7 +482,8 @@ class ShmComm : public Comm, public std::enable_shared_from_this<ShmComm> {
     std::string line;
     if (!std::getline(stat, line)) return true;
     const auto paren = line.rfind(')');  // the name may hold spaces and parentheses
-    const char state = paren != std::string::npos && paren + 2 < line.size() ? line[paren + 2] : '?';
+    const char state =
+        paren != std::string::npos && paren + 2 < line.size() ? line[paren + 2] : '?';
     return state != 'Z' && state != 'X';
   }
 
@@ -589,7 +590,7 @@ class ShmComm : public Comm, public std::enable_shared_from_this<ShmComm> {
   std::shared_ptr<Comm> overflow_;  // messages that do not go through a ring
   std::vector<bool> local_;
   std::vector<pid_t> pid_;
-  std::vector<int> pidfd_;  // -1: none (this rank, or no pidfd_open); see peer_alive
+  std::vector<int> pidfd_;      // -1: none (this rank, or no pidfd_open); see peer_alive
   std::vector<Ring> in_, out_;  // by peer: rings from it / to it
   std::mutex mu_;               // the incoming rings' tails, posted_ and mailbox_
   std::mutex send_mu_;          // the outgoing rings' heads

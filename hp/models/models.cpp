@@ -197,8 +197,9 @@ void ModelSpec::check() const {
   // allocator message otherwise, or a machine swapping): the weights alone,
   // counted in double so that no product overflows.
   const double d = double(d_model), width = kind == "gpt" ? d : std::max(d, double(in_features));
-  const double params = kind == "gpt" ? double(layers) * 12.0 * d * d + double(vocab + seq_len) * d * 2
-                                      : double(layers + 1) * width * width;
+  const double params = kind == "gpt"
+                            ? double(layers) * 12.0 * d * d + double(vocab + seq_len) * d * 2
+                            : double(layers + 1) * width * width;
   const double bytes = params * double(c10::elementSize(dtype));
   const double memory = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGESIZE));
   TORCH_CHECK(memory <= 0 || bytes <= memory, "the ", kind, "'s weights alone (about ", params,

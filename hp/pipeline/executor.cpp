@@ -638,8 +638,13 @@ std::vector<int64_t> fingerprint(const schedule::Schedule& s, torch::Dtype dtype
       h = mix(h, static_cast<int64_t>(a.op));
       h = mix(mix(mix(mix(h, a.stage), a.microbatch), a.stage2), a.microbatch2);
     }
-  return {ok ? 0 : 1,         s.num_ranks, s.num_stages, s.num_microbatches, s.num_chunks,
-          static_cast<int64_t>(dtype), static_cast<int64_t>(h & 0x7fffffffffffffffull)};
+  return {ok ? 0 : 1,
+          s.num_ranks,
+          s.num_stages,
+          s.num_microbatches,
+          s.num_chunks,
+          static_cast<int64_t>(dtype),
+          static_cast<int64_t>(h & 0x7fffffffffffffffull)};
 }
 
 void agree_on_the_pipeline(distributed::Comm& comm, const std::vector<int64_t>& mine,

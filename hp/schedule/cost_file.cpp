@@ -66,8 +66,7 @@ double number(const json& stage, const char* key, double dflt, bool required,
   if (!std::isfinite(v) || v < 0 || (required && !(v > 0)) || v > kMaxCost)
     throw std::invalid_argument(where + ": \"" + key + "\" must be " +
                                 (required ? "positive" : "non-negative") +
-                                " and at most 1e12, got " +
-                                escape_bytes(it->dump(), 40));
+                                " and at most 1e12, got " + escape_bytes(it->dump(), 40));
   return v;
 }
 

@@ -420,7 +420,9 @@ Schedule build(const std::string& name, int ranks, int microbatches, const Build
   const bool two = name == "zbv" || name == "dualpipe" || name == "dualpipev" ||
                    name.rfind("v-", 0) == 0 || name == "auto";
   check_schedule_size("schedule '" + name + "'", ranks, microbatches,
-                      interleaved_kind ? std::max(1, o.chunks) : two ? 2 : 1);
+                      interleaved_kind ? std::max(1, o.chunks)
+                      : two            ? 2
+                                       : 1);
   Schedule s;
   if (name == "naive") {
     s = naive(ranks, microbatches);

@@ -455,9 +455,9 @@ void check_schedule_size(const std::string& what, int ranks, int microbatches,
   throw std::invalid_argument(
       what + ": " + std::to_string(ranks) + " ranks and " + std::to_string(microbatches) +
       " microbatches are too many to schedule in seconds: the work grows with ranks x "
-      "(microbatches x stages per rank)^2 = " + buf + "; use at most " +
-      std::to_string(static_cast<long long>(std::max(1.0, m_max))) + " microbatches at " +
-      std::to_string(ranks) + " ranks (NOTE [One size rule])");
+      "(microbatches x stages per rank)^2 = " +
+      buf + "; use at most " + std::to_string(static_cast<long long>(std::max(1.0, m_max))) +
+      " microbatches at " + std::to_string(ranks) + " ranks (NOTE [One size rule])");
 }
 
 }  // namespace hp::schedule

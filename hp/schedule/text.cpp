@@ -87,7 +87,9 @@ void write_text_file(const std::string& path, std::string_view data,
   if (::close(fd) != 0) fail("close", errno);
   if (::rename(tmp.c_str(), path.c_str()) != 0) fail("rename", errno);
   const auto slash = path.rfind('/');
-  const std::string parent = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
+  const std::string parent = slash == std::string::npos ? "."
+                             : slash == 0               ? "/"
+                                                        : path.substr(0, slash);
   int dfd = ::open(parent.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (dfd >= 0) {
     ::fsync(dfd);

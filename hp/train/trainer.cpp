@@ -219,7 +219,6 @@ std::string gib(double bytes) {
   return buf;
 }
 
-
 // NOTE [Memory measured against predicted]
 // The report compares each rank's measured peak activation memory with the
 // simulator's (schedule/simulate.h: F adds mem_b, I turns mem_b into mem_w,
@@ -273,8 +272,8 @@ std::vector<double> measure_activation_bytes(
     if (on_route < 0) continue;  // no microbatch visits it: it holds nothing
     const auto in = schedule::forward_input(sched, st, on_route);
     const bool first = in.kind == schedule::InputSource::Kind::Data;
-    const bool last = schedule::backward_input(sched, st, on_route).kind ==
-                      schedule::InputSource::Kind::Loss;
+    const bool last =
+        schedule::backward_input(sched, st, on_route).kind == schedule::InputSource::Kind::Loss;
     // The peak of `op` above the bytes allocated when it began.
     auto op_peak = [](const std::function<void()>& op) {
       const int64_t at = memory_allocated();
@@ -700,8 +699,7 @@ TrainResult run_rank(const TrainConfig& config, std::shared_ptr<distributed::Com
     stage_bytes = measure_activation_bytes(
         sched, rank, modules, loss_fn, eopts.input,
         models::activation_shape(config.model, config.microbatch_size),
-        torch::TensorOptions().dtype(config.model.dtype).device(device), config.recompute,
-        1.0 / m);
+        torch::TensorOptions().dtype(config.model.dtype).device(device), config.recompute, 1.0 / m);
     auto all_bytes = torch::tensor(stage_bytes, torch::kFloat64);
     comm->all_reduce(all_bytes);  // each stage lives on one rank of the pipeline
     stage_bytes.assign(all_bytes.data_ptr<double>(),

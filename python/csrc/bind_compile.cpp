@@ -14,7 +14,8 @@
 namespace hp::python {
 namespace {
 
-using PlanTuple = std::tuple<std::optional<bool>, std::vector<std::string>, std::vector<std::string>>;
+using PlanTuple =
+    std::tuple<std::optional<bool>, std::vector<std::string>, std::vector<std::string>>;
 
 PlanTuple as_tuple(const compile::PassPlan& plan) {
   std::vector<std::string> modules, patterns;

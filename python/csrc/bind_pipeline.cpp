@@ -287,7 +287,8 @@ class Runtime {
       // as waits on Gloo work under the GIL do here (NOTE [A Pipeline's
       // group dies with it]): every collective runs with the GIL released.
       py::gil_scoped_release release;
-      executor_ = std::make_unique<pipeline::Executor>(sched_, rank_, *stage_, comm_, std::move(eo));
+      executor_ =
+          std::make_unique<pipeline::Executor>(sched_, rank_, *stage_, comm_, std::move(eo));
     }
   }
 
@@ -338,8 +339,9 @@ class Runtime {
         py::gil_scoped_acquire gil;
         if (PyErr_CheckSignals() == 0) return;
         interrupted = std::make_shared<py::error_already_set>();
-        throw std::runtime_error("interrupted: a signal handler raised " +
-                                 std::string(interrupted->type().attr("__name__").cast<std::string>()));
+        throw std::runtime_error(
+            "interrupted: a signal handler raised " +
+            std::string(interrupted->type().attr("__name__").cast<std::string>()));
       });
       try {
         if (reducer_) reducer_->begin_step();

@@ -49,8 +49,8 @@ using GilRelease = py::gil_scoped_release;
 // Largest sizes a generator is asked for (NOTE [No crash from Python]): the
 // one rule every entry point checks (NOTE [One size rule]).
 void check_sizes(const std::string& name, int ranks, int microbatches, int chunks) {
-  if (chunks > 1000) value_error("schedule '" + name + "': chunks " + std::to_string(chunks) +
-                                 "; at most 1000");
+  if (chunks > 1000)
+    value_error("schedule '" + name + "': chunks " + std::to_string(chunks) + "; at most 1000");
   // build() checks again with the schedule's own stages per rank.
   hs::check_schedule_size("schedule '" + name + "'", ranks, microbatches, 1);
 }

@@ -248,8 +248,7 @@ int main(int argc, char** argv) {
       } catch (const std::exception& e) {
         const double s =
             std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        std::fprintf(stderr, "dist_worker rank %d: failed after %.2f s: %s\n", g_rank, s,
-                     e.what());
+        std::fprintf(stderr, "dist_worker rank %d: failed after %.2f s: %s\n", g_rank, s, e.what());
         std::fflush(stderr);
         std::_Exit(2);
       }

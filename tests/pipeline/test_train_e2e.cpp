@@ -157,7 +157,8 @@ TEST(TrainEndToEndFailures, AReportThatCannotBeWrittenFailsTheRunAndLeavesNoFile
   const std::string report = (dir / "report.json").string();
   HpRun r = run_hp(train_flags(c) + " --p2p gloo --report " + report, "ulimit -f 1; trap '' XFSZ;");
   EXPECT_NE(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("cannot write '" + report + "': write: File too large"), std::string::npos)
+  EXPECT_NE(r.output.find("cannot write '" + report + "': write: File too large"),
+            std::string::npos)
       << r.output;
   EXPECT_FALSE(std::filesystem::exists(report));
 }
