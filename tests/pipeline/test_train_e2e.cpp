@@ -117,6 +117,15 @@ TEST_P(TrainEndToEnd, LossesAndParametersEqualSingleProcessTraining) {
   fs::remove_all(dir);
 }
 
+// "v_half_p2": a test name from a (schedule, ranks) parameter.
+std::string schedule_and_ranks_name(
+    const ::testing::TestParamInfo<std::pair<std::string, int>>& info) {
+  std::string n = info.param.first + "_p" + std::to_string(info.param.second);
+  for (char& ch : n)
+    if (!isalnum(static_cast<unsigned char>(ch))) ch = '_';
+  return n;
+}
+
 INSTANTIATE_TEST_SUITE_P(Schedules, TrainEndToEnd,
                          ::testing::Values(std::make_pair(std::string("zb-h2"), 2),
                                            std::make_pair(std::string("zbv"), 2),
@@ -126,13 +135,7 @@ INSTANTIATE_TEST_SUITE_P(Schedules, TrainEndToEnd,
                                            std::make_pair(std::string("v-half"), 2),
                                            std::make_pair(std::string("v-min"), 4),
                                            std::make_pair(std::string("auto"), 4)),
-                         [](const auto& info) {
-                           std::string n =
-                               info.param.first + "_p" + std::to_string(info.param.second);
-                           for (char& ch : n)
-                             if (!isalnum(static_cast<unsigned char>(ch))) ch = '_';
-                           return n;
-                         });
+                         schedule_and_ranks_name);
 
 TEST(TrainEndToEndFailures, AKilledRankFailsTheRunFastAndByName) {
   TrainConfig c = small("1f1b", 3);
@@ -442,10 +445,4 @@ INSTANTIATE_TEST_SUITE_P(VFamily, TrainMemory,
                                            std::make_pair(std::string("v-min"), 2),
                                            std::make_pair(std::string("auto"), 4),
                                            std::make_pair(std::string("1f1b"), 4)),
-                         [](const auto& info) {
-                           std::string n =
-                               info.param.first + "_p" + std::to_string(info.param.second);
-                           for (char& ch : n)
-                             if (!isalnum(static_cast<unsigned char>(ch))) ch = '_';
-                           return n;
-                         });
+                         schedule_and_ranks_name);
