@@ -24,6 +24,7 @@
 
 #include "bindings.h"
 #include "hp/schedule/action.h"
+#include "hp/schedule/budget.h"
 #include "hp/schedule/cost_file.h"
 #include "hp/schedule/formulas.h"
 #include "hp/schedule/generators.h"
@@ -686,6 +687,26 @@ void bind_schedule(py::module_& m) {
       },
       py::arg("ranks"), py::arg("microbatches"), py::arg("costs"), py::arg("mem_limit"),
       "A lower bound on the longest rank's span of every loop F/I/W schedule within mem_limit.");
+  sub.def(
+      "recommend",
+      [](int ranks, int microbatches, hs::CostModel costs, double mem_limit) {
+        check_sizes("recommend", ranks, microbatches, 1);
+        if (!(mem_limit >= 0) || !std::isfinite(mem_limit))
+          value_error("recommend: mem_limit must be a finite number >= 0, got " + num(mem_limit));
+        std::vector<std::pair<std::string, std::string>> skipped;
+        std::vector<hs::Recommendation> rows;
+        {
+          GilRelease nogil;
+          rows = hs::recommend(ranks, microbatches, costs, mem_limit, &skipped);
+        }
+        py::list out;
+        for (auto& r : rows)
+          out.append(py::make_tuple(r.name, std::move(r.schedule), std::move(r.result), r.fits));
+        return py::make_tuple(out, skipped);
+      },
+      py::arg("ranks"), py::arg("microbatches"), py::arg("costs"), py::arg("mem_limit"),
+      "([(name, schedule, result, fits)] fitting first, then by step time; [(name, why "
+      "skipped)]): every schedule and the memory-budget search `auto` (hp schedule recommend).");
   sub.def(
       "validate",
       [](hs::Schedule s) {

@@ -19,7 +19,7 @@ wrong argument types are ``TypeError``.
 from __future__ import annotations
 
 import os
-from typing import Iterable, Sequence, Union
+from typing import Iterable, List, NamedTuple, Sequence, Tuple, Union
 
 from ._C import schedule as _C
 
@@ -61,6 +61,8 @@ __all__ = [
     "describe",
     "build",
     "zb_auto",
+    "recommend",
+    "Recommendation",
     "span_lower_bound",
     "validate",
     "lower",
@@ -166,6 +168,39 @@ def zb_auto(
         mem_limit=mem_limit_value(mem_limit, ranks, costs),
         refine_work=refine_work,
     )
+
+
+class Recommendation(NamedTuple):
+    """One row of :func:`recommend`: a schedule, its simulated step under the
+    costs (``result.makespan``, ``result.peak_memory`` per rank) and whether
+    its peak fits the memory limit."""
+
+    name: str
+    schedule: Schedule
+    result: SimResult
+    fits: bool
+
+
+def recommend(
+    ranks: int,
+    microbatches: int,
+    costs: CostModel | None = None,
+    *,
+    mem_limit: MemLimit = "1x",
+) -> Tuple[List[Recommendation], List[Tuple[str, str]]]:
+    """Which schedule should I run? Every schedule we have and ``auto`` (the
+    best schedule the memory-budget search finds within ``mem_limit``; see
+    :func:`mem_limit_value`, default 1F1B's memory), built for ``ranks`` and
+    ``microbatches`` and simulated under ``costs`` (e.g.
+    :func:`read_stage_costs` of an ``hp train --report``): the ones within the
+    limit first, each group by step time. Returns the rows and the generators
+    whose constraints these sizes do not meet, with why (``hp schedule
+    recommend``; ``write_csv(rows[0].schedule, path)`` writes one that ``hp
+    train --schedule-file`` runs)."""
+    costs = costs if costs is not None else CostModel()
+    rows, skipped = _C.recommend(ranks, microbatches, costs,
+                                 mem_limit_value(mem_limit, ranks, costs))
+    return [Recommendation(*row) for row in rows], list(skipped)
 
 
 def simulate(

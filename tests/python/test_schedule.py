@@ -536,3 +536,26 @@ def test_builds_run_in_threads():
     for t in threads:
         t.join()
     assert out[0] == out[1] == out[2]
+
+
+def test_recommend_ranks_every_schedule_under_a_memory_limit():
+    # hp schedule recommend from Python: the rows within the limit come first,
+    # each group by step time; the top one fits, runs as a CSV and is never
+    # slower than a fixed schedule that fits.
+    costs = hs.CostModel()
+    rows, skipped = hs.recommend(4, 16, costs, mem_limit="0.5x")
+    limit = hs.mem_limit_value("0.5x", 4, costs)
+    assert rows and all(isinstance(r, hs.Recommendation) for r in rows)
+    fits = [r.fits for r in rows]
+    assert fits == sorted(fits, reverse=True)
+    for r in rows:
+        assert r.fits == (max(r.result.peak_memory) <= limit + 1e-9), r.name
+    fitting = [r for r in rows if r.fits]
+    assert fitting[0].name == "auto" or fitting[0].result.makespan <= min(
+        r.result.makespan for r in fitting) + 1e-9
+    assert [r.result.makespan for r in fitting] == sorted(r.result.makespan for r in fitting)
+    assert "auto" in [r.name for r in fitting]
+    hs.validate(hs.lower(fitting[0].schedule))
+    assert all(isinstance(name, str) and why for name, why in skipped)
+    with pytest.raises(ValueError, match="mem_limit must be a finite number"):
+        hs.recommend(4, 16, costs, mem_limit=float("nan"))
