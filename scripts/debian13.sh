@@ -97,9 +97,8 @@ mkdir -p "$(dirname "$ROOT")" "$CCACHE_HOST"
 PARTIAL=$ROOT.partial   # debootstrap builds here; renamed to $ROOT when complete
 
 # Mount points at or below a folder, as this mount namespace sees them.
-mounts_under() {
-  findmnt -rn -o TARGET | awk -v d="$1" '$0 == d || index($0, d "/") == 1'
-}
+# shellcheck source=scripts/root_mounts.sh
+. "$(dirname "${BASH_SOURCE[0]}")/root_mounts.sh"  # mounts_under, unmount_tree
 
 # --------------------------------------------------------------------------
 # A private mount namespace: the script runs itself again under
@@ -152,19 +151,7 @@ unmount_root() {
   [ -n "$mounted_root" ] || return 0
   local r=$mounted_root
   mounted_root=""
-  if ! umount -R "$r" 2>/dev/null; then
-    # Something inside still holds a mount busy: detach it now, the kernel
-    # frees it when the last user goes (at the latest with this namespace).
-    log "umount -R $r failed (busy); detaching lazily"
-    umount -R -l "$r" || true
-  fi
-  local left
-  left=$(mounts_under "$r")
-  if [ -n "$left" ]; then
-    log "error: still mounted after cleanup:"
-    echo "$left" >&2
-    return 1
-  fi
+  unmount_tree "$r"
 }
 
 cleanup() {
