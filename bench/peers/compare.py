@@ -358,9 +358,9 @@ def main():
     ap.add_argument("--awake-cores", action="store_true",
                     help="keep the ranks' cores from idling during each run (a SCHED_IDLE busy "
                          "loop per core; see AwakeCores)")
-    ap.add_argument("--hp-p2p", default="gloo", choices=["gloo", "shm", "auto"],
+    ap.add_argument("--hp-p2p", default="group", choices=["group", "shm", "auto"],
                     help="hp train's point-to-point transport between the ranks (hp train "
-                         "--p2p, whose own default is auto; gloo here, as the tables in "
+                         "--p2p, whose own default is auto; the Gloo group's here, as the tables in "
                          "docs/benchmarks.md were measured); PyTorch uses the Gloo group, the "
                          "Python runtime Pipeline's default p2p (auto)")
     ap.add_argument("--timeout", type=int, default=600)

@@ -102,7 +102,7 @@ def worker(args):
     everyone = [None] * world
     dist.all_gather_object(everyone, {"actions": actions, "outside": outside})
     if rank == 0:
-        result["ideal_seconds"] = ideal_step(sides["hp-py"].sched.csv, everyone)
+        result["ideal_seconds"] = ideal_step(sides["hp-py"].sched, everyone)
         result.update({"setting": args.setting, "schedule": args.schedule, "hp_schedule": ours,
                        "nproc": world, "torch_version": torch.__version__})
         common.write_result(args.out, result)
@@ -115,7 +115,7 @@ def action_kind(text):
     return "+".join(part.rstrip("0123456789") for part in text.split("+"))
 
 
-def ideal_step(csv, ranks):
+def ideal_step(s, ranks):
     """The step of a runtime that costs nothing: the schedule simulated with
     each stage's median F, I, W (or B) seconds as our side measured them on
     every rank, transfers taking no time, plus the busiest rank's median time
@@ -127,7 +127,6 @@ def ideal_step(csv, ranks):
     adds up."""
     from hyperparallel import schedule as hs
 
-    s = hs.from_csv(csv)
     seconds = {}
     for r in ranks:
         for kind, xs in r["actions"].items():

@@ -647,8 +647,11 @@ std::vector<int64_t> fingerprint(const schedule::Schedule& s, torch::Dtype dtype
           static_cast<int64_t>(h & 0x7fffffffffffffffull)};
 }
 
-void agree_on_the_pipeline(distributed::Comm& comm, const std::vector<int64_t>& mine,
-                           const torch::Device& device, int rank) {
+}  // namespace
+
+void agree_on_the_pipeline(distributed::Comm& comm, const schedule::Schedule& schedule,
+                           torch::Dtype dtype, const torch::Device& device, int rank, bool ok) {
+  const std::vector<int64_t> mine = fingerprint(schedule, dtype, ok);
   const int n = comm.world_size();
   const int64_t k = static_cast<int64_t>(mine.size());
   auto out = torch::empty({n * k}, torch::TensorOptions().dtype(torch::kLong).device(device));
@@ -677,8 +680,6 @@ void agree_on_the_pipeline(distributed::Comm& comm, const std::vector<int64_t>& 
   }
 }
 
-}  // namespace
-
 Executor::Executor(const schedule::Schedule& schedule, int rank, PipelineStage& stage,
                    std::shared_ptr<distributed::Comm> comm, ExecutorOptions options) {
   TORCH_CHECK(comm != nullptr, "Executor: no Comm given");
@@ -701,7 +702,7 @@ Executor::Executor(const schedule::Schedule& schedule, int rank, PipelineStage& 
   // A Comm of another size than the schedule cannot agree with it: the
   // error above is the whole story, on every rank.
   if (group->world_size() != schedule.num_ranks && failed) std::rethrow_exception(failed);
-  agree_on_the_pipeline(*group, fingerprint(schedule, dtype, failed == nullptr), device, rank);
+  agree_on_the_pipeline(*group, schedule, dtype, device, rank, failed == nullptr);
   if (failed) std::rethrow_exception(failed);
 }
 

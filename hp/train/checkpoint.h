@@ -16,7 +16,7 @@
 
 #include "hp/distributed/comm.h"
 #include "hp/schedule/schedule.h"
-#include "hp/train/trainer.h"
+#include "hp/train/config.h"
 
 namespace hp::train {
 

@@ -7,7 +7,7 @@
 #include <memory>
 
 #include "hp/distributed/comm.h"
-#include "hp/train/trainer.h"
+#include "hp/train/config.h"
 
 namespace hp::train {
 

@@ -3,7 +3,7 @@
 
 #include <string>
 
-#include "hp/train/trainer.h"
+#include "hp/train/config.h"
 
 namespace hp::train {
 

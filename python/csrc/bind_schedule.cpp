@@ -17,6 +17,7 @@
 // inputs while holding the GIL and release it while they run.
 #include <cmath>
 #include <optional>
+#include <set>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -436,11 +437,79 @@ void bind_schedule(py::module_& m) {
             return s.stages_of_rank(r);
           },
           py::arg("rank"), "The stages rank r holds, in increasing order.")
+      .def(
+          "chunks_of_rank",
+          [](const hs::Schedule& s, int r) {
+            s.check_layout();
+            std::set<int> chunks;
+            for (int st : s.stages_of_rank(r))
+              chunks.insert(s.stage_chunk[st]);
+            return std::vector<int>(chunks.begin(), chunks.end());
+          },
+          py::arg("rank"),
+          "The model chunks rank r must hold (one module each), in increasing order. A chunk "
+          "held by several ranks (DualPipe's mirrored copies) is a replica: give every holder "
+          "the same initial weights; their gradients are summed.")
+      .def_property_readonly(
+          "first_stages",
+          [](const hs::Schedule& s) {
+            std::vector<int> out;
+            for (const auto& r : s.routes)
+              if (!r.empty()) out.push_back(r.front());
+            return out;
+          },
+          "The first stage of each route (reads the microbatch inputs).")
+      .def_property_readonly(
+          "last_stages",
+          [](const hs::Schedule& s) {
+            std::vector<int> out;
+            for (const auto& r : s.routes)
+              if (!r.empty()) out.push_back(r.back());
+            return out;
+          },
+          "The last stage of each route (computes the loss).")
+      .def(
+          "needs_inputs",
+          [](const hs::Schedule& s, int r) {
+            for (const auto& route : s.routes)
+              if (!route.empty() && s.stage_rank.at(route.front()) == r) return true;
+            return false;
+          },
+          py::arg("rank"), "Whether rank r runs the first stage of a route (reads inputs).")
+      .def(
+          "needs_targets",
+          [](const hs::Schedule& s, int r) {
+            for (const auto& route : s.routes)
+              if (!route.empty() && s.stage_rank.at(route.back()) == r) return true;
+            return false;
+          },
+          py::arg("rank"), "Whether rank r runs the last stage of a route (computes losses).")
+      .def_property_readonly(
+          "has_split",
+          [](const hs::Schedule& s) {
+            for (const auto& row : s.actions)
+              for (const auto& a : row)
+                if (a.op == hs::Op::I || a.op == hs::Op::W) return true;
+            return false;
+          },
+          "Whether the schedule splits backwards into I (dx) and W (dw) actions.")
       .def("check_layout", &hs::Schedule::check_layout,
            "Raises ValueError if the placement fields are inconsistent.")
       .def(
           "to_csv", [](const hs::Schedule& s) { return hs::to_csv(s); },
           "The schedule's CSV form (from_csv reads it back exactly).")
+      .def_static(
+          "from_csv",
+          [](const py::object& text, const std::string& source) {
+            if (!py::isinstance<py::str>(text))
+              throw py::type_error("from_csv: text must be a str, got " +
+                                   std::string(py::str(py::type::of(text))));
+            const std::string csv = text.cast<std::string>();
+            GilRelease nogil;
+            return hs::from_csv(csv, source);
+          },
+          py::arg("text"), py::arg("source") = "csv",
+          "A schedule from its CSV text (hyperparallel.schedule.from_csv).")
       .def("copy", [](const hs::Schedule& s) { return s; })
       .def("__copy__", [](const hs::Schedule& s) { return s; })
       .def(

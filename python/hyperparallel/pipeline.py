@@ -27,10 +27,10 @@ optimizer steps them.
 from __future__ import annotations
 
 import datetime
+import inspect
 import math
-import re
+import threading
 import warnings
-from dataclasses import dataclass
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
@@ -39,61 +39,187 @@ import torch.distributed as dist
 from . import _C
 from .split_model import split_model  # cutting one model into chunks
 
-__all__ = ["PipelineSchedule", "schedule", "Pipeline", "cpu_cache_bytes", "empty_cpu_cache",
+__all__ = ["PipelineSchedule", "schedule", "Pipeline", "add_loss", "collect_losses",
+           "cpu_cache_bytes", "empty_cpu_cache",
            "split_model"]
 
 
-@dataclass(frozen=True)
-class PipelineSchedule:
-    """A schedule's placement, as the runtime needs it: which rank runs each
-    virtual stage and which model chunk each stage computes. ``csv`` is the
-    schedule itself (hyperparallel's CSV form, see docs/schedules.md)."""
+#: The schedule a :class:`Pipeline` runs: hyperparallel's one ``Schedule``
+#: type (``hyperparallel.schedule.Schedule``, the C++ ``hp::schedule::Schedule``
+#: bound), with ``chunks_of_rank``, ``needs_inputs``, ``needs_targets`` and
+#: ``has_split`` for the runtime's callers. No copy, no text between them.
+PipelineSchedule = _C.schedule.Schedule
 
-    csv: str
-    num_ranks: int
-    num_stages: int
-    num_chunks: int
-    num_microbatches: int
-    stage_rank: Tuple[int, ...]
-    stage_chunk: Tuple[int, ...]
-    first_stages: Tuple[int, ...] = ()  # the first stage of each route (reads the inputs)
-    last_stages: Tuple[int, ...] = ()  # the last stage of each route (computes the loss)
+
+# NOTE [Auxiliary losses]
+# A stage may add scalar losses of its own beside its output (a MoE router's
+# load-balancing loss): `add_loss(t)` inside its forward. The Pipeline runs
+# each chunk's forward through _StageForward, which collects them for that
+# (stage, microbatch) and ties their sum to the output with _WithAuxiliary:
+# the output unchanged forward; backward, the output's gradient passes
+# through and the sum gets the step's loss scale (1/m, the weight of one
+# microbatch's loss, NOTE [The loss scale is the backward's seed] in
+# hp/pipeline/stage.cpp) as its gradient. So the auxiliary term joins the
+# backward of the stage that made it, wherever the schedule runs it and
+# however it splits it (B, or I then W: the node is on the path from the
+# output to the input and the weights alike), and the gradients are those
+# of loss + sum(aux) averaged over the microbatches, as one process computes
+# them. Each rank sums its auxiliary values (detached) over the step; the
+# runtime reduces that sum in the same collective as the loss
+# (PipelineOptions::extra_sum) and `last_stats["aux_loss"]` reports it as
+# the mean over microbatches. Outside a Pipeline, `collect_losses()` gathers
+# them for a single-process run of the same model code.
+_collecting = threading.local()
+
+
+def add_loss(loss: torch.Tensor) -> None:
+    """Adds a scalar auxiliary loss (e.g. a MoE load-balancing loss) from
+    inside a stage's forward: it joins that stage's backward with the step's
+    loss scale and is reported per step as ``pipe.last_stats["aux_loss"]``
+    (NOTE [Auxiliary losses]). Outside a Pipeline's forward, inside
+    ``with collect_losses() as aux:`` it is appended to ``aux``; elsewhere it
+    is an error."""
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"add_loss: an auxiliary loss must be a tensor, got {type(loss).__name__}")
+    if loss.numel() != 1:
+        raise ValueError(
+            f"add_loss: an auxiliary loss must be a scalar (one element), got shape "
+            f"{tuple(loss.shape)}"
+        )
+    sink = getattr(_collecting, "sink", None)
+    if sink is None:
+        raise RuntimeError(
+            "add_loss was called outside a Pipeline stage's forward and outside "
+            "hyperparallel.pipeline.collect_losses(): nothing would train on it"
+        )
+    sink.append(loss.reshape(()))
+
+
+class collect_losses:
+    """``with collect_losses() as aux: out = model(x)``: the auxiliary losses
+    that ``add_loss`` adds inside, in a list (a single-process run of the
+    model code a Pipeline trains)."""
+
+    def __enter__(self) -> List[torch.Tensor]:
+        self._outer = getattr(_collecting, "sink", None)
+        self.losses: List[torch.Tensor] = []
+        _collecting.sink = self.losses
+        return self.losses
+
+    def __exit__(self, *exc) -> None:
+        _collecting.sink = self._outer
+
+
+class _WithAuxiliary(torch.autograd.Function):
+    """The output unchanged; backward, the auxiliary sum's gradient is the
+    loss scale (NOTE [Auxiliary losses])."""
 
     @staticmethod
-    def from_csv(csv: str) -> "PipelineSchedule":
-        """A schedule from its CSV text (e.g. written by ``hp schedule tune``)."""
-        if not isinstance(csv, str):
-            raise TypeError(f"csv must be a str, got {type(csv).__name__}")
-        lay = _C.pipeline.layout(csv)
-        return PipelineSchedule(
-            csv=csv,
-            num_ranks=lay["num_ranks"],
-            num_stages=lay["num_stages"],
-            num_chunks=lay["num_chunks"],
-            num_microbatches=lay["num_microbatches"],
-            stage_rank=tuple(lay["stage_rank"]),
-            stage_chunk=tuple(lay["stage_chunk"]),
-            first_stages=tuple(lay["first_stages"]),
-            last_stages=tuple(lay["last_stages"]),
-        )
+    def forward(ctx, output, aux, scale: float):
+        ctx.scale = scale
+        ctx.aux_meta = (aux.dtype, aux.device)
+        return output.view_as(output)
 
-    def stages_of_rank(self, rank: int) -> List[int]:
-        """The virtual stages ``rank`` runs, in increasing order."""
-        return [s for s, r in enumerate(self.stage_rank) if r == rank]
+    @staticmethod
+    def backward(ctx, grad_output):
+        dtype, device = ctx.aux_meta
+        return grad_output, torch.full((), ctx.scale, dtype=dtype, device=device), None
 
-    def needs_inputs(self, rank: int) -> bool:
-        """Whether ``rank`` runs the first stage of a route (reads microbatch inputs)."""
-        return any(self.stage_rank[s] == rank for s in self.first_stages)
 
-    def needs_targets(self, rank: int) -> bool:
-        """Whether ``rank`` runs the last stage of a route (computes losses)."""
-        return any(self.stage_rank[s] == rank for s in self.last_stages)
+class _AuxiliarySum:
+    """One rank's auxiliary losses of the running step (detached)."""
 
-    def chunks_of_rank(self, rank: int) -> List[int]:
-        """The model chunks ``rank`` must hold (one module each), in increasing order.
-        A chunk held by several ranks (DualPipe's mirrored copies) is a replica:
-        give every holder the same initial weights; their gradients are summed."""
-        return sorted({self.stage_chunk[s] for s in self.stages_of_rank(rank)})
+    def __init__(self, scale: float):
+        self.scale = scale
+        self.total: Optional[torch.Tensor] = None
+
+    def add(self, t: torch.Tensor) -> None:
+        t = t.detach().to(torch.float64)
+        self.total = t if self.total is None else self.total + t
+
+    def take(self) -> float:
+        """The step's sum times the scale (its mean over microbatches), reset."""
+        total, self.total = self.total, None
+        return 0.0 if total is None else total.item() * self.scale
+
+
+# NOTE [Keyword arguments of every stage]
+# Real model code gives its blocks more than the hidden states: position ids,
+# an attention mask. `step(inputs, targets, **kwargs)` takes them once for
+# the step: a tensor is split into the microbatches along dim 0 (as inputs
+# are; a batch that does not divide is a ValueError naming it), anything
+# else is a constant. Every rank is given them (its script is the same), so
+# they never travel between ranks: each stage's forward gets, beside its
+# activation, the ones it accepts (by its signature: all of them where it
+# takes **kwargs), for the microbatch it runs (the runtime passes the
+# microbatch with each F). So they carry no gradient back; a kwarg that
+# requires grad is refused.
+class _StepKwargs:
+    """The keyword arguments of the running step, per microbatch (NOTE
+    [Keyword arguments of every stage])."""
+
+    def __init__(self):
+        self.per_microbatch: List[Dict[str, object]] = []
+        self.constant: Dict[str, object] = {}
+
+    def of(self, mb: int, accepts) -> Dict[str, object]:
+        if not self.per_microbatch and not self.constant:
+            return {}
+        kw = dict(self.constant)
+        if self.per_microbatch:
+            kw.update(self.per_microbatch[mb])
+        if accepts is None:
+            return kw
+        return {k: v for k, v in kw.items() if k in accepts}
+
+
+def _accepted_kwargs(fn) -> Optional[frozenset]:
+    """The keyword arguments `fn` (a module's forward, or a callable) takes
+    beside its first argument: None for all of them (``**kwargs``)."""
+    target = fn.forward if isinstance(fn, torch.nn.Module) else fn
+    try:
+        sig = inspect.signature(target)
+    except (TypeError, ValueError):
+        return frozenset()
+    names, positional = set(), 0
+    for prm in sig.parameters.values():
+        if prm.kind is prm.VAR_KEYWORD:
+            return None
+        if prm.kind in (prm.POSITIONAL_ONLY, prm.POSITIONAL_OR_KEYWORD) and positional == 0:
+            positional += 1  # the activation
+            continue
+        if prm.kind in (prm.POSITIONAL_OR_KEYWORD, prm.KEYWORD_ONLY):
+            names.add(prm.name)
+    return frozenset(names)
+
+
+class _StageForward:
+    """A chunk's forward as the runtime calls it, ``(x, microbatch)``: hands
+    the module the step's keyword arguments it accepts (NOTE [Keyword
+    arguments of every stage]), collects the auxiliary losses it adds and
+    ties them to its output (NOTE [Auxiliary losses])."""
+
+    def __init__(self, fn: Callable, aux: _AuxiliarySum, kwargs: _StepKwargs, accepts):
+        self.fn = fn
+        self.aux = aux
+        self.kwargs = kwargs
+        self.accepts = accepts
+
+    def __call__(self, x: torch.Tensor, mb: int) -> torch.Tensor:
+        outer = getattr(_collecting, "sink", None)
+        added: List[torch.Tensor] = []
+        _collecting.sink = added
+        try:
+            out = self.fn(x, **self.kwargs.of(mb, self.accepts))
+        finally:
+            _collecting.sink = outer
+        if not added:
+            return out
+        total = added[0] if len(added) == 1 else torch.stack(added).sum()
+        self.aux.add(total)
+        if not total.requires_grad or not isinstance(out, torch.Tensor):
+            return out
+        return _WithAuxiliary.apply(out, total, self.aux.scale)
 
 
 class _LossOfMicrobatch:
@@ -131,27 +257,18 @@ def empty_cpu_cache() -> None:
 def schedule(name: str, ranks: int, microbatches: int, chunks: int = 2) -> PipelineSchedule:
     """The named hyperparallel schedule (``1f1b``, ``zb-h1``, ``zbv``,
     ``dualpipev``, ``zb-auto``, ...; ``chunks`` is the virtual stages per rank
-    of the interleaved ones). The model is cut into ``num_chunks`` consecutive
-    chunks."""
+    of the interleaved ones): ``hyperparallel.schedule.build`` for the
+    Pipeline. The model is cut into ``num_chunks`` consecutive chunks. Any
+    other ``Schedule`` (``read_csv``, ``recommend``, your own) runs too."""
     if not isinstance(name, str):
         raise TypeError(f"name must be a str, got {type(name).__name__}")
     for arg, value in (("ranks", ranks), ("microbatches", microbatches), ("chunks", chunks)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{arg} must be a positive int, got {value!r}")
-    return PipelineSchedule.from_csv(_C.pipeline.schedule_csv(name, ranks, microbatches, chunks))
+    return _C.schedule.build(name, ranks, microbatches, chunks=chunks)
 
 
 Shape = Union[Sequence[int], Callable[[int, int], Sequence[int]]]
-
-
-def _has_split(csv: str) -> bool:
-    """Whether a schedule splits backwards into I (dx) and W (dw) actions."""
-    for line in csv.splitlines():
-        if line.startswith("#"):
-            continue
-        if re.search(r"(?:^|,)\s*\d+[IW]\d+", line):
-            return True
-    return False
 
 
 def _group_ranks(group) -> Tuple[int, ...]:
@@ -461,9 +578,9 @@ def _without_donated_buffers(fn):
     under a split schedule])."""
     import torch._functorch.config as functorch_config
 
-    def forward(x):
+    def forward(x, **kwargs):
         with functorch_config.patch(donated_buffer=False):
-            return fn(x)
+            return fn(x, **kwargs)
 
     return forward
 
@@ -504,8 +621,7 @@ def _without_donated_buffers(fn):
 # forwards run inside it) and warns once when there are any.
 # hyperparallel.recompute.checkpoint shares one recompute: the runtime runs
 # each I and W of (stage, mb) inside recompute session (stage, mb), retaining
-# (NOTE [Recompute sessions of a Python pipeline] in
-# python/csrc/bind_pipeline.cpp).
+# (NOTE [Recompute in the pipeline] in hp/pipeline/pipeline.cpp).
 
 
 class _CheckpointCounter:
@@ -529,7 +645,6 @@ class _CheckpointCounter:
 
     def __exit__(self, *exc):
         import torch.utils.checkpoint as ckpt
-
 
         ckpt._checkpoint_without_reentrant_generator = self._orig
         return False
@@ -632,7 +747,7 @@ class Pipeline:
     ):
         if not isinstance(schedule, PipelineSchedule):
             raise TypeError(
-                "schedule must be a hyperparallel.pipeline.PipelineSchedule "
+                "schedule must be a hyperparallel Schedule "
                 f"(hyperparallel.pipeline.schedule(...)), got {type(schedule).__name__}"
             )
         if not isinstance(chunks, Mapping) or not chunks:
@@ -694,7 +809,7 @@ class Pipeline:
         # Compositions (NOTE [FSDP2 stages]): every rank checks its own, then
         # all agree before the runtime's construction waits on all of them.
         fsdp = _Fsdp2Stages(chunks)
-        split = _has_split(schedule.csv)
+        split = schedule.has_split
         error = None
         if fsdp:
             holders: Dict[int, set] = {}
@@ -750,6 +865,13 @@ class Pipeline:
                 RuntimeWarning,
                 stacklevel=2,
             )
+        # NOTE [Auxiliary losses]: every chunk's forward collects add_loss().
+        # NOTE [Keyword arguments of every stage]: and the step's kwargs.
+        self._aux = _AuxiliarySum(1.0 / schedule.num_microbatches)
+        self._kwargs = _StepKwargs()
+        for c in forward:
+            forward[c] = _StageForward(forward[c], self._aux, self._kwargs,
+                                       _accepted_kwargs(chunks[c]))
         first = next((q for ps in params.values() for q in ps), None)
         _agree(agree_on, error,
                torch.device(device) if device is not None else
@@ -832,7 +954,7 @@ class Pipeline:
         self._loss = _LossOfMicrobatch(loss_fn)
         self.schedule = schedule
         self._runtime = _C.pipeline.Runtime(
-            schedule.csv,
+            schedule,
             group,
             forward,
             params,
@@ -847,6 +969,7 @@ class Pipeline:
             keep_freed_memory,
             dp_params,
             split,
+            self._aux.take,
         )
         self.rank = self._runtime.rank
         self._loss.rank = self.rank
@@ -880,16 +1003,42 @@ class Pipeline:
                 raise TypeError(f"{what}[{k}] is a {type(t).__name__}, not a tensor")
         return parts
 
-    def step(self, inputs=None, targets=None) -> float:
+    def step(self, inputs=None, targets=None, **kwargs) -> float:
         """Runs one step: forward and backward of every microbatch of this
         rank's stages, weight gradients accumulated into ``.grad``. ``inputs``
         (needed on the ranks running a route's first stage) and ``targets``
         (on those running a last stage) are a batch tensor split into the
         schedule's microbatches along dim 0, or a list of one tensor per
-        microbatch. Returns the mean loss over the microbatches, on every rank."""
+        microbatch. Keyword arguments go to every stage whose forward takes
+        them (NOTE [Keyword arguments of every stage]): a tensor is split
+        into the microbatches along dim 0 (``attention_mask``,
+        ``position_ids``), anything else is handed on unchanged. Returns the
+        mean loss over the microbatches, on every rank; ``last_stats`` has
+        the step's timings and ``aux_loss`` (NOTE [Auxiliary losses])."""
         m = self.schedule.num_microbatches
         ins = self._split(inputs, m, "inputs")
         tgts = self._split(targets, m, "targets")
+        per_mb: List[Dict[str, object]] = []
+        constant: Dict[str, object] = {}
+        for key, value in kwargs.items():
+            if isinstance(value, torch.Tensor):
+                if value.requires_grad:
+                    raise ValueError(
+                        f"step(): keyword argument {key!r} requires grad, but keyword arguments "
+                        "carry no gradient back between ranks; pass it detached, or compute it "
+                        "inside a stage")
+                if value.dim() == 0:
+                    raise ValueError(
+                        f"step(): keyword argument {key!r} is a 0-d tensor; tensors are split "
+                        f"into the {m} microbatches along dim 0 (pass a number for a constant)")
+                parts = self._split(value, m, f"keyword argument {key!r}")
+                if not per_mb:
+                    per_mb = [{} for _ in range(m)]
+                for k in range(m):
+                    per_mb[k][key] = parts[k]
+            else:
+                constant[key] = value
+        self._kwargs.per_microbatch, self._kwargs.constant = per_mb, constant
         if not ins and self.schedule.needs_inputs(self.rank):
             raise ValueError(f"rank {self.rank} runs a route's first stage: give step() the inputs")
         if not tgts and self.schedule.needs_targets(self.rank):
@@ -908,6 +1057,7 @@ class Pipeline:
             ok = True
         finally:
             self._loss.targets = []
+            self._kwargs.per_microbatch, self._kwargs.constant = [], {}
             if self._fsdp is not None:
                 self._fsdp.end_step(ok)
         if counter is not None:
@@ -925,11 +1075,15 @@ class Pipeline:
                     stacklevel=2,
                 )
         if self._loss_groups:
-            # The step's loss: the mean over FSDP2's data-parallel ranks too.
-            loss = torch.tensor([stats["loss"]], dtype=torch.float64, device=self._loss_device)
+            # The step's loss (and auxiliary losses): the mean over FSDP2's
+            # data-parallel ranks too.
+            sums = torch.tensor([stats["loss"], stats["extra"]], dtype=torch.float64,
+                                device=self._loss_device)
             for g in self._loss_groups:
-                g.allreduce([loss]).wait()
-                loss /= g.size()
-            stats["loss"] = loss.item()
+                g.allreduce([sums]).wait()
+                sums /= g.size()
+            stats["loss"], stats["extra"] = sums.tolist()
+        # NOTE [Auxiliary losses]: their mean over microbatches, every rank's.
+        stats["aux_loss"] = stats.pop("extra")
         self.last_stats = stats
         return stats["loss"]

@@ -19,10 +19,11 @@ Two kinds of model:
   ``model.layers.<i>``, ``model.norm``, ``lm_head``. A chunk's forward takes
   the hidden states (token ids on the first chunk), and before its first
   decoder layer computes what the model's own forward would hand the layers:
-  the position ids ``0..T-1``, the rotary embedding (``model.model.rotary_emb``)
-  and the causal mask (full or sliding-window, per layer type) from the
-  hidden states' shape. No padding mask: every sequence of a microbatch is
-  full length. The last chunk returns the logits.
+  the position ids (given, or ``0..T-1``), the rotary embedding
+  (``model.model.rotary_emb``) and the causal mask (full or sliding-window,
+  per layer type) from the hidden states' shape and the padding mask
+  (``attention_mask``, given or none). The Pipeline hands both to every chunk
+  as keyword arguments of ``step``. The last chunk returns the logits.
 * any model whose blocks each take and return one tensor, given by names:
   ``embed=[...]``, ``blocks="name"``, ``tail=[...]``; a chunk calls its units
   in order, ``h = unit(h)``.
@@ -79,29 +80,36 @@ class ModelChunk(nn.Module):
             for n, q in mod.named_parameters():
                 yield f"{name}.{n}", q
 
-    def _decoder_inputs(self, h: torch.Tensor):
+    def _decoder_inputs(self, h: torch.Tensor, attention_mask, position_ids):
         from transformers.masking_utils import (
             create_causal_mask,
             create_sliding_window_causal_mask,
         )
 
         config = self._hf[0]
-        position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-        kw = dict(config=config, inputs_embeds=h, attention_mask=None, past_key_values=None,
-                  position_ids=position_ids)
+        if position_ids is None:
+            position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        kw = dict(config=config, inputs_embeds=h, attention_mask=attention_mask,
+                  past_key_values=None, position_ids=position_ids)
         masks = {}
         for t in set(self._hf[1].values()):
             fn = create_sliding_window_causal_mask if t == "sliding_attention" else create_causal_mask
             masks[t] = fn(**kw)
         return position_ids, self.rotary_emb(h, position_ids), masks
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``attention_mask`` (``[batch, seq]``, 1 for tokens, 0 for padding)
+        and ``position_ids`` are the model's own arguments, for the decoder
+        layers of a transformers model (the Pipeline hands them to every
+        stage: ``pipe.step(ids, targets, attention_mask=mask)``); without
+        them, every sequence is full length from position 0."""
         h = x
         decoder = None
         for name, kind, mod in zip(self.module_names, self._kinds, self.units):
             if kind == "decoder":
                 if decoder is None:
-                    decoder = self._decoder_inputs(h)
+                    decoder = self._decoder_inputs(h, attention_mask, position_ids)
                 position_ids, position_embeddings, masks = decoder
                 h = mod(h, attention_mask=masks[self._hf[1][name]], position_ids=position_ids,
                         position_embeddings=position_embeddings)

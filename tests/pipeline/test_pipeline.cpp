@@ -408,7 +408,7 @@ TEST(Executor, ReceivesPostedAheadOnlyWhereTheCommSaysFree) {
 TEST(Pipeline, EachPointToPointTrainsTheSame) {
   for (auto [schedule, p] : {std::make_pair(std::string("interleaved-zb"), 4),
                              std::make_pair(std::string("dualpipev"), 2)}) {
-    for (std::string p2p : {"shm", "gloo", "auto"}) {
+    for (std::string p2p : {"shm", "group", "auto"}) {
       SCOPED_TRACE(schedule + " --p2p " + p2p);
       TrainConfig c = tiny(schedule, p, schedule == "dualpipev" ? 6 : 8, "gpt");
       c.p2p = p2p;
@@ -417,7 +417,7 @@ TEST(Pipeline, EachPointToPointTrainsTheSame) {
         results[r] = hp::train::run_rank(c, comm);
       });
       for (int r = 0; r < p; ++r) {
-        EXPECT_EQ(results[r].p2p_backend, p2p == "gloo" ? "gloo" : "gloo+shm") << "rank " << r;
+        EXPECT_EQ(results[r].p2p_backend, p2p == "group" ? "gloo" : "gloo+shm") << "rank " << r;
         EXPECT_EQ(results[r].p2p_note, "") << "rank " << r;
       }
       expect_matches_reference(c, results);

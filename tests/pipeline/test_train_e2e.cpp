@@ -158,7 +158,8 @@ TEST(TrainEndToEndFailures, AReportThatCannotBeWrittenFailsTheRunAndLeavesNoFile
   c.steps = 1;
   auto dir = fresh_dir("report-limit");
   const std::string report = (dir / "report.json").string();
-  HpRun r = run_hp(train_flags(c) + " --p2p gloo --report " + report, "ulimit -f 1; trap '' XFSZ;");
+  HpRun r =
+      run_hp(train_flags(c) + " --p2p group --report " + report, "ulimit -f 1; trap '' XFSZ;");
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("cannot write '" + report + "': write: File too large"),
             std::string::npos)
@@ -254,7 +255,7 @@ TEST(TrainEndToEnd, TwoRanksOnTwoHostsRendezvousOverTcp) {
   TrainConfig c = small("zb-h1", 2);
   auto dir = fresh_dir("netns");
   // Rank r runs `hp train --worker` in namespace r, as on two hosts; both
-  // rendezvous at rank 0's address over TCP, and --p2p gloo keeps their
+  // rendezvous at rank 0's address over TCP, and --p2p group keeps their
   // messages there too (the namespaces share /dev/shm, where "auto" would
   // make rings).
   hp::launch::LaunchOptions o;
@@ -262,7 +263,7 @@ TEST(TrainEndToEnd, TwoRanksOnTwoHostsRendezvousOverTcp) {
   o.command = {"sh", "-c",
                "if [ \"$RANK\" = 0 ]; then NS=" + net.ns[0] + "; else NS=" + net.ns[1] +
                    "; fi; exec ip netns exec $NS env MASTER_ADDR=10.231.0.1 MASTER_PORT=29517 " +
-                   HP_BIN + " " + train_flags(c) + " --p2p gloo --worker --report " +
+                   HP_BIN + " " + train_flags(c) + " --p2p group --worker --report " +
                    (dir / "report.json").string()};
   o.timeout = std::chrono::seconds(20);
   o.run_timeout = std::chrono::seconds(120);

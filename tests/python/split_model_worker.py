@@ -2,7 +2,8 @@
 variables): builds a tiny float64 transformers LlamaForCausalLM from a fixed
 seed, cuts it with hyperparallel.pipeline.split_model, trains it a few SGD
 steps with hyperparallel.pipeline.Pipeline over a Gloo group for each
-schedule in turn, and saves the losses and its chunks' parameters (by the
+schedule in turn (a padding mask given to step() as the model's
+attention_mask, for every stage), and saves the losses and its chunks' parameters (by the
 model's names) for the test to compare with single-process training.
 
     split_model_worker.py OUT_DIR SCHEDULES
@@ -47,9 +48,16 @@ def loss_fn(logits, labels):
 
 
 def batch(step, m):
+    """Inputs, next-token labels and a padding mask: row i's last i % 3
+    tokens are padding (the model's attention_mask, a keyword argument of
+    every stage)."""
     g = torch.Generator().manual_seed(50 + step)
     ids = torch.randint(0, VOCAB, (m * MB, T + 1), generator=g)
-    return ids[:, :-1], ids[:, 1:]  # inputs, next-token labels
+    mask = torch.ones(m * MB, T, dtype=torch.long)
+    for i in range(m * MB):
+        if i % 3:
+            mask[i, T - i % 3:] = 0
+    return ids[:, :-1], ids[:, 1:], mask
 
 
 def reference(m):
@@ -59,11 +67,11 @@ def reference(m):
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     for step in range(STEPS):
-        x, y = batch(step, m)
+        x, y, mask = batch(step, m)
         opt.zero_grad()
         total = 0.0
-        for xm, ym in zip(x.chunk(m), y.chunk(m)):
-            loss = loss_fn(model(xm).logits, ym) / m
+        for xm, ym, mm in zip(x.chunk(m), y.chunk(m), mask.chunk(m)):
+            loss = loss_fn(model(xm, attention_mask=mm).logits, ym) / m
             loss.backward()
             total += loss.item()
         losses.append(total)
@@ -88,9 +96,9 @@ def main():
         opt = torch.optim.SGD([q for c in chunks.values() for q in c.parameters()], lr=LR)
         losses = []
         for step in range(STEPS):
-            x, y = batch(step, sched.num_microbatches)
+            x, y, mask = batch(step, sched.num_microbatches)
             opt.zero_grad()
-            losses.append(pipe.step(x, y))
+            losses.append(pipe.step(x, y, attention_mask=mask))
             opt.step()
         results[name] = {
             "losses": losses,

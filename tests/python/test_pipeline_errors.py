@@ -65,7 +65,7 @@ def test_schedule_arguments():
 def test_pipeline_arguments(one_rank_group):
     s1 = hp.pipeline.schedule("1f1b", ranks=1, microbatches=2)
     good = dict(loss_fn=mse, activation_shape=(2, 4), group=one_rank_group)
-    with pytest.raises(TypeError, match="PipelineSchedule"):
+    with pytest.raises(TypeError, match="Schedule"):
         hp.pipeline.Pipeline({0: lin()}, "1f1b", **good)
     with pytest.raises(TypeError, match="chunks"):
         hp.pipeline.Pipeline([lin()], s1, **good)
@@ -160,3 +160,41 @@ def test_a_dropped_pipeline_lets_its_group_go(one_rank_group):
     gone = weakref.ref(pipe)
     del pipe
     assert gone() is None, "a reference cycle keeps the Pipeline alive"
+
+
+class _Scaled(torch.nn.Module):
+    """A linear layer whose forward takes keyword arguments: a per-row
+    weight (batched) and a constant shift."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = lin()
+
+    def forward(self, x, row_weight=None, shift=0.0):
+        h = self.lin(x) + shift
+        return h if row_weight is None else h * row_weight[:, None]
+
+
+def test_keyword_arguments_reach_the_stage_split_per_microbatch(one_rank_group):
+    # NOTE [Keyword arguments of every stage]: a tensor kwarg is split along
+    # dim 0 like the inputs, a number goes unchanged, one the forward does not
+    # take is left out; the loss equals the same model run by hand.
+    torch.manual_seed(0)
+    chunk = _Scaled()
+    sched = hp.pipeline.schedule("1f1b", ranks=1, microbatches=2)
+    pipe = hp.pipeline.Pipeline({0: chunk}, sched, loss_fn=mse, activation_shape=(3, 4),
+                                group=one_rank_group)
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    w = torch.linspace(0.5, 2.0, 6, dtype=torch.float64)
+    loss = pipe.step(x, y, row_weight=w, shift=0.25, unused="ignored")
+    with torch.no_grad():
+        want = sum(mse(chunk(xm, row_weight=wm, shift=0.25), ym).item()
+                   for xm, ym, wm in zip(x.chunk(2), y.chunk(2), w.chunk(2))) / 2
+        plain = sum(mse(chunk(xm), ym).item() for xm, ym in zip(x.chunk(2), y.chunk(2))) / 2
+    assert abs(loss - want) <= 1e-12 and abs(loss - plain) > 1e-3
+    with pytest.raises(ValueError, match="keyword argument 'row_weight'.*not divisible"):
+        pipe.step(x, y, row_weight=torch.ones(5, dtype=torch.float64))
+    with pytest.raises(ValueError, match="keyword argument 'row_weight' requires grad"):
+        pipe.step(x, y, row_weight=w.clone().requires_grad_())
+    with pytest.raises(ValueError, match="0-d tensor"):
+        pipe.step(x, y, row_weight=torch.tensor(1.0))

@@ -32,6 +32,12 @@ def test_training_a_split_llama_equals_single_process_training(tmp_path):
                      timeout=300, env={"HF_HUB_OFFLINE": "1"})
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(w.P)]
     initial = dict(w.make_model().named_parameters())
+    # The padding mask (step()'s attention_mask) changes the logits: the
+    # stages must have been given it to equal the reference below.
+    x, _, mask = w.batch(0, 2)
+    with torch.no_grad():
+        model = w.make_model()
+        assert (model(x, attention_mask=mask).logits - model(x).logits).abs().max().item() > 1e-6
     for name in names:
         sched = hp.pipeline.schedule(name, ranks=w.P, microbatches=2 * w.P)
         ref_losses, ref_params = w.reference(sched.num_microbatches)

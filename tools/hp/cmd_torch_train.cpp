@@ -279,9 +279,10 @@ void add_train_command(CLI::App& app) {
   t->add_flag("--pin", a->pin, "pin each rank to one core with one intra-op thread");
   t->add_option("--p2p", c.p2p,
                 "point-to-point between the pipeline's ranks of one host: auto (default; "
-                "shared-memory rings where every rank can have them, else Gloo's), shm (the "
-                "rings, or an error) or gloo (loopback TCP); collectives stay on Gloo")
-      ->check(CLI::IsMember({"auto", "shm", "gloo"}));
+                "shared-memory rings where every rank can have them, else the group's), shm (the "
+                "rings, or an error) or group (the Gloo group's own: loopback TCP); "
+                "collectives stay on Gloo")
+      ->check(CLI::IsMember({"auto", "shm", "group"}));
   t->add_flag(
       "--no-progress", [&c](int64_t) { c.progress = false; }, "no progress bar");
   t->add_flag("--worker", a->worker, "run as one rank (set by the launcher)")->group("");

@@ -1,0 +1,366 @@
+// Pipeline: the one place a rank's pipeline is assembled (point-to-point,
+// device, stages, executor, data-parallel reducer, replicas) and one step of
+// it is run and reduced. hp train (hp/train/trainer.cpp) and the Python
+// package (python/csrc/bind_pipeline.cpp) call it.
+#include "hp/pipeline/pipeline.h"
+
+#include <algorithm>
+#include <stdexcept>
+#include <utility>
+
+#include "hp/distributed/collectives.h"
+#include "hp/recompute/checkpoint.h"
+#include "hp/recompute/session.h"
+#include "hp/schedule/lower.h"
+
+namespace hp::pipeline {
+namespace {
+
+void invalid(const std::string& what) {
+  throw std::invalid_argument(what);
+}
+
+/// The recompute session of (stage, mb): the top bit keeps these apart from
+/// ids a user picks for a RecomputeSession of their own.
+uint64_t session_id(int stage, int mb) {
+  return (uint64_t{1} << 63) | (static_cast<uint64_t>(stage) << 32) | static_cast<uint32_t>(mb);
+}
+
+// NOTE [Recompute in the pipeline]
+// Checkpointed blocks inside a stage (hp/recompute, from C++ or from
+// hyperparallel.recompute) share one recompute between the I and the W of a
+// microbatch: each I and W of (stage, mb) runs inside a retaining
+// RecomputeSession (stage, mb), and its W (or B) clears it. A fused B does
+// not retain (nothing comes after it): a block's recomputed activations are
+// freed as soon as its backward is done. With `prefetch_recompute` F also
+// collects one handle per block, and before the executor waits for the
+// output gradient, the last block (the first one backward needs) is
+// recomputed, so that recompute overlaps the wait; the other blocks
+// recompute when backward reaches them, one at a time. So each block runs
+// one extra forward per microbatch, never two, and at most one block's
+// recomputed activations (plus what W keeps) are alive at once; prefetching
+// every block had kept them all alive together (1F1B's peak was 58 % of the
+// run without recompute instead of under half). Outside checkpointed blocks
+// a session costs a thread-local guard. torch.utils.checkpoint keeps its
+// recompute per engine call, so it recomputes twice under a split (the
+// Python side says so once).
+StageHooks recompute_hooks(bool prefetch) {
+  using Handles = std::vector<recompute::RecomputeHandle>;
+  auto handles = std::make_shared<std::map<std::pair<int, int>, Handles>>();
+  const auto retain = recompute::SessionOptions().retain_on_unpack(true);
+  StageHooks h;
+  if (prefetch) {
+    h.around_forward = [handles](int st, int mb, const std::function<torch::Tensor()>& run) {
+      recompute::HandleCollector collector;
+      torch::Tensor out = run();
+      (*handles)[{st, mb}] = collector.take();
+      return out;
+    };
+    h.before_backward = [handles, retain](int st, int mb) {
+      auto it = handles->find({st, mb});
+      if (it == handles->end() || it->second.empty()) return;
+      recompute::RecomputeSession session(session_id(st, mb), retain);
+      recompute::prefetch({it->second.back()});
+    };
+  }
+  h.around_backward = [retain](int st, int mb, char kind, const std::function<void()>& run) {
+    recompute::RecomputeSession session(session_id(st, mb),
+                                        kind == 'B' ? recompute::SessionOptions() : retain);
+    run();
+  };
+  h.on_done = [handles](int st, int mb) {
+    recompute::clear_session(session_id(st, mb));
+    handles->erase({st, mb});
+  };
+  return h;
+}
+
+/// One hook of two: either alone where the other is unset, else `both`.
+template <typename Hook, typename Both>
+Hook join(const Hook& outer, const Hook& inner, Both both) {
+  if (!outer) return inner;
+  if (!inner) return outer;
+  return both(outer, inner);
+}
+
+/// `outer` around `inner`: each hook runs outer's part outside inner's
+/// (on_done: inner's first, then outer's).
+StageHooks nest(const StageHooks& outer, const StageHooks& inner) {
+  using Run = std::function<torch::Tensor()>;
+  using Part = std::function<void()>;
+  StageHooks h;
+  h.around_forward = join(outer.around_forward, inner.around_forward, [](auto o, auto i) {
+    return [o, i](int st, int mb, const Run& run) {
+      return o(st, mb, [&] { return i(st, mb, run); });
+    };
+  });
+  h.before_backward = join(outer.before_backward, inner.before_backward, [](auto o, auto i) {
+    return [o, i](int st, int mb) { o(st, mb), i(st, mb); };
+  });
+  h.around_backward = join(outer.around_backward, inner.around_backward, [](auto o, auto i) {
+    return [o, i](int st, int mb, char kind, const Part& run) {
+      o(st, mb, kind, [&] { i(st, mb, kind, run); });
+    };
+  });
+  h.on_done = join(outer.on_done, inner.on_done,
+                   [](auto o, auto i) { return [o, i](int st, int mb) { i(st, mb), o(st, mb); }; });
+  return h;
+}
+
+/// A stable 63-bit hash of a parameter's name (the same in every process).
+int64_t name_hash(const std::string& name) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a
+  for (unsigned char c : name) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  return static_cast<int64_t>(h & 0x7fffffffffffffffull);
+}
+
+}  // namespace
+
+distributed::PointToPoint parse_point_to_point(const std::string& p2p) {
+  if (p2p == "group") return distributed::PointToPoint::Group;
+  if (p2p == "shm") return distributed::PointToPoint::SharedMemory;
+  if (p2p == "auto") return distributed::PointToPoint::Auto;
+  invalid("p2p must be 'auto', 'group' or 'shm', got '" + p2p + "'" +
+          (p2p == "gloo" ? " (the group's own point-to-point is spelled 'group')" : ""));
+  return distributed::PointToPoint::Auto;
+}
+
+Pipeline::Pipeline(schedule::Schedule schedule, std::shared_ptr<distributed::Comm> group,
+                   std::map<int, ChunkModule> chunks, LossFn loss, PipelineOptions options)
+    : options_(std::move(options)) {
+  if (group == nullptr) invalid("Pipeline: no group given");
+  rank_ = group->rank();
+  // What this rank can check alone; the ranks then agree (NOTE [Ranks agree
+  // on the pipeline] in executor.cpp) before the first collective that would
+  // wait for a rank that failed here.
+  std::exception_ptr failed;
+  distributed::PointToPoint how = distributed::PointToPoint::Auto;
+  std::map<int, StageModule> modules;
+  try {
+    if (!schedule.lowered) schedule = schedule::lower(schedule);
+    schedule::validate(schedule);
+    sched_ = schedule;
+    if (group->world_size() != sched_.num_ranks)
+      invalid("the group has " + std::to_string(group->world_size()) +
+              " ranks but the schedule has " + std::to_string(sched_.num_ranks));
+    how = parse_point_to_point(options_.p2p);
+    // NOTE [Choosing the point-to-point] in hp/distributed/shm_p2p.cpp:
+    // "shm" insists on the rings, and says at once what this rank can tell.
+    if (how == distributed::PointToPoint::SharedMemory && !options_.device.is_cpu())
+      invalid(
+          "p2p='shm' moves CPU tensors between the processes of one host; this pipeline "
+          "runs on " +
+          options_.device.str() + ": use p2p='group'");
+    if (how == distributed::PointToPoint::SharedMemory && group->backend_name() != "gloo")
+      invalid("p2p='shm' goes beside a Gloo group; this group's backend is " +
+              group->backend_name() + ": use p2p='group'");
+    if (!options_.activation_shape) invalid("Pipeline: no activation_shape given");
+    // This rank's stages and their chunks: every chunk they compute, no other.
+    std::set<int> used;
+    for (int st : sched_.stages_of_rank(rank_)) {
+      const int c = sched_.stage_chunk[st];
+      used.insert(c);
+      auto it = chunks.find(c);
+      if (it == chunks.end())
+        invalid("rank " + std::to_string(rank_) + " runs stage " + std::to_string(st) +
+                ", which computes model chunk " + std::to_string(c) +
+                ", but no module was given for chunk " + std::to_string(c) +
+                " (give one for each of chunks_of_rank())");
+      if (!it->second.forward) invalid("chunk " + std::to_string(c) + " has no forward");
+      if (!it->second.names.empty() && it->second.names.size() != it->second.parameters.size())
+        invalid("chunk " + std::to_string(c) + " names " + std::to_string(it->second.names.size()) +
+                " parameters but has " + std::to_string(it->second.parameters.size()));
+      modules[st] = StageModule{it->second.forward, it->second.parameters};
+    }
+    for (const auto& [c, chunk] : chunks)
+      if (!used.count(c))
+        invalid("a module was given for chunk " + std::to_string(c) + ", which no stage of rank " +
+                std::to_string(rank_) + " computes");
+  } catch (...) {
+    failed = std::current_exception();
+  }
+  // A group of another size than the schedule cannot agree with it: the
+  // error is the whole story, on every rank.
+  if (failed && group->world_size() != schedule.num_ranks) std::rethrow_exception(failed);
+  {
+    // On the host, except where the group wants device tensors (NCCL); a
+    // device the rank could not use (its own error) is no place for it.
+    const torch::Device on =
+        options_.device.is_cuda() ? options_.device : torch::Device(torch::kCPU);
+    agree_on_the_pipeline(*distributed::for_device(group, on), schedule, options_.dtype, on, rank_,
+                          !failed);
+  }
+  if (failed) std::rethrow_exception(failed);
+
+  // The point-to-point: rings only between the ranks the schedule's
+  // transfers join; nothing else sends over this group, so messages too
+  // large for a ring use its own point-to-point (NOTE [Overflow of a
+  // borrowed group]).
+  distributed::SharedMemoryOptions shm;
+  shm.overflow_on_inner = true;
+  shm.links = sched_.rank_links();
+  shm.device = options_.device;
+  comm_ = distributed::with_point_to_point(group, how, shm, &p2p_note_);
+  // NOTE [Ranks on devices]: CUDA tensors over a CPU backend go through host memory.
+  comm_ = distributed::for_device(comm_, options_.device);
+  std::shared_ptr<distributed::Comm> dp =
+      options_.dp ? distributed::for_device(options_.dp, options_.device) : nullptr;
+
+  StageHooks hooks = options_.hooks;
+  if (options_.recompute_sessions)
+    hooks = nest(hooks, recompute_hooks(options_.prefetch_recompute));
+  if (dp) {
+    // Data parallelism across copies of the pipeline: every copy averages
+    // its stages' gradients over dp as soon as each stage has run its last
+    // microbatch (NOTE [Gradient reduction in the cool-down]).
+    std::map<int, std::vector<torch::Tensor>> stage_params;
+    for (const auto& [st, mod] : modules) {
+      const auto& chunk = chunks.at(sched_.stage_chunk[st]);
+      stage_params[st] = chunk.dp_parameters ? *chunk.dp_parameters : mod.parameters;
+    }
+    reducer_ =
+        std::make_unique<GradientReducer>(dp, stage_params, microbatches_per_stage(sched_, rank_));
+    StageHooks reduce;
+    reduce.on_done = [r = reducer_.get()](int st, int mb) { r->on_done(st, mb); };
+    hooks = nest(reduce, hooks);  // the reduction starts after the caller's on_done
+  }
+  options_.dp = dp;
+  // The step's loss is the mean over its microbatches (NOTE [The loss scale
+  // is the backward's seed] in hp/pipeline/stage.cpp).
+  stage_ = std::make_unique<PipelineStage>(std::move(modules), std::move(loss), hooks,
+                                           1.0 / sched_.num_microbatches);
+  ExecutorOptions eo;
+  eo.input = options_.input;
+  eo.activation_shape = options_.activation_shape;
+  eo.dtype = options_.dtype;
+  eo.device = options_.device;
+  eo.receive_lookahead = options_.receive_lookahead;
+  eo.cache_cpu_memory = options_.cache_cpu_memory;
+  executor_ = std::make_unique<Executor>(sched_, rank_, *stage_, comm_, std::move(eo));
+  learn_holders(chunks);
+}
+
+Pipeline::~Pipeline() {
+  // The executor's helper thread uses the stages: it goes first.
+  executor_.reset();
+  reducer_.reset();
+  stage_.reset();
+}
+
+void Pipeline::learn_holders(const std::map<int, ChunkModule>& chunks) {
+  // This rank's tensors by name (a tensor given twice counts once).
+  std::map<std::string, std::vector<torch::Tensor>> local;
+  for (const auto& [c, chunk] : chunks)
+    for (size_t i = 0; i < chunk.parameters.size(); ++i) {
+      const std::string name = chunk.names.empty()
+                                   ? "chunk" + std::to_string(c) + "." + std::to_string(i)
+                                   : chunk.names[i];
+      auto& list = local[name];
+      const auto& t = chunk.parameters[i];
+      bool seen = false;
+      for (const auto& u : list)
+        seen = seen || u.unsafeGetTensorImpl() == t.unsafeGetTensorImpl();
+      if (!seen) list.push_back(t);
+    }
+  // Who holds what: every rank's name hashes, in one all-gather of a padded
+  // list (its length first).
+  const int n = comm_->world_size();
+  std::vector<int64_t> mine;
+  for (const auto& [name, list] : local)
+    mine.push_back(name_hash(name));
+  auto count = torch::tensor({static_cast<int64_t>(mine.size())}, torch::kLong);
+  std::vector<torch::Tensor> counts(n);
+  for (auto& t : counts)
+    t = torch::empty_like(count);
+  comm_->all_gather(counts, count);
+  int64_t longest = 0;
+  for (const auto& t : counts)
+    longest = std::max(longest, t.item<int64_t>());
+  auto padded = torch::full({std::max<int64_t>(longest, 1)}, int64_t{-1}, torch::kLong);
+  std::copy(mine.begin(), mine.end(), padded.data_ptr<int64_t>());
+  std::vector<torch::Tensor> lists(n);
+  for (auto& t : lists)
+    t = torch::empty_like(padded);
+  comm_->all_gather(lists, padded);
+  std::map<int64_t, std::set<int>> by_hash;
+  for (int r = 0; r < n; ++r) {
+    const int64_t* h = lists[r].data_ptr<int64_t>();
+    for (int64_t k = 0; k < counts[r].item<int64_t>(); ++k)
+      by_hash[h[k]].insert(r);
+  }
+  for (auto& [name, list] : local) {
+    const auto& ranks = by_hash.at(name_hash(name));
+    holders_[name] = ranks;
+    if (ranks.size() > 1 || list.size() > 1)
+      replicas_.push_back(Replica{list, std::vector<int>(ranks.begin(), ranks.end())});
+  }
+}
+
+// Replicas (DualPipe's mirrored chunks, a tied head): every copy's gradient
+// becomes the sum over all copies, added in rank order so the copies get the
+// same bits and stay identical (distributed::sum_among_holders).
+void Pipeline::sum_replica_gradients() {
+  if (replicas_.empty()) return;
+  std::vector<torch::Tensor> sums;
+  std::vector<std::vector<int>> ranks;
+  for (const auto& r : replicas_) {
+    torch::Tensor sum;
+    for (const auto& t : r.local) {
+      torch::Tensor g = t.grad().defined() ? t.grad() : torch::zeros_like(t);
+      sum = sum.defined() ? sum + g : g.clone();
+    }
+    sums.push_back(sum);
+    ranks.push_back(r.ranks);
+  }
+  distributed::sum_among_holders(*comm_, sums, ranks);
+  for (size_t i = 0; i < replicas_.size(); ++i)
+    for (const auto& t : replicas_[i].local) {
+      torch::Tensor p = t;
+      p.mutable_grad() = replicas_[i].local.size() > 1 ? sums[i].clone() : sums[i];
+    }
+}
+
+void Pipeline::clear_recompute_sessions() {
+  if (!options_.recompute_sessions) return;
+  for (int st : sched_.stages_of_rank(rank_))
+    for (int mb = 0; mb < sched_.num_microbatches; ++mb)
+      recompute::clear_session(session_id(st, mb));
+}
+
+PipelineStep Pipeline::step() {
+  if (broken())
+    throw std::runtime_error(
+        "a previous step failed on this rank (" + broken_reason_ +
+        "); its microbatches are half done and the group may be broken: make a new Pipeline "
+        "(and, after a communication error, a new process group)");
+  PipelineStep out;
+  try {
+    if (reducer_) reducer_->begin_step();
+    out.stats = executor_->run_step();
+    if (reducer_) reducer_->finish_step();
+    sum_replica_gradients();
+    // The loss (and the extra sum) over the pipeline's ranks, then the mean
+    // over the copies: one collective each.
+    const double extra = options_.extra_sum ? options_.extra_sum() : 0.0;
+    auto sums = torch::tensor({out.stats.loss_sum, extra}, torch::kFloat64);
+    comm_->all_reduce(sums);
+    if (options_.dp) options_.dp->all_reduce(sums, distributed::ReduceOp::Avg);
+    out.loss = sums[0].item<double>();
+    out.extra = sums[1].item<double>();
+    out.dp_exposed = reducer_ ? reducer_->exposed_seconds() : 0.0;
+  } catch (const std::exception& e) {
+    clear_recompute_sessions();
+    std::string why = e.what();
+    if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e))
+      why = c10_error->what_without_backtrace();
+    broken_reason_ = why.size() > 200 ? why.substr(0, 200) + "..." : why;
+    if (broken_reason_.empty()) broken_reason_ = "unknown error";
+    throw;
+  }
+  return out;
+}
+
+}  // namespace hp::pipeline

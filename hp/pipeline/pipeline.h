@@ -1,0 +1,144 @@
+// Pipeline: one rank's whole pipeline, built once from a schedule, the
+// pipeline's group, the rank's model chunks and a loss. It owns what every
+// caller used to assemble itself (point-to-point choice, device staging, the
+// stages, the executor, the data-parallel reducer, replica sums, the loss's
+// reduction); `hp train` and the Python package's Runtime call it.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "hp/distributed/comm.h"
+#include "hp/pipeline/data_parallel.h"
+#include "hp/pipeline/executor.h"
+#include "hp/pipeline/stage.h"
+#include "hp/schedule/schedule.h"
+
+namespace hp::pipeline {
+
+/// One model chunk as a rank holds it: its forward, its parameters and, for
+/// each parameter, a name the same on every rank that holds the same tensor
+/// (a DualPipe mirror, a tied head). Unnamed parameters are named by chunk
+/// and position, so a chunk held by several ranks is a replica of itself.
+struct ChunkModule {
+  std::function<torch::Tensor(const torch::Tensor&)> forward;
+  std::vector<torch::Tensor> parameters;
+  std::vector<std::string> names;  ///< empty, or one per parameter
+  /// The parameters data parallelism averages (NOTE [Gradient reduction in
+  /// the cool-down]); unset: all of them. Parameters another owner reduces
+  /// (FSDP2's) are left out here.
+  std::optional<std::vector<torch::Tensor>> dp_parameters;
+};
+
+/// Everything a Pipeline can be told besides its parts. Each option has one
+/// spelling in C++, Python (`hyperparallel.pipeline.Pipeline`) and the CLI.
+struct PipelineOptions {
+  /// Where the stages compute; receive buffers are made there.
+  torch::Device device = torch::kCPU;
+  torch::Dtype dtype = torch::kFloat32;  ///< dtype of activations and gradients
+  /// Point-to-point between the pipeline's ranks (NOTE [Choosing the
+  /// point-to-point] in hp/distributed/shm_p2p.cpp): "group", "shm", "auto".
+  std::string p2p = "auto";
+  /// The data-parallel group across copies of this pipeline; null: none.
+  std::shared_ptr<distributed::Comm> dp;
+  /// Hooks around each (stage, microbatch)'s work, the caller's own.
+  StageHooks hooks;
+  /// Recompute sessions from I to W of each (stage, microbatch) (NOTE
+  /// [Recompute in the pipeline] in pipeline.cpp); `prefetch_recompute` also
+  /// recomputes a stage's last block while its output gradient is in flight.
+  bool recompute_sessions = false;
+  bool prefetch_recompute = false;
+  int receive_lookahead = 0;      ///< ExecutorOptions::receive_lookahead
+  bool cache_cpu_memory = false;  ///< ExecutorOptions::cache_cpu_memory
+  /// The input of microbatch `mb` of the running step (first stages only).
+  std::function<torch::Tensor(int mb)> input;
+  /// The shape of what stage `stage` outputs for microbatch `mb`.
+  std::function<std::vector<int64_t>(int stage, int mb)> activation_shape;
+  /// This rank's share of a per-step sum reported beside the loss (e.g.
+  /// auxiliary losses), read after the executor ran; summed over the group
+  /// (and averaged over `dp`) with the loss, in the same collective.
+  std::function<double()> extra_sum;
+};
+
+/// What one step of the whole pipeline did, as this rank sees it.
+struct PipelineStep {
+  double loss = 0.0;        ///< the step's loss: the mean over microbatches (and copies)
+  double extra = 0.0;       ///< PipelineOptions::extra_sum over the ranks (and copies)
+  StepStats stats;          ///< this rank's timings and executed actions
+  double dp_exposed = 0.0;  ///< seconds the data-parallel reduction was not hidden
+};
+
+/// `p2p`'s spelling as the Comm layer's choice; std::invalid_argument for
+/// anything but "group", "shm" and "auto".
+distributed::PointToPoint parse_point_to_point(const std::string& p2p);
+
+/// One rank's pipeline (see the file comment).
+class Pipeline {
+ public:
+  /// `schedule` may be unlowered (it is lowered here) and is validated;
+  /// `group` joins the pipeline's ranks (rank r of the schedule is rank r of
+  /// the group); `chunks` holds one module for every chunk this rank's stages
+  /// compute and no other. Construction is collective over `group`: the ranks
+  /// agree on the pipeline (NOTE [Ranks agree on the pipeline]) and learn who
+  /// holds each named parameter. Errors a caller can cause throw
+  /// std::invalid_argument naming the rank and chunk.
+  Pipeline(schedule::Schedule schedule, std::shared_ptr<distributed::Comm> group,
+           std::map<int, ChunkModule> chunks, LossFn loss, PipelineOptions options);
+  ~Pipeline();
+  Pipeline(const Pipeline&) = delete;
+  Pipeline& operator=(const Pipeline&) = delete;
+
+  /// One step: every action of this rank once, then the data-parallel
+  /// average, replica sums and the loss over the group. Weight gradients
+  /// accumulate into the parameters' .grad. After a step that threw, every
+  /// later step throws (the microbatches are half done): make a new Pipeline.
+  PipelineStep step();
+
+  int rank() const { return rank_; }
+  const schedule::Schedule& schedule() const { return sched_; }
+  /// The pipeline's group as the executor uses it (point-to-point chosen).
+  distributed::Comm& comm() { return *comm_; }
+  std::shared_ptr<distributed::Comm> comm_ptr() const { return comm_; }
+  /// The point-to-point's backend: "gloo+shm" over the rings, else the group's.
+  std::string backend() const { return comm_->backend_name(); }
+  /// Why p2p "auto" left the rings out; empty when it did not.
+  const std::string& p2p_note() const { return p2p_note_; }
+  /// Every named parameter of the whole pipeline and the ranks holding it.
+  const std::map<std::string, std::set<int>>& holders() const { return holders_; }
+  /// This rank's stages (their modules and per-microbatch state).
+  PipelineStage& stages() { return *stage_; }
+  /// True after a step that threw.
+  bool broken() const { return !broken_reason_.empty(); }
+
+ private:
+  void learn_holders(const std::map<int, ChunkModule>& chunks);
+  void sum_replica_gradients();
+  void clear_recompute_sessions();
+
+  schedule::Schedule sched_;
+  PipelineOptions options_;
+  std::shared_ptr<distributed::Comm> comm_;
+  int rank_ = 0;
+  std::string p2p_note_;
+  std::map<std::string, std::set<int>> holders_;
+  /// Replicas: each named parameter held more than once (on this rank or
+  /// elsewhere), its local tensors and its holders, in name order.
+  struct Replica {
+    std::vector<torch::Tensor> local;
+    std::vector<int> ranks;
+  };
+  std::vector<Replica> replicas_;
+  std::unique_ptr<PipelineStage> stage_;
+  std::unique_ptr<GradientReducer> reducer_;
+  std::unique_ptr<Executor> executor_;
+  std::string broken_reason_;
+};
+
+}  // namespace hp::pipeline

@@ -1,0 +1,136 @@
+// TrainConfig and TrainResult: everything `hp train` can be told, its
+// checks, and what a run reports. Every room of hp/train reads these; none
+// of them needs the training loop (trainer.h).
+#pragma once
+
+#include <torch/torch.h>
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "hp/models/models.h"
+#include "hp/schedule/schedule.h"
+#include "hp/schedule/simulate.h"
+#include "hp/schedule/timeline.h"
+
+namespace hp::train {
+
+/// Everything `hp train` can be told.
+struct TrainConfig {
+  models::ModelSpec model;
+  int nproc = 2;  ///< pipeline ranks (--pp; -p/--nproc)
+  /// Copies of the pipeline, data parallel (--dp): nproc x dp processes on
+  /// a (dp, pp) mesh; each copy trains on its own microbatches and the
+  /// stages' gradients are averaged over the copies (NOTE [Pipeline x data
+  /// parallel] in trainer.cpp).
+  int dp = 1;
+  std::string schedule = "1f1b";  ///< any hp/schedule generator name
+  /// A schedule CSV to run instead of a generator (`hp schedule tune -o`,
+  /// `hp schedule show --csv`); its ranks and microbatches must be nproc and
+  /// microbatches.
+  std::string schedule_file;
+  int chunks = 2;               ///< virtual stages per rank (interleaved schedules)
+  int microbatches = 4;         ///< per step
+  int64_t microbatch_size = 4;  ///< rows (sequences or samples) per microbatch
+  int steps = 10;
+  std::string optimizer = "adamw";  ///< adamw or sgd
+  double lr = 1e-3;
+  double weight_decay = 0.0;
+  uint64_t seed = 0;
+  std::string data;            ///< text file or folder; empty = Debian's license texts
+  std::string trace;           ///< write the executed timeline (.json trace and .svg)
+  std::string report;          ///< write the JSON report here
+  std::string checkpoint_dir;  ///< where --save-every and --resume keep checkpoints
+  int save_every = 0;          ///< 0 = never
+  /// Continue from the newest verified checkpoint; none is an error
+  /// (NOTE [Checkpoint integrity] in hp/train/checkpoint.h).
+  bool resume = false;
+  /// As `resume`, but a folder without any checkpoint starts from step 0.
+  bool resume_or_start = false;
+  /// The verified checkpoint step to start from, chosen (under the folder's
+  /// lock) by whoever started the ranks; -1: the ranks choose (and rank 0
+  /// locks the folder).
+  int checkpoint_step = -1;
+  bool recompute = false;  ///< checkpoint every transformer block
+  /// Where each rank computes: "cpu", "cuda" (rank with local rank r on GPU
+  /// r mod the GPU count; ranks that share a GPU exchange through host
+  /// memory) or "auto" (cuda when there is a GPU). NOTE [Ranks on devices].
+  std::string device = "cpu";
+  int timeout_s = 60;  ///< every communication's timeout
+  /// Point-to-point between the pipeline's ranks of one host: "group" (the
+  /// group's own, loopback TCP over Gloo), "shm" (shared-memory rings; an error where they
+  /// cannot be made) or "auto" (the rings where every rank can have them,
+  /// else Gloo's, with a note on stderr). NOTE [Choosing the point-to-point]
+  /// in hp/distributed/shm_p2p.cpp.
+  std::string p2p = "auto";
+  /// Receives posted this many batches ahead (over Gloo or the rings, not
+  /// NCCL; NOTE [Receives posted ahead] in hp/pipeline/executor.cpp).
+  int receive_lookahead = 0;
+  bool progress = true;  ///< progress bar on rank 0
+  /// Graph mode (hp/compile): data parallel over the ranks with FSDP, the
+  /// train step captured once and replayed; schedule and chunks do not apply.
+  bool graph = false;
+  bool overlap = true;  ///< graph mode: AutoOverlapPass (waits moved to first use)
+  bool shard = true;    ///< graph mode: FSDP-shard parameters (off: plain data parallel)
+
+  /// Checks everything that can be checked before a rank starts (ranges,
+  /// finite learning rate, the data, the output paths, the size of the
+  /// schedule, then the schedule itself); throws std::invalid_argument saying
+  /// what to change and, for a limit, why it is there.
+  void validate() const;
+  /// Refuses a run whose ranks on this machine (`local_ranks` of the
+  /// `nproc`) cannot fit in its available memory: each rank's start-up
+  /// memory plus its share of the parameters, gradients, optimizer state and
+  /// one microbatch's activations, a lower bound. Throws
+  /// std::invalid_argument with the estimate and what is available.
+  void check_memory(int local_ranks) const;
+  /// The lowered, validated schedule this config runs (its size checked
+  /// before it is built and lowered).
+  schedule::Schedule build_schedule() const;
+  /// The device of the rank whose local rank is `local_rank` (NOTE [Ranks on
+  /// devices]); throws std::invalid_argument when `device` asks for CUDA and
+  /// there is no CUDA device.
+  torch::Device resolve_device(int local_rank) const;
+};
+
+/// What one rank (or the reference) did.
+struct TrainResult {
+  std::vector<double> losses;        ///< per step (mean over microbatches)
+  std::vector<double> step_seconds;  ///< per step wall time
+  int first_step = 0;                ///< > 0 after --resume
+  /// Final parameters by model-wide name (only the ones this rank holds).
+  std::map<std::string, torch::Tensor> parameters;
+  double checksum = 0.0;  ///< sum over all parameters (each name once) of sum(p)
+  /// Per-rank measurements gathered on rank 0 (empty elsewhere).
+  std::vector<double> rank_compute, rank_comm_wait, rank_overhead, rank_peak_bytes;
+  double measured_bubble = 0.0;     ///< bubble rate of the measured timeline (last step)
+  double simulated_bubble = 0.0;    ///< simulator's bubble rate from measured F/I/W costs
+  double simulated_makespan = 0.0;  ///< simulator's step time (s) from the same costs
+  double measured_makespan = 0.0;   ///< last step's measured timeline length (s)
+  /// Per rank (rank 0 only; empty on a device, where the CPU tracker counts
+  /// nothing): the simulator's peak activation bytes under the stage bytes
+  /// measured before the first step, and one microbatch's activations there
+  /// (the sum of its stages' mem_b): NOTE [Memory measured against predicted].
+  std::vector<double> rank_predicted_peak_bytes, rank_microbatch_bytes;
+  /// The same count with each op's measured transient on top (same NOTE).
+  std::vector<double> rank_predicted_peak_transient_bytes;
+  /// Per-stage F, I, W (seconds per microbatch) measured from the last step's
+  /// timeline and the measured transfer latency: the report's "stage_costs",
+  /// which `hp schedule tune --costs` reads (NOTE [Stage cost file]).
+  schedule::CostModel stage_costs;
+  schedule::Timeline timeline;  ///< executed timeline of the last step (rank 0: all ranks)
+  std::vector<schedule::Action> executed;  ///< this rank's compute actions, last step, in run order
+  int64_t items_per_step = 0;              ///< tokens (gpt) or samples (mlp) per step
+  /// The pipeline group's backend on this rank: "gloo+shm" where its
+  /// point-to-point went to shared-memory rings, else "gloo" (or "nccl").
+  std::string p2p_backend;
+  std::string p2p_note;  ///< why --p2p auto used the group's point-to-point ("" if it did not)
+  // Graph mode only (rank 0 holds the per-rank lists):
+  std::vector<double> rank_param_bytes;  ///< parameter bytes each rank holds (FSDP: shards)
+  std::vector<double> rank_hidden_comm;  ///< share of collective time overlapped with compute
+  std::vector<std::string> sharded;      ///< FQNs FSDP sharded
+  double compile_seconds = 0.0;          ///< capture + passes
+};
+
+}  // namespace hp::train
