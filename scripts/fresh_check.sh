@@ -157,6 +157,12 @@ mount_root() {
   mount --bind /dev/pts "$ROOT/dev/pts"
   mount -t tmpfs -o mode=1777,nosuid,nodev shm "$ROOT/dev/shm"
   mount -t tmpfs -o mode=755,nosuid,nodev run "$ROOT/run"
+  # pip's wheel folder of this machine (PIP_FIND_LINKS), read-only.
+  if [ -n "${PIP_FIND_LINKS:-}" ] && [ -d "$PIP_FIND_LINKS" ]; then
+    mkdir -p "$ROOT$PIP_FIND_LINKS"
+    mount --bind "$PIP_FIND_LINKS" "$ROOT$PIP_FIND_LINKS"
+    mount -o remount,bind,ro "$ROOT$PIP_FIND_LINKS"
+  fi
 }
 
 unmount_root() {
@@ -208,16 +214,21 @@ trap 'log "terminated"; exit 143' TERM HUP
 
 # A fresh root login's environment; HP_* settings (not ours) are passed on.
 passed_env=()
+net_env=()
 for v in $(compgen -e); do
   case "$v" in
     HP_FRESH_*) ;;
     HP_*) passed_env+=("$v=${!v}") ;;
+    # The network's setting (see "carried" below): pip's and the TLS trust.
+    PIP_* | SSL_CERT_FILE | SSL_CERT_DIR | REQUESTS_CA_BUNDLE | CURL_CA_BUNDLE | http_proxy | \
+      https_proxy | no_proxy | HTTP_PROXY | HTTPS_PROXY | NO_PROXY)
+      net_env+=("$v=${!v}") ;;
   esac
 done
 in_root() {
   chroot "$ROOT" env -i HOME=/root LANG=C.UTF-8 TERM="${TERM:-dumb}" USER=root LOGNAME=root \
     SHELL=/bin/bash PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
-    "${passed_env[@]}" "$@"
+    "${net_env[@]}" "${passed_env[@]}" "$@"
 }
 
 # --------------------------------------------------------------------------
@@ -284,6 +295,22 @@ echo fresh-debian12 >"$ROOT/etc/hostname"
 printf '127.0.0.1\tlocalhost\n127.0.1.1\tfresh-debian12\n::1\t\tlocalhost ip6-localhost ip6-loopback\n' \
   >"$ROOT/etc/hosts"
 cp -L /etc/resolv.conf "$ROOT/etc/resolv.conf"
+# This machine's network setting, which a fresh machine on the same network
+# has too: the certificate authorities it trusts beyond Debian's (an
+# intercepting proxy's; kept by the root's own ca-certificates package, which
+# adds /usr/local/share/ca-certificates to the bundle it makes) and pip's
+# configuration. Its wheel folder (PIP_FIND_LINKS) is mounted below.
+carried=()
+if compgen -G "/usr/local/share/ca-certificates/*" >/dev/null; then
+  mkdir -p "$ROOT/usr/local/share/ca-certificates" "$ROOT/etc/ssl/certs"
+  cp -a /usr/local/share/ca-certificates/. "$ROOT/usr/local/share/ca-certificates/"
+  cp -L /etc/ssl/certs/ca-certificates.crt "$ROOT/etc/ssl/certs/ca-certificates.crt"
+  carried+=("CA certificates")
+fi
+if [ -f /etc/pip.conf ]; then
+  cp -L /etc/pip.conf "$ROOT/etc/pip.conf"
+  carried+=("/etc/pip.conf")
+fi
 
 # --------------------------------------------------------------------------
 # 2. The working tree, as a fresh clone has it.
@@ -323,10 +350,14 @@ fi
 host_desc="$(nproc) CPU cores, $(awk '/MemTotal/ { printf "%.0f GiB", $2 / 1048576 }' /proc/meminfo) memory"
 env_desc="none (a fresh login's)"
 [ ${#passed_env[@]} -eq 0 ] || env_desc="${passed_env[*]}"
+net_desc="${carried[*]:-nothing}"
+[ ${#net_env[@]} -eq 0 ] || net_desc+=", ${#net_env[@]} variables (PIP_*, TLS trust)"
+[ -z "${PIP_FIND_LINKS:-}" ] || net_desc+=", the wheel folder $PIP_FIND_LINKS"
 header="fresh_check: the README's commands on a fresh Debian $(cat "$ROOT/etc/debian_version") root
   (debootstrap --variant=minbase $SUITE, $(dur "$t_debootstrap"), not counted), $(date -u +%F), $host_desc
   packages installed before timing: ${preinstall[*]:-none}
-  environment passed in: $env_desc"
+  environment passed in: $env_desc
+  carried from this machine (its network's setting): $net_desc"
 
 # --------------------------------------------------------------------------
 # 3. A look inside; HP_FRESH_DRY=1 stops here.
