@@ -157,6 +157,17 @@ mount_root() {
   mount --bind /dev/pts "$ROOT/dev/pts"
   mount -t tmpfs -o mode=1777,nosuid,nodev shm "$ROOT/dev/shm"
   mount -t tmpfs -o mode=755,nosuid,nodev run "$ROOT/run"
+  # The CUDA toolkit of this machine's image, read-only: the pip target
+  # builds against torch's CUDA wheel, whose CMake configuration refuses to
+  # load without a CUDA toolkit ("Your installed Caffe2 version uses CUDA but
+  # I cannot find the CUDA libraries"): the scripts do not install one (see
+  # docs/benchmarks.md, "A fresh machine").
+  if [ -d /usr/local/cuda-13.0 ]; then
+    mkdir -p "$ROOT/usr/local/cuda-13.0"
+    mount --bind /usr/local/cuda-13.0 "$ROOT/usr/local/cuda-13.0"
+    mount -o remount,bind,ro "$ROOT/usr/local/cuda-13.0"
+    ln -sfn /usr/local/cuda-13.0 "$ROOT/usr/local/cuda"
+  fi
   # pip's wheel folder of this machine (PIP_FIND_LINKS), read-only.
   if [ -n "${PIP_FIND_LINKS:-}" ] && [ -d "$PIP_FIND_LINKS" ]; then
     mkdir -p "$ROOT$PIP_FIND_LINKS"
@@ -353,6 +364,7 @@ env_desc="none (a fresh login's)"
 net_desc="${carried[*]:-nothing}"
 [ ${#net_env[@]} -eq 0 ] || net_desc+=", ${#net_env[@]} variables (PIP_*, TLS trust)"
 [ -z "${PIP_FIND_LINKS:-}" ] || net_desc+=", the wheel folder $PIP_FIND_LINKS"
+[ ! -d /usr/local/cuda-13.0 ] || net_desc+=", the CUDA toolkit /usr/local/cuda-13.0 (read-only)"
 header="fresh_check: the README's commands on a fresh Debian $(cat "$ROOT/etc/debian_version") root
   (debootstrap --variant=minbase $SUITE, $(dur "$t_debootstrap"), not counted), $(date -u +%F), $host_desc
   packages installed before timing: ${preinstall[*]:-none}

@@ -18,7 +18,9 @@ COMMON=(
   libyaml-cpp-dev nlohmann-json3-dev libcli11-dev
   iproute2 util-linux
 )
-PIP=(python3-venv python3-dev clang)  # clang: the PassPlan YAML fuzzer (libFuzzer)
+# clang and its sanitizer runtimes (libclang-rt-dev, not among clang's own
+# dependencies): the libFuzzer targets (cmake/fuzz.cmake).
+PIP=(python3-venv python3-dev clang libclang-rt-dev)
 DEBIAN=(libtorch-dev libgloo-dev libopenblas0-openmp)
 
 packages_of() {

@@ -110,13 +110,14 @@ class Runtime {
     // inside take it again at the cost of a counter. Nothing in F waits for
     // another thread (its input was received before F began), so holding it
     // longer blocks no one that F needs.
-    // The forward is told its microbatch (for the step's keyword arguments,
-    // NOTE [Keyword arguments of every stage] in
-    // python/hyperparallel/pipeline.py): F runs on the executor's thread, one
-    // at a time, so the hook sets it for the call inside.
-    po.hooks.around_forward = [this](int, int mb, const std::function<torch::Tensor()>& run) {
+    // The forward is told its stage and microbatch (for the step's keyword
+    // arguments and structures between stages, NOTE [Keyword arguments of
+    // every stage] and NOTE [Pytrees between stages] in
+    // python/hyperparallel/pipeline.py): F runs on the executor's thread,
+    // one at a time, so the hook sets them for the call inside.
+    po.hooks.around_forward = [this](int stage, int mb, const std::function<torch::Tensor()>& run) {
       py::gil_scoped_acquire gil;
-      forward_mb_ = mb;
+      forward_stage_ = stage, forward_mb_ = mb;
       return run();
     };
     po.input = [this](int mb) {
@@ -144,8 +145,9 @@ class Runtime {
     std::map<int, pipeline::ChunkModule> chunks;
     for (const auto& [c, fn] : chunk_forward) {
       pipeline::ChunkModule mod;
-      mod.forward = [f = held(fn), mb = &forward_mb_](const torch::Tensor& x) {
-        return call_python(*f, "a stage's forward", x, *mb);
+      mod.forward = [f = held(fn), mb = &forward_mb_,
+                     st = &forward_stage_](const torch::Tensor& x) {
+        return call_python(*f, "a stage's forward", x, *mb, *st);
       };
       auto p = chunk_parameters.find(c);
       if (p != chunk_parameters.end()) mod.parameters = p->second;
@@ -248,7 +250,7 @@ class Runtime {
 
  private:
   std::vector<torch::Tensor> inputs_;
-  int forward_mb_ = -1;  // the microbatch of the running F
+  int forward_stage_ = -1, forward_mb_ = -1;  // the stage and microbatch of the running F
   std::unique_ptr<pipeline::Pipeline> pipe_;
 };
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import datetime
 import inspect
 import math
+import pickle
 import threading
 import warnings
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
@@ -204,8 +205,25 @@ class _StageForward:
         self.aux = aux
         self.kwargs = kwargs
         self.accepts = accepts
+        self.finder: Optional["_ShapeFinder"] = None  # pytrees between stages, when found
+        self.dtype = torch.float32
+        self.schedule = None
+        self.last_outputs: Dict[int, object] = {}  # mb -> a last stage's structure
 
-    def __call__(self, x: torch.Tensor, mb: int) -> torch.Tensor:
+    def probe(self, x: torch.Tensor, mb: int, kwargs: Dict[str, object]) -> torch.Tensor:
+        """The module's output for `x` with the given keyword arguments (those
+        it accepts), nothing collected: the shape finder's call."""
+        if self.accepts is not None:
+            kwargs = {k: v for k, v in kwargs.items() if k in self.accepts}
+        return self.fn(x, **kwargs)
+
+    def __call__(self, x: torch.Tensor, mb: int, stage: int) -> torch.Tensor:
+        packing = None
+        if self.finder is not None:  # NOTE [Pytrees between stages]
+            given = self.finder.input_packing(stage, mb)
+            if given is not None:
+                x = given.unpack(x)
+            packing = self.finder.packing(stage, mb)
         outer = getattr(_collecting, "sink", None)
         added: List[torch.Tensor] = []
         _collecting.sink = added
@@ -213,6 +231,21 @@ class _StageForward:
             out = self.fn(x, **self.kwargs.of(mb, self.accepts))
         finally:
             _collecting.sink = outer
+        if not isinstance(out, (torch.Tensor, tuple, list, dict)):
+            raise TypeError(
+                f"stage {stage} microbatch {mb}: a stage's forward must return a torch.Tensor "
+                f"or a tuple, list or dict of them, got {type(out).__name__}")
+        if packing is not None:
+            out = packing.pack(out, self.dtype, stage, mb)
+        elif not isinstance(out, torch.Tensor) and self.schedule.next_stage(stage, mb) < 0:
+            # A last stage's structure goes to the loss function as it is.
+            self.last_outputs[mb] = out
+            out = torch.zeros(0)
+        elif not isinstance(out, torch.Tensor):
+            raise TypeError(
+                f"stage {stage} microbatch {mb}: the forward returned a "
+                f"{type(out).__name__}; a structure of tensors between stages needs the "
+                "shapes found (Pipeline without activation_shape)")
         if not added:
             return out
         total = added[0] if len(added) == 1 else torch.stack(added).sum()
@@ -220,6 +253,259 @@ class _StageForward:
         if not total.requires_grad or not isinstance(out, torch.Tensor):
             return out
         return _WithAuxiliary.apply(out, total, self.aux.scale)
+
+
+# NOTE [Shapes found, not declared]
+# Without `activation_shape` the Pipeline learns what each stage hands the
+# next, and learns it again whenever a step's inputs have other shapes
+# (sequence lengths that change from step to step), without being rebuilt.
+# At the start of each step the ranks agree on the step's input shapes and
+# dtypes, one microbatch per row, in one all-reduce (MAX) over the pipeline's
+# group: only the ranks that run a route's first stage know the inputs, the
+# others contribute -1; the keyword arguments every rank has. A signature
+# seen before reuses its shapes: that all-reduce of m x 10 integers is all a
+# step of unchanged shapes costs beyond a declared one. A new signature is
+# probed, for each distinct microbatch signature once: along the
+# microbatch's route, the rank holding each stage runs its forward on fake
+# tensors (torch's FakeTensorMode: shapes only, no compute, no memory; the
+# stage's own parameters, its keyword arguments as fakes) and broadcasts the
+# output's shape to every rank; the next stage's probe starts from it. A
+# stage that fake tensors cannot run (a forward that reads values, or
+# communicates, as FSDP2's hooks do) runs once for real on zeros, without
+# autograd. The shapes then serve the runtime's receives (activation_shape
+# as fn(stage, microbatch)). Probing costs one broadcast per stage and
+# distinct microbatch signature, on the steps whose signature is new.
+_MAX_DIMS = 8
+
+
+# NOTE [Pytrees between stages]
+# With shapes found, a stage may return a tuple, list or dict of tensors,
+# nested, with leaves that are no tensors (ints, None, strings): the probe
+# records its structure (a TreeSpec), each tensor leaf's shape and dtype and
+# the other leaves' values (the same for every microbatch of the signature).
+# The runtime moves one tensor per transfer, so the sender packs the tensor
+# leaves into one flat tensor of the pipeline's dtype (torch.cat: autograd
+# splits the flat gradient back into each leaf's), and the receiving stage's
+# forward gets the structure back (split, viewed, integer and bool leaves
+# cast back: exact up to 2^53 in float64, 2^24 in float32) as its first
+# argument; a consecutive stage on the same rank, handed the flat tensor
+# locally, unpacks it the same way. Float leaves carry gradients back
+# (each its own part of the flat gradient; a leaf the next stage does not
+# use gets zeros), integer and bool leaves (masks, ids) none. An output whose
+# structure, shapes or other leaves differ from what the probe found for
+# that microbatch is a ValueError naming the stage and microbatch.
+class _Packing:
+    """The structure of one stage's output (NOTE [Pytrees between stages])."""
+
+    def __init__(self, spec_text: str, leaves: list):
+        import torch.utils._pytree as pytree
+
+        self.spec_text = spec_text
+        self.spec = pytree.treespec_loads(spec_text)
+        self.leaves = leaves  # ("t", shape, dtype name) or ("v", value)
+        self.sizes = [math.prod(shape) for kind, *rest in leaves if kind == "t"
+                      for shape in [rest[0]]]
+        self.numel = sum(self.sizes)
+
+    @staticmethod
+    def of(out) -> "_Packing":
+        import torch.utils._pytree as pytree
+
+        leaves, spec = pytree.tree_flatten(out)
+        meta = [("t", tuple(x.shape), str(x.dtype).replace("torch.", ""))
+                if isinstance(x, torch.Tensor) else ("v", x) for x in leaves]
+        return _Packing(pytree.treespec_dumps(spec), meta)
+
+    def fake(self, mode, device):
+        """The structure with fake tensors (the next stage's probe input)."""
+        import torch.utils._pytree as pytree
+
+        leaves = [mode.from_tensor(torch.empty(m[1], dtype=getattr(torch, m[2]), device=device))
+                  if m[0] == "t" else m[1] for m in self.leaves]
+        return pytree.tree_unflatten(leaves, self.spec)
+
+    def pack(self, out, dtype: torch.dtype, stage: int, mb: int) -> torch.Tensor:
+        import torch.utils._pytree as pytree
+
+        leaves, spec = pytree.tree_flatten(out)
+        got = [("t", tuple(x.shape), str(x.dtype).replace("torch.", ""))
+               if isinstance(x, torch.Tensor) else ("v", x) for x in leaves]
+        if got != self.leaves or pytree.treespec_dumps(spec) != self.spec_text:
+            raise ValueError(
+                f"stage {stage} microbatch {mb}: the output's structure differs from what this "
+                f"step's first look found for it: {got!r} where {self.leaves!r} was found "
+                "(outputs of one microbatch signature must have one structure)")
+        tensors = [x.reshape(-1).to(dtype) for x in leaves if isinstance(x, torch.Tensor)]
+        return torch.cat(tensors) if tensors else torch.zeros(0, dtype=dtype)
+
+    def unpack(self, flat: torch.Tensor):
+        import torch.utils._pytree as pytree
+
+        parts = iter(flat.split(self.sizes))
+        leaves = []
+        for m in self.leaves:
+            if m[0] != "t":
+                leaves.append(m[1])
+                continue
+            t = next(parts).view(m[1])
+            dtype = getattr(torch, m[2])
+            if dtype == torch.bool:
+                t = t.detach() != 0
+            elif not dtype.is_floating_point and not dtype.is_complex:
+                t = t.detach().round().to(dtype)
+            elif dtype != t.dtype:
+                t = t.to(dtype)
+            leaves.append(t)
+        return pytree.tree_unflatten(leaves, self.spec)
+
+
+class _ShapeFinder:
+    """The activation shapes (and structures) of the running step, found
+    (NOTE [Shapes found, not declared], NOTE [Pytrees between stages]). Holds
+    no reference to the Pipeline."""
+
+    def __init__(self, schedule, group, forwards: Dict[int, Callable], dtype: torch.dtype,
+                 device: torch.device, comm_device: torch.device, rank: int):
+        self.schedule, self.group, self.forwards = schedule, group, forwards
+        self.dtype, self.device, self.comm_device, self.rank = dtype, device, comm_device, rank
+        self.known: Dict[tuple, Dict[Tuple[int, int], object]] = {}
+        self.outputs: Dict[Tuple[int, int], object] = {}  # (stage, mb) -> shape or _Packing
+        self.probes = 0  # probes run (for tests and the curious)
+
+    def shape_of(self, stage: int, mb: int) -> Tuple[int, ...]:
+        out = self.outputs[(stage, mb)]
+        return (out.numel,) if isinstance(out, _Packing) else out
+
+    def packing(self, stage: int, mb: int) -> Optional[_Packing]:
+        out = self.outputs.get((stage, mb))
+        return out if isinstance(out, _Packing) else None
+
+    def input_packing(self, stage: int, mb: int) -> Optional[_Packing]:
+        prev = self.schedule.prev_stage(stage, mb)
+        return self.packing(prev, mb) if prev >= 0 else None
+
+    def _allreduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.to(self.comm_device)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX
+        self.group.allreduce([t], opts).wait()
+        return t.cpu()
+
+    def _broadcast(self, t: torch.Tensor, root: int) -> torch.Tensor:
+        t = t.to(self.comm_device)
+        opts = dist.BroadcastOptions()
+        opts.rootRank = root
+        opts.rootTensor = 0
+        self.group.broadcast([t], opts).wait()
+        return t.cpu()
+
+    def _broadcast_object(self, obj, root: int):
+        """`obj` of rank `root` on every rank (pickled; two broadcasts)."""
+        data = pickle.dumps(obj) if root == self.rank else b""
+        n = self._broadcast(torch.tensor([len(data)], dtype=torch.int64), root)
+        buf = torch.zeros(int(n[0]), dtype=torch.uint8)
+        if root == self.rank:
+            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        return pickle.loads(self._broadcast(buf, root).numpy().tobytes())
+
+    def prepare(self, ins: List[torch.Tensor], kwargs: "_StepKwargs") -> None:
+        """Before a step: agree on its input shapes, probe them if new."""
+        m = self.schedule.num_microbatches
+        rows = torch.full((m, _MAX_DIMS + 2), -1, dtype=torch.int64)
+        for mb, x in enumerate(ins):
+            if x.dim() > _MAX_DIMS:
+                raise ValueError(f"step(): inputs of more than {_MAX_DIMS} dimensions "
+                                 "need activation_shape")
+            rows[mb, 0] = _DTYPES.index(x.dtype) if x.dtype in _DTYPES else -2
+            rows[mb, 1] = x.dim()
+            rows[mb, 2:2 + x.dim()] = torch.tensor(x.shape, dtype=torch.int64)
+        rows = self._allreduce_max(rows)
+        if (rows[:, 1] < 0).any():
+            raise ValueError("step(): the inputs' shapes are not known on any rank (no rank "
+                             "that runs a first stage was given inputs)")
+        if (rows[:, 0] == -2).any():
+            raise ValueError("step(): an input dtype the shape finder does not know; give "
+                             "activation_shape")
+        inputs = [(_DTYPES[int(r[0])], tuple(int(d) for d in r[2:2 + int(r[1])])) for r in rows]
+        kw_sig = [tuple(sorted((k, tuple(v.shape), v.dtype) for k, v in kwargs.of(mb, None).items()
+                               if isinstance(v, torch.Tensor))) for mb in range(m)]
+        key = tuple(zip(inputs, kw_sig))
+        if key not in self.known:
+            self.known[key] = self._probe(inputs, kwargs, kw_sig)
+        self.outputs = self.known[key]
+
+    def _probe(self, inputs, kwargs: "_StepKwargs", kw_sig) -> Dict[Tuple[int, int], object]:
+        self.probes += 1
+        sched, outputs = self.schedule, {}
+        done: Dict[tuple, list] = {}  # per microbatch signature: each stage's output
+        for mb in range(sched.num_microbatches):
+            route = sched.route(mb)
+            sig = (inputs[mb], kw_sig[mb], tuple(route))
+            if sig not in done:
+                outs = []
+                dtype, shape = inputs[mb]
+                given = ("input", dtype, shape)
+                for stage in route[:-1]:  # the last stage's output is the loss's
+                    holder = sched.stage_rank[stage]
+                    found = None
+                    if holder == self.rank:
+                        found = self._output(stage, mb, given, kwargs)
+                    found = self._broadcast_object(found, holder)
+                    if isinstance(found, str):  # the holder's error, on every rank
+                        raise RuntimeError(found)
+                    outs.append(found)
+                    given = ("output", found)
+                done[sig] = outs
+            for stage, found in zip(route[:-1], done[sig]):
+                outputs[(stage, mb)] = found
+        return outputs
+
+    def _output(self, stage: int, mb: int, given, kwargs):
+        """Stage's output for microbatch mb: its shape (a tensor) or its
+        _Packing; a str saying why it could not be found."""
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        fn = self.forwards[self.schedule.stage_chunk[stage]]
+
+        def describe(out):
+            return tuple(out.shape) if isinstance(out, torch.Tensor) else _Packing.of(out)
+
+        outer = getattr(_collecting, "sink", None)
+        _collecting.sink = []  # add_loss inside the probe goes nowhere
+        try:
+            try:
+                with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
+                    if given[0] == "input":
+                        x = mode.from_tensor(torch.empty(given[2], dtype=given[1],
+                                                         device=self.device))
+                    elif isinstance(given[1], _Packing):
+                        x = given[1].fake(mode, self.device)
+                    else:
+                        x = mode.from_tensor(torch.empty(given[1], dtype=self.dtype,
+                                                         device=self.device))
+                    kw = {k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v
+                          for k, v in kwargs.of(mb, None).items()}
+                    return describe(fn(x, mb, kw))
+            except Exception:  # noqa: BLE001 - a forward fake tensors cannot run: run it for real
+                with torch.no_grad():
+                    if given[0] == "input":
+                        x = torch.zeros(given[2], dtype=given[1], device=self.device)
+                    elif isinstance(given[1], _Packing):
+                        x = given[1].unpack(torch.zeros(given[1].numel, dtype=self.dtype,
+                                                        device=self.device))
+                    else:
+                        x = torch.zeros(given[1], dtype=self.dtype, device=self.device)
+                    return describe(fn(x, mb, kwargs.of(mb, None)))
+        except Exception as e:  # noqa: BLE001
+            return (f"rank {self.rank}: finding the shape of stage {stage}'s output for "
+                    f"microbatch {mb} failed ({e!r}); give Pipeline(activation_shape=...)")
+        finally:
+            _collecting.sink = outer
+
+
+# dtypes an input may have when shapes are found (their index travels).
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+           torch.int16, torch.int8, torch.uint8, torch.bool]
 
 
 class _LossOfMicrobatch:
@@ -230,8 +516,10 @@ class _LossOfMicrobatch:
         self.loss_fn = loss_fn
         self.targets: List[torch.Tensor] = []
         self.rank = -1
+        self.last_outputs: Dict[int, object] = {}
 
     def __call__(self, output: torch.Tensor, mb: int) -> torch.Tensor:
+        output = self.last_outputs.pop(mb, output)  # NOTE [Pytrees between stages]
         if not self.targets:
             raise ValueError(
                 f"rank {self.rank} runs the last stage of microbatch {mb}'s route: give step() "
@@ -671,7 +959,9 @@ class Pipeline:
         loss_fn: ``loss_fn(output, target) -> scalar tensor``, on the last stage
             of each microbatch; the step's loss is the mean over microbatches.
         activation_shape: the shape of what one stage hands the next for one
-            microbatch (a tuple), or ``fn(stage, microbatch) -> shape``.
+            microbatch (a tuple), or ``fn(stage, microbatch) -> shape``; None
+            (default): found from each step's input shapes, again whenever
+            they change (NOTE [Shapes found, not declared]).
         group: the process group of the pipeline's ranks (default: the world);
             rank r of the group runs the schedule's rank r.
         dtype: dtype of activations and gradients between stages (default:
@@ -734,7 +1024,7 @@ class Pipeline:
         schedule: PipelineSchedule,
         *,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-        activation_shape: Shape,
+        activation_shape: Optional[Shape] = None,
         group: Optional[dist.ProcessGroup] = None,
         dtype: Optional[torch.dtype] = None,
         device: Optional[Union[torch.device, str]] = None,
@@ -926,7 +1216,16 @@ class Pipeline:
             )
         if keep_freed_memory:
             _C.pipeline.keep_freed_memory_mapped()
-        if callable(activation_shape):
+        self._finder: Optional[_ShapeFinder] = None
+        if activation_shape is None:
+            # NOTE [Shapes found, not declared]
+            self._finder = _ShapeFinder(
+                schedule, group, {c: f.probe for c, f in forward.items()}, dtype, device,
+                self._loss_device, group.rank())
+            shape = self._finder.shape_of
+            for f in forward.values():  # NOTE [Pytrees between stages]
+                f.finder, f.dtype = self._finder, dtype
+        elif callable(activation_shape):
             shape_fn = activation_shape
 
             def shape(stage: int, mb: int) -> Tuple[int, ...]:
@@ -952,6 +1251,8 @@ class Pipeline:
         # live until the interpreter's shutdown (NOTE [A Pipeline's group dies
         # with it] in python/csrc/bind_pipeline.cpp).
         self._loss = _LossOfMicrobatch(loss_fn)
+        for f in forward.values():
+            f.schedule, f.last_outputs = schedule, self._loss.last_outputs
         self.schedule = schedule
         self._runtime = _C.pipeline.Runtime(
             schedule,
@@ -1039,6 +1340,12 @@ class Pipeline:
             else:
                 constant[key] = value
         self._kwargs.per_microbatch, self._kwargs.constant = per_mb, constant
+        if self._finder is not None:
+            try:
+                self._finder.prepare(ins, self._kwargs)
+            except BaseException:
+                self._kwargs.per_microbatch, self._kwargs.constant = [], {}
+                raise
         if not ins and self.schedule.needs_inputs(self.rank):
             raise ValueError(f"rank {self.rank} runs a route's first stage: give step() the inputs")
         if not tgts and self.schedule.needs_targets(self.rank):
@@ -1058,6 +1365,7 @@ class Pipeline:
         finally:
             self._loss.targets = []
             self._kwargs.per_microbatch, self._kwargs.constant = [], {}
+            self._loss.last_outputs.clear()
             if self._fsdp is not None:
                 self._fsdp.end_step(ok)
         if counter is not None:

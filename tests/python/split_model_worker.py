@@ -3,7 +3,8 @@ variables): builds a tiny float64 transformers LlamaForCausalLM from a fixed
 seed, cuts it with hyperparallel.pipeline.split_model, trains it a few SGD
 steps with hyperparallel.pipeline.Pipeline over a Gloo group for each
 schedule in turn (a padding mask given to step() as the model's
-attention_mask, for every stage), and saves the losses and its chunks' parameters (by the
+attention_mask, for every stage; the sequence length changing across steps,
+the activation shapes found by the Pipeline), and saves the losses and its chunks' parameters (by the
 model's names) for the test to compare with single-process training.
 
     split_model_worker.py OUT_DIR SCHEDULES
@@ -47,16 +48,23 @@ def loss_fn(logits, labels):
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
+def seq_len(step):
+    """The sequence length changes from step to step (5, 7, 5): the Pipeline
+    finds the activations' shapes again (NOTE [Shapes found, not declared])."""
+    return T + 2 * (step % 2)
+
+
 def batch(step, m):
     """Inputs, next-token labels and a padding mask: row i's last i % 3
     tokens are padding (the model's attention_mask, a keyword argument of
     every stage)."""
     g = torch.Generator().manual_seed(50 + step)
-    ids = torch.randint(0, VOCAB, (m * MB, T + 1), generator=g)
-    mask = torch.ones(m * MB, T, dtype=torch.long)
+    t = seq_len(step)
+    ids = torch.randint(0, VOCAB, (m * MB, t + 1), generator=g)
+    mask = torch.ones(m * MB, t, dtype=torch.long)
     for i in range(m * MB):
         if i % 3:
-            mask[i, T - i % 3:] = 0
+            mask[i, t - i % 3:] = 0
     return ids[:, :-1], ids[:, 1:], mask
 
 
@@ -91,8 +99,8 @@ def main():
         sched = hp.pipeline.schedule(name, ranks=P, microbatches=2 * P)
         model = make_model()  # every rank: the whole model, same seed
         chunks = hp.pipeline.split_model(model, sched, rank, **CUTS[name])
-        pipe = hp.pipeline.Pipeline(chunks, sched, loss_fn=loss_fn, activation_shape=(MB, T, H),
-                                    timeout=60)
+        # No activation_shape: found per step (the sequence length changes).
+        pipe = hp.pipeline.Pipeline(chunks, sched, loss_fn=loss_fn, timeout=60)
         opt = torch.optim.SGD([q for c in chunks.values() for q in c.parameters()], lr=LR)
         losses = []
         for step in range(STEPS):
@@ -105,6 +113,7 @@ def main():
             "chunks": {c: {n: q.detach().clone() for n, q in mod.named_model_parameters()}
                        for c, mod in chunks.items()},
             "names": {c: mod.module_names for c, mod in chunks.items()},
+            "probes": pipe._finder.probes,
         }
         del pipe
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))

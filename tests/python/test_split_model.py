@@ -56,6 +56,10 @@ def test_training_a_split_llama_equals_single_process_training(tmp_path):
                         f"{name} rank {r} chunk {c} {n}: max error {err}")
                     seen.add(n)
         assert seen == set(ref_params), f"{name}: parameters in no chunk: {set(ref_params) - seen}"
+    # Shapes found twice (lengths 5 and 7), the third step's reused.
+    for r, res in enumerate(ranks):
+        for name in names:
+            assert res[name]["probes"] == 2, (name, r, res[name]["probes"])
     # The cuts asked for.
     r0, r1 = ranks[0], ranks[1]
     assert r0["1f1b"]["names"][0] == ["model.embed_tokens", "model.layers.0"]

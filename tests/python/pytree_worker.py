@@ -1,0 +1,87 @@
+"""One rank of the pytree tests (test_pipeline_pytrees.py, started with
+torchrun's variables): a float64 model whose chunks hand each other tuples
+and dicts (a differentiable tensor, a bool mask, a side tensor, a string, an
+int, and a tensor the next chunk ignores), trained with each schedule on
+hyperparallel's executor over a Gloo group, shapes found (no
+activation_shape); saves its losses and chunk parameters.
+
+    pytree_worker.py OUT_DIR SCHEDULES [bad]
+
+"bad": chunk 0's forward of microbatch 1 returns one more item (the test expects
+every rank to fail, naming the stage and microbatch)."""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import pipeline_model as pm  # noqa: E402
+
+import hyperparallel as hp  # noqa: E402
+
+
+class TreeChunk(torch.nn.Module):
+    def __init__(self, c: int, n: int, bad: bool = False):
+        super().__init__()
+        self.c, self.n, self.bad, self.calls = c, n, bad, 0
+        g = torch.Generator().manual_seed(3000 + c)
+        self.lin = torch.nn.Linear(pm.D, pm.D, dtype=torch.float64)
+        self.side = torch.nn.Linear(pm.D, pm.D, dtype=torch.float64)
+        with torch.no_grad():
+            for lin in (self.lin, self.side):
+                lin.weight.copy_(torch.randn(pm.D, pm.D, generator=g, dtype=torch.float64) / pm.D**0.5)
+                lin.bias.copy_(torch.randn(pm.D, generator=g, dtype=torch.float64) * 0.1)
+
+    def forward(self, x):
+        if isinstance(x, tuple):
+            h, mask, side, tag, k, _ignored = x
+            assert tag == "tree" and k == 3 and mask.dtype == torch.bool, (tag, k, mask.dtype)
+            h = h + 0.5 * side * mask
+        else:
+            h, mask = x, x[:, :1] > 0
+        y = torch.tanh(self.lin(h))
+        side = self.side(h)
+        if self.c == self.n - 1:
+            return {"out": y + side, "mask": mask}
+        self.calls += 1
+        # The Pipeline's probe is the first call, microbatch 0's F the second.
+        if self.bad and self.c == 0 and self.calls == 3:
+            return (y, mask, side, "tree", 3, 2 * side, 0)
+        return (y, mask, side, "tree", 3, 2 * side)
+
+
+def loss_fn(out, target):
+    return pm.loss_fn(out["out"] * (1 + out["mask"]), target)
+
+
+def main():
+    out_dir, names = sys.argv[1], sys.argv[2].split(",")
+    bad = len(sys.argv) > 3 and sys.argv[3] == "bad"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, p = dist.get_rank(), dist.get_world_size()
+    results = {}
+    for name in names:
+        m = pm.microbatches(name, p)
+        sched = hp.pipeline.schedule(name, ranks=p, microbatches=m)
+        chunks = {c: TreeChunk(c, sched.num_chunks, bad) for c in sched.chunks_of_rank(rank)}
+        pipe = hp.pipeline.Pipeline(chunks, sched, loss_fn=loss_fn, timeout=60)
+        opt = torch.optim.SGD([q for c in chunks.values() for q in c.parameters()], lr=pm.LR)
+        losses = []
+        for step in range(pm.STEPS):
+            x, y = pm.batch(step, m)
+            opt.zero_grad()
+            losses.append(pipe.step(x, y))
+            opt.step()
+        results[name] = {
+            "losses": losses,
+            "chunks": {c: [q.detach() for q in mod.parameters()] for c, mod in chunks.items()},
+        }
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

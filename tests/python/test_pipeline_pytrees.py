@@ -1,0 +1,51 @@
+"""Structures between stages (NOTE [Pytrees between stages] in
+python/hyperparallel/pipeline.py): real processes train a float64 model whose
+chunks hand each other tuples and dicts - a differentiable tensor, a bool
+mask, a side tensor, a string, an int, a tensor the next chunk ignores - on
+schedules with fused and split backwards, V shapes and DualPipeV; losses and
+parameters equal single-process training."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+import hyperparallel as hp
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import pipeline_model as pm  # noqa: E402
+import pytree_worker as tw  # noqa: E402
+import ranks  # noqa: E402
+
+SCHEDULES = ["1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev"]
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_structures_between_stages_train_equal_to_single_process(p, tmp_path):
+    ranks.run_ranks(p, [os.path.join(HERE, "pytree_worker.py"), tmp_path, ",".join(SCHEDULES)])
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(p)]
+    for name in SCHEDULES:
+        sched = hp.pipeline.schedule(name, ranks=p, microbatches=pm.microbatches(name, p))
+        n = sched.num_chunks
+        chunks = [tw.TreeChunk(c, n) for c in range(n)]
+        ref_losses, ref_chunks = pm.train_single_process(
+            chunks, pm.batch, sched.num_microbatches, pm.STEPS, pm.LR, tw.loss_fn)
+        for r, res in enumerate(results):
+            got = res[name]
+            for s, (a, b) in enumerate(zip(got["losses"], ref_losses, strict=True)):
+                assert abs(a - b) <= 1e-9 * max(1.0, abs(b)), (name, p, r, s, a, b)
+            for c, tensors in got["chunks"].items():
+                for q, q_ref in zip(tensors, ref_chunks[c]):
+                    err = (q - q_ref).abs().max().item()
+                    assert err <= 1e-9 * max(1.0, q_ref.abs().max().item()), (name, p, r, c, err)
+
+
+def test_a_structure_that_changes_between_microbatches_fails_every_rank_naming_it(tmp_path):
+    outs = ranks.run_ranks(2, [os.path.join(HERE, "pytree_worker.py"), tmp_path, "1f1b", "bad"],
+                           timeout=120, check=False)
+    rc0, _, err0 = outs[0]
+    assert rc0 != 0 and "stage 0 microbatch 1: the output's structure differs" in err0, err0[-3000:]
+    rc1, _, err1 = outs[1]
+    assert rc1 != 0 and "rank 0" in err1, err1[-3000:]
