@@ -17,7 +17,6 @@ measured timings as JSON. See examples/README.md.
 import argparse
 import math
 import os
-import statistics
 import sys
 import time
 
@@ -187,56 +186,21 @@ def main(argv=None):
         progress.update(step, loss, tokens_per_step / seconds)
     progress.close()
 
-    # The last step's measurements from every rank, and a checksum of the
-    # trained model (each chunk counted once, by the first rank holding it).
-    per_rank = train_utils.gather_step_stats(pipe.last_stats)
-    holders = {}
-    for st, r in enumerate(sched.stage_rank):
-        holders.setdefault(sched.stage_chunk[st], set()).add(r)
-    mine = sum(q.detach().double().sum().item() for c, mod in chunks.items()
-               if min(holders[c]) == rank for q in mod.parameters())
-    checksum = torch.tensor([mine], dtype=torch.float64)
-    dist.all_reduce(checksum)
-    if rank == 0:
-        timed = step_seconds[1:] if len(step_seconds) > 1 else step_seconds
-        median = statistics.median(timed)
-        last = train_utils.step_summary(per_rank)
-        whole = models.GPT(config, a.seed)  # to count the parameters
-        report = {
+    whole = models.GPT(config, a.seed) if rank == 0 else None  # to count the parameters
+    train_utils.finish_run(
+        pipe, chunks, what=f"trained the GPT with {a.schedule} on {world} ranks",
+        losses=losses, step_seconds=step_seconds, items_per_step=tokens_per_step,
+        report_path=a.report, trace_path=a.trace,
+        report={
             "schedule": a.schedule, "ranks": world, "num_chunks": sched.num_chunks,
             "microbatches": m, "microbatch_size": a.microbatch_size, "steps": a.steps,
             "dtype": a.dtype, "seed": a.seed, "data": data.description,
             "model": {"kind": "gpt", "layers": a.layers, "d_model": a.d_model,
                       "heads": a.heads, "seq_len": a.seq_len, "vocab": config.vocab,
-                      "parameters": sum(q.numel() for q in whole.parameters())},
+                      "parameters": sum(q.numel() for q in whole.parameters()) if whole else 0},
             "optimizer": {"name": a.optimizer, "lr": a.lr, "weight_decay": a.weight_decay},
-            "loss": losses, "step_seconds": step_seconds, "median_step_seconds": median,
-            "tokens_per_second": tokens_per_step / median,
-            "parameter_checksum": checksum.item(),
-            "last_step": last,
             "torch": torch.__version__, "hyperparallel": hp.__version__,
-        }
-        ranks_text = "\n".join(
-            f"  rank {r['rank']}: compute {1e3 * r['compute']:.1f} ms, waiting "
-            f"{1e3 * r['comm_wait']:.1f} ms, executor overhead {1e3 * r['overhead']:.2f} ms"
-            for r in last["ranks"])
-        print(f"trained the GPT with {a.schedule} on {world} ranks: {a.steps} steps\n"
-              f"  loss {losses[0]:.4f} -> {losses[-1]:.4f}\n"
-              f"  median step {1e3 * median:.1f} ms, {tokens_per_step / median:,.0f} tokens/s; "
-              f"bubble measured {100 * last.get('measured_bubble', 0.0):.1f} % (last step)\n"
-              f"{ranks_text}\n  parameter checksum {checksum.item():.9f}")
-        if a.report:
-            train_utils.write_report(a.report, report)
-            print(f"  report: {a.report}")
-        if a.trace:
-            in_ms = [{**s, "events": [(act, 1e3 * b, 1e3 * e) for act, b, e in s["events"]]}
-                     for s in per_rank]  # the renderers read one time unit as one millisecond
-            timeline = train_utils.measured_timeline(in_ms, f"{a.schedule} (measured, last step)")
-            with open(a.trace, "w") as f:
-                f.write(hp.schedule.render_chrome_trace(timeline))
-            with open(a.trace + ".svg", "w") as f:
-                f.write(hp.schedule.render_svg(timeline))
-            print(f"  trace: {a.trace} (chrome://tracing, ui.perfetto.dev) and {a.trace}.svg")
+        })
     dist.destroy_process_group()
     return 0
 

@@ -1,6 +1,7 @@
 """Small pieces a training script around hyperparallel.pipeline needs: a
 progress bar, the measured timeline of a step gathered from every rank, and
-a JSON report written atomically (what examples/train_gpt.py uses)."""
+a JSON report written atomically, and the end of a run (summary, report,
+trace) that examples/train_gpt.py and examples/train_hf.py share."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import torch.distributed as dist
 
 from . import schedule as hs
 
-__all__ = ["Progress", "gather_step_stats", "measured_timeline", "step_summary", "write_report"]
+__all__ = ["Progress", "gather_step_stats", "measured_timeline", "step_summary", "write_report",
+           "finish_run"]
 
 
 class Progress:
@@ -104,3 +106,60 @@ def write_report(path: str | os.PathLike, report: Mapping[str, Any]) -> None:
         json.dump(report, f, indent=1)
         f.write("\n")
     os.replace(tmp, path)
+
+
+def finish_run(pipe, chunks: Mapping[int, Any], *, what: str, losses: Sequence[float],
+               step_seconds: Sequence[float], items_per_step: int, report: Dict[str, Any],
+               report_path: str = "", trace_path: str = "", unit: str = "tokens") -> None:
+    """The end of a training script (a collective: every rank calls it):
+    the last step's measurements from every rank and a checksum of the
+    trained chunks (each chunk counted once, by the first rank holding it);
+    rank 0 prints the summary, and writes ``report`` (completed with the
+    losses, step times, throughput, checksum and last step) to
+    ``report_path`` and the measured timeline to ``trace_path`` (Chrome
+    trace) and ``trace_path + ".svg"``."""
+    import statistics
+
+    import torch
+
+    sched, rank = pipe.schedule, pipe.rank
+    per_rank = gather_step_stats(pipe.last_stats)
+    holders: Dict[int, set] = {}
+    for st, r in enumerate(sched.stage_rank):
+        holders.setdefault(sched.stage_chunk[st], set()).add(r)
+    mine = sum(q.detach().double().sum().item() for c, mod in chunks.items()
+               if min(holders[c]) == rank for q in mod.parameters())
+    checksum = torch.tensor([mine], dtype=torch.float64)
+    dist.all_reduce(checksum)
+    if rank != 0:
+        return
+    timed = list(step_seconds[1:]) if len(step_seconds) > 1 else list(step_seconds)
+    median = statistics.median(timed)
+    last = step_summary(per_rank)
+    report = dict(report)
+    report.update({
+        "loss": list(losses), "step_seconds": list(step_seconds), "median_step_seconds": median,
+        f"{unit}_per_second": items_per_step / median, "parameter_checksum": checksum.item(),
+        "last_step": last,
+    })
+    ranks_text = "\n".join(
+        f"  rank {r['rank']}: compute {1e3 * r['compute']:.1f} ms, waiting "
+        f"{1e3 * r['comm_wait']:.1f} ms, executor overhead {1e3 * r['overhead']:.2f} ms"
+        for r in last["ranks"])
+    print(f"{what}: {len(losses)} steps\n"
+          f"  loss {losses[0]:.4f} -> {losses[-1]:.4f}\n"
+          f"  median step {1e3 * median:.1f} ms, {items_per_step / median:,.0f} {unit}/s; "
+          f"bubble measured {100 * last.get('measured_bubble', 0.0):.1f} % (last step)\n"
+          f"{ranks_text}\n  parameter checksum {checksum.item():.9f}")
+    if report_path:
+        write_report(report_path, report)
+        print(f"  report: {report_path}")
+    if trace_path:
+        in_ms = [{**s, "events": [(act, 1e3 * b, 1e3 * e) for act, b, e in s["events"]]}
+                 for s in per_rank]  # the renderers read one time unit as one millisecond
+        timeline = measured_timeline(in_ms, f"{report.get('schedule', '')} (measured, last step)")
+        with open(trace_path, "w") as f:
+            f.write(hs.render_chrome_trace(timeline))
+        with open(trace_path + ".svg", "w") as f:
+            f.write(hs.render_svg(timeline))
+        print(f"  trace: {trace_path} (chrome://tracing, ui.perfetto.dev) and {trace_path}.svg")
