@@ -38,11 +38,11 @@ import torch
 import torch.distributed as dist
 
 from . import _C
-from .split_model import split_model  # cutting one model into chunks
+from .split_model import moe_aux_losses, split_model  # cutting one model into chunks
 
 __all__ = ["PipelineSchedule", "schedule", "Pipeline", "add_loss", "collect_losses",
            "cpu_cache_bytes", "empty_cpu_cache",
-           "split_model"]
+           "split_model", "moe_aux_losses"]
 
 
 #: The schedule a :class:`Pipeline` runs: hyperparallel's one ``Schedule``
@@ -248,8 +248,11 @@ class _StageForward:
                 "shapes found (Pipeline without activation_shape)")
         if not added:
             return out
-        total = added[0] if len(added) == 1 else torch.stack(added).sum()
-        self.aux.add(total)
+        total = added[0]
+        for t in added[1:]:  # the dtypes may differ (a router's float32 term)
+            total = total + t
+        for t in added:  # reported in float64, each as it was added
+            self.aux.add(t)
         if not total.requires_grad or not isinstance(out, torch.Tensor):
             return out
         return _WithAuxiliary.apply(out, total, self.aux.scale)

@@ -42,13 +42,13 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-__all__ = ["split_model", "ModelChunk"]
+__all__ = ["split_model", "ModelChunk", "moe_aux_losses"]
 
 # transformers' model types whose base model's forward is exactly
 # embed_tokens -> layers (with rotary embeddings and a causal mask) -> norm,
 # and whose causal LM's forward is lm_head over that (checked against the
 # model's own forward: tests/python/test_split_model.py).
-_HF_DECODERS = ("llama", "mistral", "qwen2", "qwen3")
+_HF_DECODERS = ("llama", "mistral", "mixtral", "qwen2", "qwen3")
 
 # A unit: (name in the model, module, kind) with kind "embed", "block",
 # "decoder" (a transformers decoder layer) or "tail".
@@ -398,3 +398,46 @@ def split_model(
                         "modules in one chunk"
                     )
     return {c: ModelChunk(members[c], c, k, hf) for c in schedule.chunks_of_rank(rank)}
+
+
+# NOTE [MoE load balancing in a pipeline]
+# transformers' Mixtral adds to its loss `router_aux_loss_coef` times a
+# load-balancing term over the router logits of all layers concatenated:
+# E * sum_e f_e * P_e, with f_e the share of top-k assignments to expert e
+# and P_e its mean router probability, both over every layer's tokens. Its
+# gradient at one layer's router is E * f_e / N: the assignments of every
+# other layer, later stages' included, which a stage does not have when it
+# runs its backward alone. So a pipeline trains the per-layer form that
+# Switch Transformer's paper states and Megatron-LM uses: each MoE layer's
+# own term (load_balancing_loss_func over that layer's logits alone), summed
+# over layers, each added by its layer with hyperparallel.pipeline.add_loss
+# (NOTE [Auxiliary losses] in pipeline.py) and so joined to its own stage's
+# backward. `moe_aux_losses(model)` puts that on a model's routers (hooks on
+# the model's own modules: the chunks of split_model share them), for a
+# Pipeline and, inside collect_losses(), for one process alike.
+def moe_aux_losses(model: nn.Module, coef: Optional[float] = None) -> list:
+    """Adds each MoE layer's load-balancing loss (times ``coef``, default the
+    config's ``router_aux_loss_coef``) with ``add_loss`` whenever its router
+    runs (NOTE [MoE load balancing in a pipeline]). For transformers' Mixtral
+    models; returns the hooks' handles (``handle.remove()`` undoes it)."""
+    from .pipeline import add_loss
+
+    config = getattr(model, "config", None)
+    experts = getattr(config, "num_local_experts", None)
+    top_k = getattr(config, "num_experts_per_tok", None)
+    if not isinstance(experts, int) or not isinstance(top_k, int):
+        raise ValueError(f"moe_aux_losses: {type(model).__name__} has no num_local_experts and "
+                         "num_experts_per_tok in its config (a transformers Mixtral model has)")
+    coef = float(config.router_aux_loss_coef if coef is None else coef)
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    def hook(module, inputs, output):
+        logits = output[0] if isinstance(output, tuple) else output
+        add_loss(coef * load_balancing_loss_func((logits,), experts, top_k))
+
+    handles = [m.register_forward_hook(hook) for m in model.modules()
+               if type(m).__name__.endswith("TopKRouter")]
+    if not handles:
+        raise ValueError(f"moe_aux_losses: no router (a *TopKRouter module) in "
+                         f"{type(model).__name__}")
+    return handles

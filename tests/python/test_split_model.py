@@ -87,6 +87,33 @@ def all_chunks(model, sched, **kw):
     return [chunks[c] for c in range(sched.num_chunks)]
 
 
+def test_training_a_split_mixtral_with_its_load_balancing_loss_equals_one_process(tmp_path):
+    # NOTE [MoE load balancing in a pipeline]: every MoE layer's term joins
+    # its own stage's backward, on fused and split schedules, V shapes,
+    # DualPipeV and interleaved.
+    import moe_worker as mw
+
+    names = ["1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev"]
+    ranks_.run_ranks(mw.P, [os.path.join(HERE, "moe_worker.py"), tmp_path, ",".join(names)],
+                     timeout=300, env={"HF_HUB_OFFLINE": "1"})
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(mw.P)]
+    for name in names:
+        ref_losses, ref_aux, ref_params = mw.reference(mw.microbatches(name))
+        assert min(ref_aux) > 0.1  # the term matters
+        seen = set()
+        for r, res in enumerate(ranks):
+            got = res[name]
+            for s in range(mw.STEPS):
+                for key, ref in (("losses", ref_losses), ("aux", ref_aux)):
+                    a, b = got[key][s], ref[s]
+                    assert abs(a - b) <= 1e-9 * max(1.0, abs(b)), f"{name} rank {r} {key} {s}: {a} vs {b}"
+            for n, q in got["params"].items():
+                err = (q - ref_params[n]).abs().max().item()
+                assert err <= 1e-9 * max(1.0, ref_params[n].abs().max().item()), (name, r, n, err)
+                seen.add(n)
+        assert seen == set(ref_params), name
+
+
 @pytest.mark.parametrize("cls_name,extra", [
     ("LlamaForCausalLM", {}),
     ("LlamaForCausalLM", {"attn_implementation": "sdpa"}),  # the mask may be None: is_causal
