@@ -302,9 +302,12 @@ Suites: $SUITE-security
 Components: main
 Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
 EOF
-echo fresh-debian12 >"$ROOT/etc/hostname"
-printf '127.0.0.1\tlocalhost\n127.0.1.1\tfresh-debian12\n::1\t\tlocalhost ip6-localhost ip6-loopback\n' \
-  >"$ROOT/etc/hosts"
+# The root shares this machine's host name (no UTS namespace): it must
+# resolve, as a machine's own name does (torchrun --standalone looks it up).
+host=$(uname -n)
+echo "$host" >"$ROOT/etc/hostname"
+printf '127.0.0.1\tlocalhost\n127.0.1.1\t%s\n::1\t\tlocalhost ip6-localhost ip6-loopback\n' \
+  "$host" >"$ROOT/etc/hosts"
 cp -L /etc/resolv.conf "$ROOT/etc/resolv.conf"
 # This machine's network setting, which a fresh machine on the same network
 # has too: the certificate authorities it trusts beyond Debian's (an

@@ -41,6 +41,8 @@ def add_run_arguments(ap):
     ap.add_argument("--profile", default="", metavar="DIR",
                     help="profile each rank's steps with cProfile into DIR/rank<r>.prof; rank 0 "
                          "prints its top functions by own time")
+    ap.add_argument("--model", default="gpt", choices=["gpt", "hf-llama"],
+                    help="the model both sides train (common.chunk_builder)")
     ap.add_argument("--worker", action="store_true", help="(internal) run one rank")
 
 
@@ -60,6 +62,47 @@ def setup_rank(args):
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     return rank, world, torch, dist
+
+
+class _OneChunk:
+    """The layout split_model needs to cut chunk `index` of `n` on its own."""
+
+    def __init__(self, index, n):
+        self.num_chunks, self.num_ranks, self.index = n, 1, index
+
+    def chunks_of_rank(self, rank):
+        return [self.index]
+
+
+def chunk_builder(model, config, seed):
+    """fn(chunk, num_chunks) -> the chunk's module, and the width of what a
+    chunk hands the next: the GPT of hyperparallel.models (`gpt`), or a
+    transformers LlamaForCausalLM of the same shape (`hf-llama`: hidden size
+    d_model, heads, 2 key-value heads, MLP 2 x d_model, vocab 256, random
+    weights from the seed, eager attention, float32) cut by split_model, the
+    same cut on both sides."""
+    from hyperparallel import models
+
+    if model == "gpt":
+        return (lambda c, n: models.GPT(config, seed, chunk=c, num_chunks=n)), config.d_model
+    if model != "hf-llama":
+        raise ValueError(f"unknown model {model!r}: gpt or hf-llama")
+    import torch
+    import transformers
+
+    import hyperparallel as hp
+
+    def build(c, n):
+        cfg = transformers.LlamaConfig(
+            vocab_size=config.vocab, hidden_size=config.d_model,
+            intermediate_size=2 * config.d_model, num_hidden_layers=config.layers,
+            num_attention_heads=config.heads, num_key_value_heads=2,
+            max_position_embeddings=max(config.seq_len, 16), tie_word_embeddings=False,
+            attn_implementation="eager")
+        torch.manual_seed(seed)
+        whole = transformers.LlamaForCausalLM(cfg)
+        return hp.pipeline.split_model(whole, _OneChunk(c, n), 0)[c]
+    return build, config.d_model
 
 
 def model_and_data(setting, seed, dtype=None):

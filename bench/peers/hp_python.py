@@ -40,8 +40,8 @@ class HpSide:
         m = s["microbatches"]
         self.sched = hp.pipeline.schedule(args.schedule, ranks=world, microbatches=m,
                                           chunks=args.chunks)
-        chunks = models.gpt_chunks(config, self.sched.chunks_of_rank(rank),
-                                   self.sched.num_chunks, args.seed)
+        build, _ = common.chunk_builder(getattr(args, "model", "gpt"), config, args.seed)
+        chunks = {c: build(c, self.sched.num_chunks) for c in self.sched.chunks_of_rank(rank)}
         self.pipe = hp.pipeline.Pipeline(
             chunks, self.sched, loss_fn=models.gpt_loss,
             activation_shape=config.activation_shape(s["microbatch_size"]), group=group,

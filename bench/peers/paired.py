@@ -195,7 +195,9 @@ def render(report):
     out = []
     for setting, rows in report["settings"].items():
         spec = common.SETTINGS[setting]
-        out.append(f"**{setting}**: gpt, {spec['layers']} layers, d_model {spec['d_model']}, "
+        model = {"gpt": "gpt", "hf-llama": "transformers LlamaForCausalLM (split_model)"}[
+            report["args"].get("model", "gpt")]
+        out.append(f"**{setting}**: {model}, {spec['layers']} layers, d_model {spec['d_model']}, "
                    f"{spec['heads']} heads, seq {spec['seq_len']}, {spec['microbatches']} "
                    f"microbatches of {spec['microbatch_size']}, 2 ranks, "
                    f"{report['args']['steps']} steps x {report['args']['rounds']} rounds, "
@@ -233,6 +235,10 @@ def main():
                     help="our side's Pipeline(p2p=...): its default (auto: shared-memory "
                          "rings where every rank could reserve them), the Gloo group's "
                          "point-to-point (as PyTorch's side), or the rings insisted on")
+    ap.add_argument("--model", default="gpt", choices=["gpt", "hf-llama"],
+                    help="the model both sides train: hyperparallel.models' GPT, or a "
+                         "transformers LlamaForCausalLM of the setting's shape cut by "
+                         "split_model (common.chunk_builder)")
     ap.add_argument("--tolerance", type=float, default=1e-4)
     ap.add_argument("--json", default="", help="write every run's steps and the summary here")
     ap.add_argument("--markdown", default="")
@@ -275,7 +281,8 @@ def main():
                 argv = ["--setting", setting, "--schedule", name, "--out", out,
                         "--steps", str(args.steps), "--seed", str(args.seed),
                         "--lr", str(args.lr), "--weight-decay", str(args.weight_decay),
-                        "--timeout", str(args.timeout), "--hp-p2p", args.hp_p2p]
+                        "--timeout", str(args.timeout), "--hp-p2p", args.hp_p2p,
+                        "--model", args.model]
                 rc = common.launch(os.path.abspath(__file__), args.nproc, argv, args.timeout,
                                    args.threads)
                 done += 1

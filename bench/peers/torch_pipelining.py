@@ -119,12 +119,12 @@ class TorchSide:
                 lambda mod, inp, out: self.kernels.append(now() - started[0]))
 
         my_stages, self.modules = [], []
+        build, width = common.chunk_builder(getattr(args, "model", "gpt"), config, args.seed)
         for st in stages_of[rank]:
-            chunk = models.GPT(config, args.seed, chunk=st, num_chunks=num_stages)
+            chunk = build(st, num_stages)
             example_in = (torch.zeros(rows, T, dtype=torch.int64) if st == 0
-                          else torch.zeros(rows, T, config.d_model))
-            example_out = torch.zeros(rows, T,
-                                      config.vocab if st == num_stages - 1 else config.d_model)
+                          else torch.zeros(rows, T, width))
+            example_out = torch.zeros(rows, T, config.vocab if st == num_stages - 1 else width)
             stage = pp.PipelineStage(chunk, st, num_stages, torch.device("cpu"),
                                      input_args=(example_in,), output_args=(example_out,),
                                      group=group)
