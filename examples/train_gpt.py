@@ -15,54 +15,19 @@ measured timings as JSON. See examples/README.md.
 """
 
 import argparse
-import math
 import os
 import sys
 import time
 
-SCHEDULES = ["naive", "gpipe", "1f1b", "interleaved-1f1b", "interleaved-bfs", "interleaved-zb",
-             "zb-h1", "zb-h2", "zbv", "dualpipe", "dualpipev", "zb-auto", "v-min", "v-half", "v-zb",
-             "auto"]
-
-
-def positive(what):
-    def parse(text):
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{what} must be a whole number, got '{text}'")
-        if v < 1:
-            raise argparse.ArgumentTypeError(f"{what} must be at least 1, got {v}")
-        return v
-    return parse
-
-
-def positive_float(what):
-    def parse(text):
-        try:
-            v = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{what} must be a number, got '{text}'")
-        if not (v > 0 and math.isfinite(v)):
-            raise argparse.ArgumentTypeError(f"{what} must be a positive number, got {text}")
-        return v
-    return parse
+from hyperparallel.train_utils import (add_pipeline_arguments, check_pipeline_arguments,
+                                       positive, positive_float, require_torchrun)
 
 
 def parser():
     ap = argparse.ArgumentParser(
         description="Train a small GPT with a hyperparallel pipeline schedule "
                     "(start it with torchrun --nproc-per-node N).")
-    ap.add_argument("--schedule", "-s", default="zbv", metavar="NAME",
-                    help="any hyperparallel schedule: " + ", ".join(SCHEDULES) + " (default zbv)")
-    ap.add_argument("--chunks", "-v", type=positive("--chunks"), default=2,
-                    help="virtual stages per rank of the interleaved schedules (default 2)")
-    ap.add_argument("--steps", type=positive("--steps"), default=20,
-                    help="optimizer steps (default 20)")
-    ap.add_argument("--microbatches", "-m", type=positive("--microbatches"), default=8,
-                    help="microbatches per step (default 8)")
-    ap.add_argument("--microbatch-size", type=positive("--microbatch-size"), default=4,
-                    help="sequences per microbatch (default 4)")
+    add_pipeline_arguments(ap)
     ap.add_argument("--dtype", default="float32", choices=["float32", "float64"],
                     help="parameters and activations (default float32)")
     ap.add_argument("--layers", type=positive("--layers"), default=4,
@@ -76,48 +41,25 @@ def parser():
     ap.add_argument("--lr", type=positive_float("--lr"), default=1e-3,
                     help="learning rate (default 1e-3)")
     ap.add_argument("--weight-decay", type=float, default=0.0, help="weight decay (default 0)")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the data")
     data = ap.add_mutually_exclusive_group()
     data.add_argument("--data", default=None, metavar="PATH",
                       help="a text file or a folder of text files, read as bytes "
                            "(default: /usr/share/common-licenses)")
     data.add_argument("--random-tokens", action="store_true",
                       help="uniformly random tokens instead of text (nothing to learn; for speed)")
-    ap.add_argument("--report", default="", metavar="FILE",
-                    help="write losses, step times and the last step's measurements as JSON")
-    ap.add_argument("--trace", default="", metavar="FILE",
-                    help="write the last step's measured timeline: Chrome trace FILE and FILE.svg")
-    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
-    ap.add_argument("--timeout", type=positive_float("--timeout"), default=300.0,
-                    help="seconds any communication may wait (default 300)")
     return ap
 
 
 def check_args(ap, a, world):
     """Everything that can be checked before the ranks talk: the same answer on
     every rank, so they all stop together with one message."""
-    if a.schedule not in SCHEDULES:
-        ap.error(f"--schedule: unknown schedule '{a.schedule}'; use one of {', '.join(SCHEDULES)}")
     if a.d_model % a.heads != 0:
         ap.error(f"--d-model {a.d_model} must be divisible by --heads {a.heads}")
-    if not 0 <= a.seed < 2**64:
-        ap.error(f"--seed must be in [0, 2**64), got {a.seed}")
     if a.weight_decay < 0:
         ap.error(f"--weight-decay must be >= 0, got {a.weight_decay}")
     if a.data is not None and not os.path.exists(a.data):
         ap.error(f"--data: '{a.data}' does not exist; give a text file or a folder of text files")
-    for flag, path in (("--report", a.report), ("--trace", a.trace)):
-        folder = os.path.dirname(os.path.abspath(path)) if path else ""
-        if path and not os.path.isdir(folder):
-            ap.error(f"{flag}: the folder '{folder}' does not exist")
-    import hyperparallel as hp
-
-    try:
-        sched = hp.pipeline.schedule(a.schedule, ranks=world, microbatches=a.microbatches,
-                                     chunks=a.chunks)
-    except ValueError as e:
-        ap.error(f"--schedule {a.schedule} with {world} ranks and {a.microbatches} "
-                 f"microbatches: {e}")
+    sched = check_pipeline_arguments(ap, a, world)
     if sched.num_chunks > a.layers:
         ap.error(f"--schedule {a.schedule} on {world} ranks cuts the model into {sched.num_chunks} "
                  f"chunks but it has {a.layers} layers: use --layers {sched.num_chunks} or more")
@@ -129,11 +71,7 @@ def main(argv=None):
     if os.environ.get("RANK", "0") != "0":
         ap.error = lambda message: sys.exit(2)  # the same message comes from rank 0
     a = ap.parse_args(argv)
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        ap.error("start this script with torchrun, one process per pipeline rank: "
-                 "torchrun --nproc-per-node 2 examples/train_gpt.py "
-                 + " ".join(sys.argv[1:] if argv is None else argv))
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rank, world = require_torchrun(ap, "examples/train_gpt.py", argv)
 
     import torch
     import torch.distributed as dist

@@ -23,23 +23,11 @@ import os
 import sys
 import time
 
-SCHEDULES = ["naive", "gpipe", "1f1b", "interleaved-1f1b", "interleaved-bfs", "interleaved-zb",
-             "zb-h1", "zb-h2", "zbv", "dualpipe", "dualpipev", "zb-auto", "v-min", "v-half", "v-zb",
-             "auto"]
+from hyperparallel.train_utils import (add_pipeline_arguments, check_pipeline_arguments,
+                                       positive, positive_float, require_torchrun)
+
 MODELS = {"llama": "LlamaConfig/LlamaForCausalLM", "qwen2": "Qwen2Config/Qwen2ForCausalLM",
           "mistral": "MistralConfig/MistralForCausalLM"}
-
-
-def positive(what):
-    def parse(text):
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{what} must be a whole number, got '{text}'")
-        if v < 1:
-            raise argparse.ArgumentTypeError(f"{what} must be at least 1, got {v}")
-        return v
-    return parse
 
 
 def parser():
@@ -48,14 +36,7 @@ def parser():
                     "(start it with torchrun --nproc-per-node N).")
     ap.add_argument("--model", default="llama", choices=sorted(MODELS),
                     help="the transformers model class (default llama)")
-    ap.add_argument("--schedule", "-s", default="zbv", metavar="NAME",
-                    help="any hyperparallel schedule: " + ", ".join(SCHEDULES) + " (default zbv)")
-    ap.add_argument("--chunks", "-v", type=positive("--chunks"), default=2,
-                    help="virtual stages per rank of the interleaved schedules (default 2)")
-    ap.add_argument("--steps", type=positive("--steps"), default=20)
-    ap.add_argument("--microbatches", "-m", type=positive("--microbatches"), default=8)
-    ap.add_argument("--microbatch-size", type=positive("--microbatch-size"), default=4,
-                    help="sequences per microbatch (default 4)")
+    add_pipeline_arguments(ap)
     ap.add_argument("--seq-len", type=positive("--seq-len"), default=32,
                     help="the longest sequence of a step (default 32)")
     ap.add_argument("--min-seq-len", type=positive("--min-seq-len"), default=8,
@@ -66,38 +47,18 @@ def parser():
     ap.add_argument("--kv-heads", type=positive("--kv-heads"), default=2)
     ap.add_argument("--vocab", type=positive("--vocab"), default=256)
     ap.add_argument("--dtype", default="float32", choices=["float32", "float64"])
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--report", default="", metavar="FILE")
-    ap.add_argument("--trace", default="", metavar="FILE")
-    ap.add_argument("--no-progress", action="store_true")
-    ap.add_argument("--timeout", type=float, default=300.0)
+    ap.add_argument("--lr", type=positive_float("--lr"), default=1e-3)
     return ap
 
 
 def check_args(ap, a, world):
     """What can be checked before the ranks talk (the same on every rank)."""
-    if a.schedule not in SCHEDULES:
-        ap.error(f"--schedule: unknown schedule '{a.schedule}'; use one of {', '.join(SCHEDULES)}")
     if a.hidden % a.heads or a.heads % a.kv_heads:
         ap.error(f"--hidden {a.hidden} must divide by --heads {a.heads}, and --heads by "
                  f"--kv-heads {a.kv_heads}")
     if a.min_seq_len > a.seq_len:
         ap.error(f"--min-seq-len {a.min_seq_len} is more than --seq-len {a.seq_len}")
-    if not (a.lr > 0 and a.lr < float("inf")):
-        ap.error(f"--lr must be a positive number, got {a.lr}")
-    for flag, path in (("--report", a.report), ("--trace", a.trace)):
-        folder = os.path.dirname(os.path.abspath(path)) if path else ""
-        if path and not os.path.isdir(folder):
-            ap.error(f"{flag}: the folder '{folder}' does not exist")
-    import hyperparallel as hp
-
-    try:
-        sched = hp.pipeline.schedule(a.schedule, ranks=world, microbatches=a.microbatches,
-                                     chunks=a.chunks)
-    except ValueError as e:
-        ap.error(f"--schedule {a.schedule} with {world} ranks and {a.microbatches} "
-                 f"microbatches: {e}")
+    sched = check_pipeline_arguments(ap, a, world)
     if sched.num_chunks > a.layers + 2:
         ap.error(f"--schedule {a.schedule} on {world} ranks cuts the model into {sched.num_chunks} "
                  f"chunks; use --layers {sched.num_chunks - 2} or more")
@@ -150,11 +111,7 @@ def main(argv=None):
     if os.environ.get("RANK", "0") != "0":
         ap.error = lambda message: sys.exit(2)  # the same message comes from rank 0
     a = ap.parse_args(argv)
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        ap.error("start this script with torchrun, one process per pipeline rank: "
-                 "torchrun --nproc-per-node 2 examples/train_hf.py "
-                 + " ".join(sys.argv[1:] if argv is None else argv))
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rank, world = require_torchrun(ap, "examples/train_hf.py", argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     import torch

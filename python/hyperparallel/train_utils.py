@@ -9,14 +9,111 @@ import json
 import os
 import sys
 import time
-from typing import Any, Dict, List, Mapping, Optional, Sequence, TextIO
+from typing import Any, Dict, List, Mapping, Optional, Sequence, TextIO, Tuple
 
 import torch.distributed as dist
 
 from . import schedule as hs
 
 __all__ = ["Progress", "gather_step_stats", "measured_timeline", "step_summary", "write_report",
-           "finish_run"]
+           "finish_run", "positive", "positive_float", "add_pipeline_arguments",
+           "check_pipeline_arguments", "require_torchrun", "EXAMPLE_SCHEDULES"]
+
+#: The schedules the example scripts offer (every generator but afab, gpipe's alias).
+EXAMPLE_SCHEDULES = ["naive", "gpipe", "1f1b", "interleaved-1f1b", "interleaved-bfs",
+                     "interleaved-zb", "zb-h1", "zb-h2", "zbv", "dualpipe", "dualpipev", "zb-auto",
+                     "v-min", "v-half", "v-zb", "auto"]
+
+
+def positive(what: str):
+    """An argparse type: a whole number >= 1, the error naming ``what``."""
+    import argparse
+
+    def parse(text):
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what} must be a whole number, got '{text}'")
+        if v < 1:
+            raise argparse.ArgumentTypeError(f"{what} must be at least 1, got {v}")
+        return v
+    return parse
+
+
+def positive_float(what: str):
+    """An argparse type: a finite number > 0, the error naming ``what``."""
+    import argparse
+    import math
+
+    def parse(text):
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what} must be a number, got '{text}'")
+        if not (v > 0 and math.isfinite(v)):
+            raise argparse.ArgumentTypeError(f"{what} must be a positive number, got {text}")
+        return v
+    return parse
+
+
+def add_pipeline_arguments(ap, *, microbatch_size_help: str = "sequences per microbatch") -> None:
+    """The options every example takes: the schedule, its size, the run's
+    length, outputs and timeout."""
+    ap.add_argument("--schedule", "-s", default="zbv", metavar="NAME",
+                    help="any hyperparallel schedule: " + ", ".join(EXAMPLE_SCHEDULES)
+                    + " (default zbv)")
+    ap.add_argument("--chunks", "-v", type=positive("--chunks"), default=2,
+                    help="virtual stages per rank of the interleaved schedules (default 2)")
+    ap.add_argument("--steps", type=positive("--steps"), default=20,
+                    help="optimizer steps (default 20)")
+    ap.add_argument("--microbatches", "-m", type=positive("--microbatches"), default=8,
+                    help="microbatches per step (default 8)")
+    ap.add_argument("--microbatch-size", type=positive("--microbatch-size"), default=4,
+                    help=f"{microbatch_size_help} (default 4)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the data")
+    ap.add_argument("--report", default="", metavar="FILE",
+                    help="write losses, step times and the last step's measurements as JSON")
+    ap.add_argument("--trace", default="", metavar="FILE",
+                    help="write the last step's measured timeline: Chrome trace FILE and FILE.svg")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ap.add_argument("--timeout", type=positive_float("--timeout"), default=300.0,
+                    help="seconds any communication may wait (default 300)")
+
+
+def require_torchrun(ap, script: str, argv) -> Tuple[int, int]:
+    """(rank, world size) from torchrun's variables, else one clear error;
+    on ranks other than 0 errors exit quietly (rank 0 says the same)."""
+    if os.environ.get("RANK", "0") != "0":
+        ap.error = lambda message: sys.exit(2)
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        ap.error(f"start this script with torchrun, one process per pipeline rank: "
+                 f"torchrun --nproc-per-node 2 {script} "
+                 + " ".join(sys.argv[1:] if argv is None else argv))
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def check_pipeline_arguments(ap, a, world: int):
+    """What add_pipeline_arguments' options must satisfy before the ranks
+    talk (the same answer on every rank): a known schedule that this many
+    ranks and microbatches can run, output folders that exist. Returns the
+    schedule."""
+    if a.schedule not in EXAMPLE_SCHEDULES:
+        ap.error(f"--schedule: unknown schedule '{a.schedule}'; use one of "
+                 f"{', '.join(EXAMPLE_SCHEDULES)}")
+    if not 0 <= a.seed < 2**64:
+        ap.error(f"--seed must be in [0, 2**64), got {a.seed}")
+    for flag, path in (("--report", a.report), ("--trace", a.trace)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else ""
+        if path and not os.path.isdir(folder):
+            ap.error(f"{flag}: the folder '{folder}' does not exist")
+    from . import pipeline
+
+    try:
+        return pipeline.schedule(a.schedule, ranks=world, microbatches=a.microbatches,
+                                 chunks=a.chunks)
+    except ValueError as e:
+        ap.error(f"--schedule {a.schedule} with {world} ranks and {a.microbatches} "
+                 f"microbatches: {e}")
 
 
 class Progress:

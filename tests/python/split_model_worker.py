@@ -30,6 +30,9 @@ CUTS = {
     "zb-h1": dict(by="parameters"),
     "zbv": dict(by="layers"),
     "dualpipe": dict(layers_per_chunk=[1, 3]),
+    "interleaved-1f1b": dict(by="layers"),
+    "dualpipev": dict(by="parameters"),
+    "zb-auto": dict(by="layers"),
 }
 
 
