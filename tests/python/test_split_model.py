@@ -131,6 +131,19 @@ def test_chunks_in_a_row_compute_the_models_logits(cls_name, extra):
     for chunk in all_chunks(model, sched):
         h = chunk(h)
     assert torch.equal(h, model(ids).logits)
+    # The model's own keyword arguments, given to every chunk as the
+    # Pipeline gives them (step(..., attention_mask=, position_ids=)):
+    # padding and shifted positions change the logits, and the chunks follow.
+    mask = torch.tensor([[1] * 7, [1] * 4 + [0] * 3])
+    pos = torch.arange(2, 9).unsqueeze(0).expand(2, -1)
+    h = ids
+    for chunk in all_chunks(model, sched):
+        h = chunk(h, attention_mask=mask, position_ids=pos)
+    want = model(ids, attention_mask=mask, position_ids=pos).logits
+    # (equal_nan: under a sliding window a padded query may see no key at all,
+    # NaN in the model's forward and the chunks' alike)
+    torch.testing.assert_close(h, want, rtol=0, atol=0, equal_nan=True)
+    assert not torch.equal(want.nan_to_num(), model(ids).logits)
 
 
 def test_chunks_share_the_models_parameters():
