@@ -1,5 +1,5 @@
-// run_rank and train_reference: the training loop around the Executor
-// (replica gradient sums, optimizer, metrics gathering, checkpoints) and the
+// run_rank and train_reference: the training loop around one rank's Pipeline
+// (models, data, optimizer, metrics gathering, checkpoints) and the
 // single-process oracle it must equal.
 #include "hp/train/trainer.h"
 
@@ -25,12 +25,9 @@
 #include "hp/distributed/mesh.h"
 #include "hp/launch/launcher.h"
 #include "hp/models/data.h"
-#include "hp/pipeline/data_parallel.h"
-#include "hp/pipeline/executor.h"
 #include "hp/pipeline/pipeline.h"
 #include "hp/pipeline/stage.h"
 #include "hp/recompute/checkpoint.h"
-#include "hp/recompute/session.h"
 #include "hp/schedule/cost_file.h"
 #include "hp/schedule/generators.h"
 #include "hp/schedule/lower.h"

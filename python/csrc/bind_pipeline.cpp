@@ -11,7 +11,6 @@
 
 #include "bindings.h"
 #include "hp/core/memory.h"
-#include "hp/distributed/collectives.h"
 #include "hp/distributed/comm.h"
 #include "hp/pipeline/pipeline.h"
 #include "hp/schedule/schedule.h"
