@@ -896,6 +896,9 @@ def _without_donated_buffers(fn):
 # was compiled before, with donated buffers (e.g. a warm-up backward outside
 # the Pipeline), still fails at its first I with AOTAutograd's own error,
 # which names the setting. Fused-backward schedules (B) run it once.
+# hyperparallel.compile.GraphStage is the way to a compiled stage whose
+# backward really splits: dx and dw as graphs of their own, each compiled
+# (NOTE [Graph stages] in python/hyperparallel/compile/stage.py).
 
 
 # NOTE [Checkpoint under a split schedule]
@@ -1154,7 +1157,9 @@ class Pipeline:
                 "backwards into I (dx) and W (dw): a compiled region's backward is one "
                 "autograd node that computes dx and dw together, so it runs whole in I and "
                 "again in W (twice per microbatch; exact, donated buffers off). A schedule "
-                "without I/W (1f1b, interleaved-1f1b, gpipe) runs it once",
+                "without I/W (1f1b, interleaved-1f1b, gpipe) runs it once; "
+                "hyperparallel.compile.GraphStage(module, backend='inductor') compiles a "
+                "chunk with its backward split into dx and dw graphs (NOTE [Graph stages])",
                 RuntimeWarning,
                 stacklevel=2,
             )

@@ -288,7 +288,7 @@ def mode_compile(hp, out, names):
     """pp = 2: every chunk torch.compile'd (AOTAutograd's compiled backward,
     one autograd node); counts the compiled backward's runs."""
     p = dist.get_world_size()
-    for name in [n for n in dict.fromkeys(names) if not n.startswith("hp-")]:
+    for name in [n for n in dict.fromkeys(names) if not n.startswith(("hp-", "graph-"))]:
         sched = hp.pipeline.schedule(name, ranks=p, microbatches=microbatches(name, p))
         torch._dynamo.reset()
         counts = {}
@@ -298,6 +298,30 @@ def mode_compile(hp, out, names):
         out[key] = train(hp, sched, chunks, group=None, dp_rank=0, dp=1)
         out[key]["bw_runs"] = {c: counts.get(c, 0) / (STEPS * sched.num_microbatches)
                                for c in chunks}
+
+
+def mode_graph(hp, out, names):
+    """pp = 2: every chunk a hyperparallel.compile.GraphStage (captured FX
+    graphs, backward split into dx and dw at the graph level; NOTE [Graph
+    stages]); "inductor-" before a schedule's name compiles each graph with
+    inductor. Counts each graph's runs."""
+    from hyperparallel.compile import GraphStage
+
+    p = dist.get_world_size()
+    for key in [n for n in dict.fromkeys(names) if n.startswith("graph-")]:
+        name = key[len("graph-"):]
+        backend = None
+        if name.startswith("inductor-"):
+            name, backend = name[len("inductor-"):], "inductor"
+            torch._dynamo.reset()
+        sched = hp.pipeline.schedule(name, ranks=p, microbatches=microbatches(name, p))
+        chunks = {c: GraphStage(Chunk(c, sched.num_chunks), backend=backend)
+                  for c in sched.chunks_of_rank(dist.get_rank())}
+        out[key] = train(hp, sched, chunks, group=None, dp_rank=0, dp=1)
+        # Each graph's runs per microbatch (captures: per chunk).
+        out[key]["counts"] = {c: {k: (v if k == "capture" else v / (STEPS * sched.num_microbatches))
+                                  for k, v in ch.counts.items()}
+                              for c, ch in chunks.items()}
 
 
 CHECKPOINTED = ["1f1b", "zb-h1", "hp-zb-h1", "hp-zbv"]  # what mode "checkpoint" runs
@@ -330,7 +354,7 @@ def main():
 
     out = {}
     modes = {"fsdp": mode_fsdp, "mixed": mode_mixed, "bad": mode_bad, "compile": mode_compile,
-             "checkpoint": mode_checkpoint, "hsdp": mode_hsdp, "tp": mode_tp}
+             "checkpoint": mode_checkpoint, "graph": mode_graph, "hsdp": mode_hsdp, "tp": mode_tp}
     for one in mode.split("+"):  # several modes in one launch: one start-up of the ranks
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

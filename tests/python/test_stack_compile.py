@@ -22,17 +22,22 @@ import stack_worker as sw  # noqa: E402
 COMPILED = ["1f1b", "zb-h1", "zbv"]
 # torch.utils.checkpoint, and "hp-": hyperparallel.recompute.checkpoint.
 CHECKPOINTED = ["1f1b", "zb-h1", "hp-zb-h1", "hp-zbv"]
+# hyperparallel.compile.GraphStage chunks (graphs replayed; "inductor-":
+# each graph compiled by inductor) on fused and split schedules.
+GRAPH = ["graph-" + n for n in ("1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zbv",
+                                "dualpipev", "zb-auto", "inductor-zb-h1")]
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     # Both modes read the schedule list; each takes the names it knows.
-    return sl.run(2, "compile+checkpoint", COMPILED + CHECKPOINTED,
+    return sl.run(2, "compile+checkpoint+graph", COMPILED + CHECKPOINTED + GRAPH,
                   tmp_path_factory.mktemp("compile"))
 
 
 def schedule_of(name):
-    name = name[3:] if name.startswith("hp-") else name
+    for prefix in ("hp-", "graph-", "inductor-"):
+        name = name[len(prefix):] if name.startswith(prefix) else name
     return name, hp.pipeline.schedule(name, ranks=2, microbatches=sw.microbatches(name, 2))
 
 
@@ -76,3 +81,30 @@ def test_checkpointed_blocks_recompute_once_or_say_so(ranks):
         # Once, for zb-h1 (the split schedule with torch's checkpoint).
         assert len(said) == 1, res["warnings-checkpoint"]
         assert "hyperparallel.recompute.checkpoint recomputes once" in said[0], said
+
+
+def test_graph_stages_split_their_backward_into_dx_and_dw_graphs_once_each(ranks):
+    """NOTE [Graph stages] in python/hyperparallel/compile/stage.py: every
+    schedule trains equal to single-process training, and per microbatch
+    each stage runs its forward graph once and either its fused backward
+    graph or its dx and dw graphs, once each; on a split schedule every stage
+    that sends a gradient back runs dx in I and dw in W (never the fused
+    graph, never twice)."""
+    for key in GRAPH:
+        name, sched = schedule_of(key)
+        ref_losses, ref_chunks = sw.reference(sched.num_chunks, sched.num_microbatches)
+        for r, res in enumerate(ranks):
+            got = res[key]
+            sl.assert_equal(got, ref_losses, ref_chunks, f"{key} rank {r}")
+            for c, n in got["counts"].items():
+                where = f"{key} rank {r} chunk {c}: {n}"
+                assert n["capture"] == 1 and n["forward"] == 1.0, where
+                assert n["dx"] == n["dw"], where
+                assert n["dx"] + n["backward"] == 1.0, where
+                if c == 0 or not sched.has_split:
+                    assert n["backward"] == 1.0, where  # no I on the route's first stage
+                elif name != "dualpipev":  # DualPipeV also runs B where it overlaps
+                    assert n["dx"] == 1.0, where
+        for res in ranks:
+            assert not [w for w in res["warnings-graph"] if "hyperparallel" in w], \
+                res["warnings-graph"]

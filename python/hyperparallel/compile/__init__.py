@@ -12,9 +12,11 @@ from .passes import (AutoOverlapPass, CanonicalizeGraph, DeadCodeElimination, FS
                      GraphPass, PassPipeline)
 from .mesh import MeshContext
 from .trainer import GraphTrainer
+from .stage import GraphStage, SplitGraphs, split_joint_graph
 
 __all__ = [
     "PassConfig", "PassPlan", "FSDPModuleConfig", "create_sharding_plan_from_yaml",
     "trace_model_graph", "LEAF_TYPES", "GraphPass", "PassPipeline", "DeadCodeElimination",
     "CanonicalizeGraph", "FSDPPass", "AutoOverlapPass", "MeshContext", "GraphTrainer",
+    "GraphStage", "SplitGraphs", "split_joint_graph",
 ]

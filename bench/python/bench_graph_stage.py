@@ -1,0 +1,113 @@
+"""What a compiled stage's backward costs split into I (dx) and W (dw),
+against the same stage's fused backward, side by side in one process: a
+middle chunk of the GPT of hyperparallel.models (CPU, one thread), each
+variant's backward timed in turn, round after round, so they share the
+machine's noise:
+
+* ``graph-inductor``: ``GraphStage(chunk, backend="inductor")``: the fused
+  backward graph against its dx graph then its dw graph (NOTE [Graph stages]),
+  each compiled by inductor;
+* ``torch.compile``: ``torch.compile(chunk)``: its backward is one autograd
+  node, so a split schedule runs it whole in I and again in W (NOTE [Compiled
+  stages under a split schedule]): what a compiled stage cost before;
+* ``eager``: the chunk as it is, split by LibTorch's engine (hp/autograd).
+
+Each split backward runs through hyperparallel.split.forward_and_gradfn
+(compute_input_grad, then compute_weight_grad), as the pipeline's executor
+splits a stage; each fused one as one backward.
+
+    .venv/bin/python bench/python/bench_graph_stage.py [--rounds 7] [--reps 10]
+
+Prints, per variant, the median fused and split backward in ms and their
+ratio (split / fused).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "python"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--reps", type=int, default=10, help="backwards per variant per round")
+    ap.add_argument("--d-model", type=int, default=128)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--rows", type=int, default=8)
+    args = ap.parse_args()
+
+    import torch
+    import torch._functorch.config as functorch_config
+
+    from hyperparallel import models
+    from hyperparallel.compile import GraphStage
+    from hyperparallel.split import forward_and_gradfn
+
+    torch.set_num_threads(1)
+    config = models.GPTConfig(layers=6, d_model=args.d_model, heads=4, seq_len=args.seq_len)
+
+    def chunk():  # the middle third: two blocks, activations in and out
+        return models.GPT(config, seed=0, chunk=1, num_chunks=3)
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(args.rows, args.seq_len, args.d_model, generator=g)
+    sens = torch.randn(args.rows, args.seq_len, args.d_model, generator=g)
+    variants = {
+        "graph-inductor": GraphStage(chunk(), backend="inductor"),
+        "torch.compile": torch.compile(chunk()),
+        "eager": chunk(),
+    }
+
+    def fused(mod) -> float:
+        xi = x.detach().requires_grad_()
+        out = mod(xi)
+        t = time.perf_counter()
+        out.backward(sens)
+        return time.perf_counter() - t
+
+    def split(mod) -> float:
+        weights = [p for p in mod.parameters()]
+        out, gf = forward_and_gradfn(mod, x.detach().requires_grad_(), weights=weights)
+        t = time.perf_counter()
+        gf.compute_input_grad(sens)
+        gf.compute_weight_grad()
+        return time.perf_counter() - t
+
+    times = {(v, k): [] for v in variants for k in ("fused", "split")}
+    with functorch_config.patch(donated_buffer=False):  # as the Pipeline runs torch.compile
+        print("compiling (inductor: the forward and the three backward graphs) ...",
+              file=sys.stderr, flush=True)
+        for mod in variants.values():  # compile and warm up outside the timing
+            for _ in range(2):
+                fused(mod)
+                split(mod)
+            mod.zero_grad()
+        for r in range(args.rounds):
+            for v, mod in variants.items():
+                for kind, fn in (("fused", fused), ("split", split)):
+                    for _ in range(args.reps):
+                        times[(v, kind)].append(fn(mod))
+                    mod.zero_grad()
+            print(f"round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
+
+    stage = variants["graph-inductor"]
+    print(f"GPT middle chunk: 2 blocks, d_model {args.d_model}, {args.rows} x {args.seq_len} "
+          f"tokens, float32, 1 thread; {args.rounds} rounds x {args.reps} backwards")
+    print(f"graph-inductor runs: {stage.counts}")
+    print("| variant | fused backward (ms) | split: I + W (ms) | split / fused |")
+    print("|---|---|---|---|")
+    for v in variants:
+        f = statistics.median(times[(v, "fused")]) * 1e3
+        s = statistics.median(times[(v, "split")]) * 1e3
+        print(f"| {v} | {f:.2f} | {s:.2f} | {s / f:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
