@@ -27,7 +27,7 @@ def fake_world():
     dist.destroy_process_group()
 
 
-def fsdp_graph(overlap, prefetch=1, layers=4):
+def fsdp_graph(overlap, prefetch=1, layers=4, bucket="parameter"):
     torch.manual_seed(0)
     mods = []
     for _ in range(layers):
@@ -35,7 +35,7 @@ def fsdp_graph(overlap, prefetch=1, layers=4):
     m = torch.nn.Sequential(*mods).double()
     x, y = torch.randn(4, 8, dtype=torch.float64), torch.randint(0, 8, (4,))
     gm = trace_model_graph(m, lambda mm, a, b: torch.nn.functional.cross_entropy(mm(a), b), x, y)
-    cfg = PassConfig(enable_overlap=overlap, prefetch=prefetch)
+    cfg = PassConfig(enable_overlap=overlap, prefetch=prefetch, bucket=bucket)
     return PassPipeline.from_config(cfg).run(gm, model=m), m, x, y
 
 

@@ -230,6 +230,10 @@ def worker():
         "overlap": (PassConfig(), {"lr": 0.01, "grad_clip": 0.5}, None),
         "no_overlap": (PassConfig(enable_overlap=False), {"lr": 0.01}, None),
         "reshard": (PassConfig(reshard_after_forward=True, prefetch=None), {"lr": 0.01}, None),
+        # the seed's form: one collective per parameter (NOTE [FSDP buckets])
+        "per_parameter": (PassConfig(bucket="parameter"), {"lr": 0.01}, None),
+        "per_parameter_reshard": (PassConfig(bucket="parameter", reshard_after_forward=True),
+                                  {"lr": 0.01}, None),
         "mesh_sgd": (PassConfig(), {"lr": 0.1, "optimizer": torch.optim.SGD}, "mesh"),
     }
     result = {}
@@ -300,12 +304,18 @@ def test_fsdp_on_two_ranks_equals_eager_training(tmp_path):
             assert got["shards"]["blocks.1.bias"] == [4], name
             assert "head.weight" not in got["shards"], name
             ops = got["ops"]
-            assert ops.count("_c10d_functional.reduce_scatter_tensor.default") == 8, name
+            # NOTE [FSDP buckets]: one collective per planned module (fc1,
+            # blocks.0, blocks.1, norm: 8 parameters), or per parameter.
+            per_parameter = name.startswith("per_parameter")
+            assert ops.count("_c10d_functional.reduce_scatter_tensor.default") == \
+                (8 if per_parameter else 4), name
             assert ops.count("_c10d_functional.all_reduce.default") == 2, name
             gathers = ops.count("_c10d_functional.all_gather_into_tensor.default")
             # reshard: the backward gathers again what it reads (blocks.*.weight
-            # for dx, norm.weight and norm.bias for layer norm's backward).
-            assert gathers == (12 if name == "reshard" else 8), (name, gathers)
+            # for dx, norm.weight and norm.bias for layer norm's backward; by
+            # module: blocks.0, blocks.1 and norm).
+            want = {"reshard": 7, "per_parameter": 8, "per_parameter_reshard": 12}
+            assert gathers == want.get(name, 4), (name, gathers)
 
         # TP on a mesh (tp = 2, dp = 1): the model's TP collective is in the
         # graph (the forward's all-reduce; the input needs no gradient, so f's

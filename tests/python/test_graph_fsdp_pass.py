@@ -62,7 +62,7 @@ def test_collectives_where_the_plan_says_and_live_model_sharded_in_place(fake_wo
     objects = {n: p for n, p in m.named_parameters()}
     gm, x, y = capture(m)
     plan = PassPlan().add_module("0").add_pattern("2*")  # not "4": 3 rows, replicated
-    gm = FSDPPass(plan).run(gm, model=m, fsdp_group_name="fsdp")
+    gm = FSDPPass(plan, bucket="parameter").run(gm, model=m, fsdp_group_name="fsdp")
     planned = ["0.weight", "0.bias", "2.weight", "2.bias"]
     assert gm.fsdp_fqns == planned and gm.fsdp_degree == 2
     # An all-gather (and its wait) after the placeholders, for each planned
@@ -117,7 +117,8 @@ def test_reshard_after_forward_gathers_again_for_the_backward(fake_world):
     m = model()
     gm, _, _ = capture(m)
     plan = PassPlan().add_module("0").add_module("2")
-    gm = PassPipeline.from_config(PassConfig(enable_overlap=False, reshard_after_forward=True),
+    gm = PassPipeline.from_config(PassConfig(enable_overlap=False, reshard_after_forward=True,
+                                             bucket="parameter"),
                                   plan).run(gm, model=m)
     order = list(gm.graph.nodes)
     loss = next(n for n in order if n.op == "output").args[0][0]
@@ -141,3 +142,38 @@ def test_reshard_after_forward_gathers_again_for_the_backward(fake_world):
                 stack.append(u)
     for n in {fwd_wait} | derived:
         assert all(order.index(u) < boundary for u in n.users), n
+
+
+def test_a_modules_parameters_share_one_gather_and_one_reduce_scatter(fake_world):
+    # NOTE [FSDP buckets]: the plan's modules "0" and "2" are one bucket each.
+    m = model()
+    gm, x, y = capture(m)
+    plan = PassPlan().add_module("0").add_pattern("2*")
+    gm = PassPipeline.from_config(PassConfig(), plan).run(gm, model=m)
+    assert gm.fsdp_fqns == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    gathers, scatters = calls(gm, AG), calls(gm, RS)
+    assert len(gathers) == 2 and len(scatters) == 2 and len(calls(gm, AR)) == 2
+    for g, module in zip(gathers, ("0", "2")):
+        cat = g.args[0]
+        assert cat.target == torch.ops.aten.cat.default
+        assert [a.args[0].meta["hp_fqn"] for a in cat.args[0]] == [module + ".weight",
+                                                                   module + ".bias"]
+    # Every gradient output is a view of its bucket's reduce-scatter, shard-shaped.
+    out = list(next(n for n in gm.graph.nodes if n.op == "output").args[0])
+    sources = [o.args[0].args[0] for o in out[1:5]]
+    assert [s.target for s in sources] == [WAIT] * 4
+    assert sources[0] is sources[1] and sources[2] is sources[3] and sources[0] is not sources[2]
+    # Overlap: the reduce-scatters' waits sank to the end of the graph.
+    order = list(gm.graph.nodes)
+    last_issue = max(order.index(s.args[0]) for s in sources)
+    assert all(order.index(s) > last_issue for s in sources)
+    with torch.no_grad():
+        outs = gm(*m.parameters(), x, y)
+    assert [tuple(g.shape) for g in outs[1:]] == [tuple(p.shape) for p in m.parameters()]
+
+
+def test_bucket_must_be_module_or_parameter():
+    with pytest.raises(ValueError, match="bucket is 'layer'"):
+        FSDPPass(bucket="layer")
+    with pytest.raises(ValueError, match="PassConfig: bucket is 'layer'"):
+        PassConfig(bucket="layer").validate()

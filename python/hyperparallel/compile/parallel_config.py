@@ -30,6 +30,9 @@ class PassConfig:
         twice the all-gather traffic). Python only (the C++ graph holds them).
     backend: None (replay the FX graph as it is) or a torch.compile backend
         ("inductor", "aot_eager", or a callable) applied after the passes.
+    bucket: "module" (FSDP's collectives carry a module's parameters
+        together, as FSDP2 per fully_shard'ed module) or "parameter" (one
+        collective each, the seed's form). Python only.
     prefetch: how many all-gathers AutoOverlapPass keeps in flight ahead of
         the one being waited for (>= 1); None issues every all-gather at the
         top of the graph (most overlap, every gathered parameter held).
@@ -44,6 +47,7 @@ class PassConfig:
     reshard_after_forward: bool = False
     backend: Any = None
     prefetch: Optional[int] = 1
+    bucket: str = "module"
 
     def validate(self) -> None:
         """Raises ValueError naming the bad field and what to do."""
@@ -62,6 +66,9 @@ class PassConfig:
         if self.prefetch is not None and (not _is_int(self.prefetch) or self.prefetch < 1):
             raise ValueError(f"PassConfig: prefetch is {self.prefetch!r}; it must be a positive "
                              "integer, or None to issue every all-gather at the top of the graph")
+        if self.bucket not in ("module", "parameter"):
+            raise ValueError(f"PassConfig: bucket is {self.bucket!r}; give 'module' (a "
+                             "module's parameters in one collective) or 'parameter'")
         if self.backend is not None and not (isinstance(self.backend, str)
                                              or callable(self.backend)):
             raise ValueError(f"PassConfig: backend is {self.backend!r}; give None, a "

@@ -14,6 +14,10 @@ knows nothing of FSDP.
 reshard_after_forward: the forward's gathered value (and the parameter-only
 views of it, such as its transpose) is released after its last forward use;
 the backward gathers the parameter again and recomputes those views.
+
+bucket: "module" (default) gathers and reduce-scatters the parameters of one
+module together, as FSDP2 does per `fully_shard`ed module (NOTE [FSDP
+buckets]); "parameter" issues one collective per parameter (the seed's form).
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from ._collectives import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, WAIT, output_l
 from .base import GraphPass
 
 __all__ = ["FSDPPass", "planned_parameters", "resolve_group"]
+
+aten = torch.ops.aten
 
 
 def resolve_group(name: str):
@@ -69,18 +75,59 @@ def planned_parameters(model: torch.nn.Module, plan, degree: int,
     return out
 
 
+# NOTE [FSDP buckets]
+# One collective per parameter cost graph mode most of its step against
+# FSDP2 on Gloo (26 against 10 ms of communication per step on the small
+# GPT, 58 collectives against 6: docs/benchmarks.md): a collective's fixed
+# cost, not its bytes, dominates at these sizes. So the parameters of one
+# module go together, as FSDP2 groups a `fully_shard`ed module's:
+#   * the bucket of a parameter is the module the PassPlan covered it by
+#     (the shortest planned prefix of its FQN); without a plan, its FQN up
+#     to the first list index ("model.layers.3"), else its first name
+#     ("block0", "lm_head"); one dtype per bucket;
+#   * forward: each shard flattened, concatenated, one all-gather; the
+#     result viewed as (ranks, bucket numel) and each parameter's columns
+#     reshaped to its full shape (dim-0 shards concatenate row-wise, so
+#     rank r's slice is rows r * d0 / n onward), each just before the first
+#     node that reads the parameter, so the wait sinks there;
+#   * backward: once the bucket's last gradient is produced, each gradient
+#     viewed as (ranks, numel / ranks), concatenated along dim 1, flattened,
+#     one reduce-scatter ("avg"); the shard gradients are views of its
+#     result, made just before the output so the wait sinks to the end.
+# A bucket of one parameter is the per-parameter form. The collectives'
+# order is the graph's, the same on every rank.
+
+
+def _bucket_key(fqn: str, plan) -> str:
+    """The module a parameter is gathered with (NOTE [FSDP buckets])."""
+    parts = fqn.split(".")
+    if plan is not None:
+        for i in range(1, len(parts)):
+            prefix = ".".join(parts[:i])
+            if plan.lookup(prefix) is not None:
+                return prefix
+        return fqn
+    for i, part in enumerate(parts[:-1]):
+        if part.isdigit():
+            return ".".join(parts[:i + 1])
+    return parts[0] if len(parts) > 1 else fqn
+
+
 class FSDPPass(GraphPass):
     name = "fsdp"
 
     def __init__(self, plan=None, degree: Optional[int] = None,
-                 reshard_after_forward: bool = False):
+                 reshard_after_forward: bool = False, bucket: str = "module"):
+        if bucket not in ("module", "parameter"):
+            raise ValueError(f"FSDPPass: bucket is {bucket!r}; give 'module' or 'parameter'")
         self.plan = plan
         self.degree = degree
         self.reshard_after_forward = reshard_after_forward
+        self.bucket = bucket
 
     def __repr__(self) -> str:
         return (f"FSDPPass(plan={self.plan!r}, degree={self.degree}, "
-                f"reshard_after_forward={self.reshard_after_forward})")
+                f"reshard_after_forward={self.reshard_after_forward}, bucket={self.bucket!r})")
 
     def run(self, gm, model: Optional[torch.nn.Module] = None, fsdp_group_name: str = "fsdp",
             **context):
@@ -114,41 +161,125 @@ class FSDPPass(GraphPass):
         last_ph = placeholders[-1]
         out_node, outs = output_list(gm)
 
+        # Buckets of planned parameters, in gradient order (NOTE [FSDP buckets]).
+        buckets: Dict[tuple, List[str]] = {}
+        for fqn in grad_fqns:
+            if fqn in planned:
+                ph = by_fqn[fqn]
+                key = (fqn if self.bucket == "parameter" else _bucket_key(fqn, self.plan),
+                       ph.meta["val"].dtype)
+                buckets.setdefault(key, []).append(fqn)
+        index = {n: i for i, n in enumerate(nodes)}
+
         # 1. All-gather after the placeholders; every other use reads the gather.
         gathered = {}
         anchor = last_ph
-        for fqn in grad_fqns:
-            if fqn not in planned:
+        for fqns in buckets.values():
+            phs = [by_fqn[f] for f in fqns]
+            if len(phs) == 1:
+                ph = phs[0]
+                with graph.inserting_after(anchor):
+                    ag = graph.call_function(ALL_GATHER, (ph, degree, fsdp_group_name))
+                with graph.inserting_after(ag):
+                    w = graph.call_function(WAIT, (ag,))
+                ph.replace_all_uses_with(w, delete_user_cb=lambda u, ag=ag: u is not ag)
+                gathered[fqns[0]] = (ph, w)
+                anchor = w
                 continue
-            ph = by_fqn[fqn]
+            flats = []
+            for ph in phs:
+                with graph.inserting_after(anchor):
+                    anchor = graph.call_function(aten.reshape.default, (ph, [-1]))
+                flats.append(anchor)
             with graph.inserting_after(anchor):
-                ag = graph.call_function(ALL_GATHER, (ph, degree, fsdp_group_name))
+                cat = graph.call_function(aten.cat.default, (flats,))
+            with graph.inserting_after(cat):
+                ag = graph.call_function(ALL_GATHER, (cat, degree, fsdp_group_name))
             with graph.inserting_after(ag):
                 w = graph.call_function(WAIT, (ag,))
-            ph.replace_all_uses_with(w, delete_user_cb=lambda u, ag=ag: u is not ag)
-            gathered[fqn] = (ph, w)
             anchor = w
+            # (meta "val" holds the full shape: the graph was traced unsharded)
+            sizes = [ph.meta["val"].numel() // degree for ph in phs]
+            users = [u for ph in phs for u in ph.users if u not in flats]
+            first = min(users, key=lambda u: index[u]) if users else None
+            if first is None:
+                continue
+            with graph.inserting_before(first):
+                rows = graph.call_function(aten.view.default, (w, [degree, sum(sizes)]))
+            offset = 0
+            for ph, size, flat in zip(phs, sizes, flats):
+                readers = [u for u in ph.users if u is not flat]
+                full_shape = list(ph.meta["val"].shape)
+                if readers:
+                    at = min(readers, key=lambda u: index[u])
+                    with graph.inserting_before(at):
+                        cols = graph.call_function(aten.slice.Tensor,
+                                                   (rows, 1, offset, offset + size))
+                        full = graph.call_function(aten.reshape.default, (cols, full_shape))
+                    ph.replace_all_uses_with(full, delete_user_cb=lambda u, f=flat: u is not f)
+                offset += size
+            for fqn, ph in zip(fqns, phs):
+                gathered[fqn] = (cat, w)
 
         # 2. Gradients: reduce-scatter (planned) or all-reduce (replicated),
         #    issued where the gradient is produced.
+        index = {n: i for i, n in enumerate(graph.nodes)}
+        position = {fqn: 1 + j for j, fqn in enumerate(grad_fqns)}
         for j, fqn in enumerate(grad_fqns):
+            if fqn in planned:
+                continue
             g = outs[1 + j]
             with graph.inserting_after(g):
-                if fqn in planned:
-                    c = graph.call_function(torch.ops.aten.contiguous.default, (g,))
-                    with graph.inserting_after(c):
-                        coll = graph.call_function(REDUCE_SCATTER,
-                                                   (c, "avg", degree, fsdp_group_name))
-                else:
-                    coll = graph.call_function(ALL_REDUCE, (g, "avg", fsdp_group_name))
+                coll = graph.call_function(ALL_REDUCE, (g, "avg", fsdp_group_name))
             with graph.inserting_after(coll):
                 w = graph.call_function(WAIT, (coll,))
             outs[1 + j] = w
+        for fqns in buckets.values():
+            grads = [outs[position[f]] for f in fqns]
+            if len(fqns) == 1:
+                g = grads[0]
+                with graph.inserting_after(g):
+                    c = graph.call_function(torch.ops.aten.contiguous.default, (g,))
+                with graph.inserting_after(c):
+                    coll = graph.call_function(REDUCE_SCATTER,
+                                               (c, "avg", degree, fsdp_group_name))
+                with graph.inserting_after(coll):
+                    w = graph.call_function(WAIT, (coll,))
+                outs[position[fqns[0]]] = w
+                continue
+            last = max(grads, key=lambda g: index[g])
+            fulls = [by_fqn[f].meta["val"].shape for f in fqns]
+            shards = [[s[0] // degree, *s[1:]] for s in fulls]
+            sizes = [by_fqn[f].meta["val"].numel() // degree for f in fqns]
+            anchor = last
+            parts = []
+            for g, size in zip(grads, sizes):
+                with graph.inserting_after(anchor):
+                    anchor = graph.call_function(aten.reshape.default, (g, [degree, size]))
+                parts.append(anchor)
+            with graph.inserting_after(anchor):
+                cat = graph.call_function(aten.cat.default, (parts, 1))
+            with graph.inserting_after(cat):
+                flat = graph.call_function(aten.reshape.default, (cat, [-1]))
+            with graph.inserting_after(flat):
+                coll = graph.call_function(REDUCE_SCATTER,
+                                           (flat, "avg", degree, fsdp_group_name))
+            with graph.inserting_after(coll):
+                w = graph.call_function(WAIT, (coll,))
+            offset = 0
+            with graph.inserting_before(out_node):
+                for fqn, t, size in zip(fqns, shards, sizes):
+                    piece = graph.call_function(aten.slice.Tensor, (w, 0, offset, offset + size))
+                    outs[position[fqn]] = graph.call_function(aten.view.default, (piece, t))
+                    offset += size
         out_node.args = (outs,)
 
         if self.reshard_after_forward:
-            for fqn, (ph, w) in gathered.items():
-                _regather_for_backward(graph, ph, w, outs[0], degree, fsdp_group_name)
+            done = set()
+            for fqn, (src, w) in gathered.items():
+                if w not in done:
+                    done.add(w)
+                    _regather_for_backward(graph, src, w, outs[0], degree, fsdp_group_name)
 
         graph.lint()
         gm.recompile()
@@ -172,7 +303,8 @@ class FSDPPass(GraphPass):
 
 
 def _regather_for_backward(graph, ph, w, loss, degree, group_name):
-    """Gives the backward its own all-gather of `ph` and its own copies of
+    """Gives the backward its own all-gather of `ph` (a placeholder, or a
+    bucket's concatenated shards) and its own copies of
     the parameter-only nodes derived from the forward's gather `w`, so the
     forward's values die after their last forward use."""
     index = {n: i for i, n in enumerate(graph.nodes)}

@@ -55,13 +55,14 @@ class AutoOverlapPass(GraphPass):
         graph = gm.graph
         for w in self._find_wait_nodes(graph):
             self._move_wait_later(graph, w)
-        # Parameter all-gathers, in the order of their waits.
+        # Parameter all-gathers, in the order of their waits: those whose
+        # input is a placeholder, or a bucket's shards concatenated (NOTE
+        # [FSDP buckets] in fsdp.py), which move with their gather.
         index = {n: i for i, n in enumerate(graph.nodes)}
         pairs = []
         for w in self._find_wait_nodes(graph):
             c = w.args[0]
-            if (getattr(c, "target", None) == ALL_GATHER
-                    and getattr(c.args[0], "op", None) == "placeholder"):
+            if getattr(c, "target", None) == ALL_GATHER and _of_placeholders(c.args[0]):
                 pairs.append((index[w], c, w))
         pairs.sort(key=lambda t: t[0])
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
@@ -74,10 +75,38 @@ class AutoOverlapPass(GraphPass):
             first = c.args[0] not in seen
             seen.add(c.args[0])
             if (self.prefetch is None and first) or i < ahead:
-                top.append(c)
+                _place(graph, c, top.next)
                 top = c
             else:
-                pairs[i - ahead][2].prepend(c)
+                _place(graph, c, pairs[i - ahead][2])
         graph.lint()
         gm.recompile()
         return gm
+
+
+def _of_placeholders(node) -> bool:
+    """Whether `node` is a placeholder or computed from placeholders alone."""
+    if node.op == "placeholder":
+        return True
+    return node.op == "call_function" and all(_of_placeholders(a) for a in node.all_input_nodes)
+
+
+def _place(graph, gather, before) -> None:
+    """Moves `gather` just before `before`, with the nodes computing its input
+    that stand at or after that point (a bucket's flattened shards and their
+    concatenation), in order."""
+    chain, todo = set(), list(gather.all_input_nodes)
+    while todo:
+        n = todo.pop()
+        if n.op != "placeholder" and n not in chain:
+            chain.add(n)
+            todo.extend(n.all_input_nodes)
+    while before in chain:  # those already in place stay
+        before = before.next
+    if before is gather:
+        return
+    index = {n: i for i, n in enumerate(graph.nodes)}
+    for n in sorted(chain, key=index.get):
+        if index[n] >= index[before]:
+            before.prepend(n)
+    before.prepend(gather)

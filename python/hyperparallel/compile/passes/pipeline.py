@@ -74,7 +74,8 @@ class PassPipeline:
             from .fsdp import FSDPPass
 
             passes.append(FSDPPass(plan, degree=config.fsdp_degree,
-                                   reshard_after_forward=config.reshard_after_forward))
+                                   reshard_after_forward=config.reshard_after_forward,
+                                   bucket=config.bucket))
         if config.enable_overlap:
             from .overlap import AutoOverlapPass
 
