@@ -11,7 +11,7 @@ tail with the last unless the chunks' names are given. A chunk is a
 (no copies: its ``parameters()`` are the model's parameter objects, so an
 optimizer over either steps both).
 
-Two kinds of model:
+Three kinds of model:
 
 * transformers' decoder-only language models (``LlamaForCausalLM``,
   ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM`` and their
@@ -24,6 +24,14 @@ Two kinds of model:
   per layer type) from the hidden states' shape and the padding mask
   (``attention_mask``, given or none). The Pipeline hands both to every chunk
   as keyword arguments of ``step``. The last chunk returns the logits.
+* torchtitan's Llama 3 ``Transformer`` (``torchtitan.models.llama3``), found
+  without being told: units ``tok_embeddings``, ``layers.<k>`` (its
+  ``nn.ModuleDict``), ``norm``, ``output`` (those of them that are not
+  None). A chunk hands each block what the model's forward does: the model's
+  own ``freqs_cis`` buffer (read from the model at each call; the block
+  slices it to the sequence length, or indexes it by ``positions``) and the
+  model's keyword arguments ``attention_masks`` and ``positions`` (given to
+  ``step``, or None). The last chunk returns the logits.
 * any model whose blocks each take and return one tensor, given by names:
   ``embed=[...]``, ``blocks="name"``, ``tail=[...]``; a chunk calls its units
   in order, ``h = unit(h)``.
@@ -50,8 +58,13 @@ __all__ = ["split_model", "ModelChunk", "moe_aux_losses"]
 # model's own forward: tests/python/test_split_model.py).
 _HF_DECODERS = ("llama", "mistral", "mixtral", "qwen2", "qwen3")
 
+# torchtitan's model classes (module, name) whose forward is exactly
+# tok_embeddings -> layers.values() (each given the model's freqs_cis,
+# attention_masks and positions) -> norm -> output (the same check).
+_TITAN_MODELS = (("torchtitan.models.llama3.model.model", "Transformer"),)
+
 # A unit: (name in the model, module, kind) with kind "embed", "block",
-# "decoder" (a transformers decoder layer) or "tail".
+# "decoder" (a transformers or torchtitan decoder layer) or "tail".
 _Unit = Tuple[str, nn.Module, str]
 
 
@@ -62,7 +75,8 @@ class ModelChunk(nn.Module):
     ``forward(x)``: ``x`` is what the chunk before hands on (the hidden
     states), or the model's input on the first chunk (token ids)."""
 
-    def __init__(self, units: Sequence[_Unit], index: int, num_chunks: int, hf=None):
+    def __init__(self, units: Sequence[_Unit], index: int, num_chunks: int, hf=None,
+                 titan=None):
         super().__init__()
         self.index, self.num_chunks = index, num_chunks
         #: the model's names of this chunk's units, in order
@@ -72,6 +86,11 @@ class ModelChunk(nn.Module):
         self._hf = hf  # (config, layer types per decoder unit) for transformers models
         if hf is not None and "decoder" in self._kinds:
             self.rotary_emb = hf[2]  # buffers only; the model's own module
+        # torchtitan: the whole model, in a tuple so that it is not a
+        # submodule (the chunk's parameters stay its units'), for the
+        # freqs_cis buffer it owns: read at each call, so the chunk follows
+        # the model's own (init_weights recomputes it, .to() moves it).
+        self._titan = (titan,) if titan is not None else None
 
     def named_model_parameters(self):
         """``(name in the model, parameter)`` of this chunk's parameters: the
@@ -98,16 +117,29 @@ class ModelChunk(nn.Module):
         return position_ids, self.rotary_emb(h, position_ids), masks
 
     def forward(self, x: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                position_ids: Optional[torch.Tensor] = None, *, attention_masks=None,
+                positions: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``attention_mask`` (``[batch, seq]``, 1 for tokens, 0 for padding)
         and ``position_ids`` are the model's own arguments, for the decoder
         layers of a transformers model (the Pipeline hands them to every
         stage: ``pipe.step(ids, targets, attention_mask=mask)``); without
-        them, every sequence is full length from position 0."""
+        them, every sequence is full length from position 0.
+        ``attention_masks`` and ``positions`` are those of a torchtitan
+        model, handed to its blocks as its forward hands them; the other
+        model's names are refused rather than ignored."""
+        other = ((("attention_mask", attention_mask), ("position_ids", position_ids))
+                 if self._titan else (("attention_masks", attention_masks), ("positions", positions))
+                 if self._hf else ())
+        for n, v in other:
+            if v is not None:
+                raise TypeError(f"{n}= is no argument of this model's forward ({self.extra_repr()})")
         h = x
         decoder = None
         for name, kind, mod in zip(self.module_names, self._kinds, self.units):
-            if kind == "decoder":
+            if kind == "decoder" and self._titan is not None:
+                h = mod(h, self._titan[0].freqs_cis, attention_masks=attention_masks,
+                        positions=positions)
+            elif kind == "decoder":
                 if decoder is None:
                     decoder = self._decoder_inputs(h, attention_mask, position_ids)
                 position_ids, position_embeddings, masks = decoder
@@ -202,6 +234,29 @@ def _hf_units(model: nn.Module):
     return units, (config, layer_types, base.rotary_emb)
 
 
+def _titan_units(model: nn.Module) -> Optional[List[_Unit]]:
+    """The units of torchtitan's Llama 3 Transformer, or None when ``model``
+    is not a torchtitan model."""
+    cls = type(model)
+    if not cls.__module__.startswith("torchtitan."):
+        return None
+    if (cls.__module__, cls.__name__) not in _TITAN_MODELS:
+        raise ValueError(
+            f"split_model knows the forward of torchtitan's Llama 3 Transformer, not of "
+            f"{cls.__module__}.{cls.__name__}, whose forward may hand its blocks more (or "
+            "other) than a cut by names keeps. Give its units by name (embed=, blocks=, "
+            "tail=) only if each block takes and returns one tensor"
+        )
+    if not isinstance(getattr(model, "freqs_cis", None), torch.Tensor):
+        raise ValueError(f"{cls.__name__}: no freqs_cis buffer, which torchtitan's Llama 3 has")
+    # The forward skips the modules set to None (torchtitan's own pipeline cut).
+    units: List[_Unit] = [("tok_embeddings", model.tok_embeddings, "embed")
+                          ] if model.tok_embeddings is not None else []
+    units += [(n, m, "decoder") for n, m in _block_names(model, "layers")]
+    return units + [(n, getattr(model, n), "tail") for n in ("norm", "output")
+                    if getattr(model, n) is not None]
+
+
 def _cuts_by_parameters(costs: List[int], first: int, last: int, k: int) -> List[int]:
     """Blocks per chunk: consecutive groups of at least one block minimizing
     the largest chunk's parameter count (the first chunk counts the
@@ -264,8 +319,9 @@ def split_model(
     ``by="parameters"`` (the largest chunk's parameter count, embedding and
     tail included, as small as can be).
 
-    The model: a transformers decoder-only LM (see the module's doc), found by
-    itself, or the names ``embed`` (modules run first, in order), ``blocks``
+    The model: a transformers decoder-only LM or torchtitan's Llama 3
+    ``Transformer`` (see the module's doc), found by itself, or the names
+    ``embed`` (modules run first, in order), ``blocks``
     (the container of the blocks) and ``tail`` (modules run last). Parameters
     shared by modules of two chunks (tied embeddings) are refused: the
     pipeline would not sum their gradients.
@@ -284,18 +340,23 @@ def split_model(
     if len(given) > 1 or (given and by != "layers"):
         raise ValueError(f"give one cut: {', '.join(given + (['by'] if by != 'layers' else []))}")
 
-    hf = None
+    hf = titan = None
     if blocks is None:
         if embed is not None or tail is not None:
             raise ValueError("embed= and tail= need blocks= (the name of the blocks' container)")
         found = _hf_units(model)
-        if found is None:
+        if found is not None:
+            units, hf = found
+        else:
+            units = _titan_units(model)
+            titan = model if units is not None else None
+        if units is None:
             raise ValueError(
                 f"cannot find the blocks of {type(model).__name__}: it is not a transformers "
-                "decoder-only model; give embed= (module names run first), blocks= (the name "
-                "of its nn.ModuleList/nn.ModuleDict of blocks) and tail= (module names run last)"
+                "decoder-only model nor torchtitan's Llama 3; give embed= (module names run "
+                "first), blocks= (the name of its nn.ModuleList/nn.ModuleDict of blocks) and "
+                "tail= (module names run last)"
             )
-        units, hf = found
     else:
         units = [(n, _module(model, n, "embed"), "embed") for n in (embed or [])]
         units += [(n, m, "block") for n, m in _block_names(model, blocks)]
@@ -397,7 +458,7 @@ def split_model(
                         "pipeline would not sum their gradients. Untie them, or put both "
                         "modules in one chunk"
                     )
-    return {c: ModelChunk(members[c], c, k, hf) for c in schedule.chunks_of_rank(rank)}
+    return {c: ModelChunk(members[c], c, k, hf, titan) for c in schedule.chunks_of_rank(rank)}
 
 
 # NOTE [MoE load balancing in a pipeline]

@@ -1,9 +1,10 @@
 """hyperparallel.pipeline.split_model: cutting one model into a schedule's
 chunks by module names. Training a transformers LlamaForCausalLM cut by it,
-on real processes (2 ranks, Gloo, float64, four schedules and four ways of
-cutting in one launch), equals single-process training to 1e-9 in losses and
-every parameter; the single-process tests check the cuts, the shared
-parameters and the errors."""
+and torchtitan's Llama 3 Transformer (a pinned test dependency,
+requirements.txt), on real processes (2 ranks, Gloo, float64, several
+schedules and ways of cutting in one launch each), equals single-process
+training to 1e-9 in losses and every parameter; the single-process tests
+check the cuts, the shared parameters and the errors."""
 
 import itertools
 import os
@@ -24,6 +25,11 @@ import ranks as ranks_  # noqa: E402
 import split_model_worker as w  # noqa: E402
 
 split_model = hp.pipeline.split_model
+
+# torchtitan 0.2.2's attention module, imported, uses torch.jit.script_method
+# (deprecated in torch 2.11).
+titan_warnings = pytest.mark.filterwarnings(
+    "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 
 
 def test_training_a_split_llama_equals_single_process_training(tmp_path):
@@ -68,6 +74,84 @@ def test_training_a_split_llama_equals_single_process_training(tmp_path):
     assert [len(r0["zbv"]["names"][c]) for c in (0, 3)] == [2, 3]  # one layer each
     # DualPipe: both ranks hold both chunks (mirrored copies), cut 1 + 3.
     assert r0["dualpipe"]["names"] == r1["dualpipe"]["names"] == r0["1f1b"]["names"] | r1["1f1b"]["names"]
+
+
+@titan_warnings
+def test_training_a_split_torchtitan_llama3_equals_single_process_training(tmp_path):
+    # torchtitan's Llama 3 debug model (shrunk), cut with no wrapper: each
+    # chunk hands its blocks the model's freqs_cis; the sequence length
+    # changes across steps (5, 7, 5).
+    import titan_worker as tw
+
+    names = list(tw.CUTS)  # 1f1b, interleaved-1f1b, zb-h1, zbv, dualpipev, zb-auto
+    ranks_.run_ranks(tw.P, [os.path.join(HERE, "titan_worker.py"), tmp_path, ",".join(names)],
+                     timeout=300)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(tw.P)]
+    initial = dict(tw.make_model().named_parameters())
+    refs = {m: tw.reference(m) for m in {tw.microbatches(n) for n in names}}
+    for name in names:
+        sched = hp.pipeline.schedule(name, ranks=tw.P, microbatches=tw.microbatches(name))
+        ref_losses, ref_params = refs[sched.num_microbatches]
+        assert max((ref_params[n] - q).abs().max().item() for n, q in initial.items()) > 1e-3
+        seen = set()
+        for r, res in enumerate(ranks):
+            got = res[name]
+            assert sorted(got["chunks"]) == sched.chunks_of_rank(r), name
+            assert res[name]["probes"] == 2, (name, r)  # lengths 5 and 7; the third reused
+            for s, (a, b) in enumerate(zip(got["losses"], ref_losses, strict=True)):
+                assert abs(a - b) <= 1e-9 * max(1.0, abs(b)), f"{name} rank {r} step {s}: {a} vs {b}"
+            for c, params in got["chunks"].items():
+                for n, q in params.items():
+                    err = (q - ref_params[n]).abs().max().item()
+                    assert err <= 1e-9 * max(1.0, ref_params[n].abs().max().item()), (
+                        f"{name} rank {r} chunk {c} {n}: max error {err}")
+                    seen.add(n)
+        assert seen == set(ref_params), f"{name}: parameters in no chunk: {set(ref_params) - seen}"
+    r0, r1 = ranks[0]["1f1b"]["names"], ranks[1]["1f1b"]["names"]
+    assert r0 == {0: ["tok_embeddings", "layers.0"]}
+    assert r1 == {1: ["layers.1", "layers.2", "layers.3", "norm", "output"]}
+    assert ranks[0]["zbv"]["names"][0] == ["tok_embeddings"]  # zbv: rank 0 holds chunks 0 and 3
+    assert ranks[0]["interleaved-1f1b"]["names"] == {0: ["tok_embeddings", "layers.0"],
+                                                     2: ["layers.2"]}
+
+
+@titan_warnings
+def test_torchtitan_chunks_in_a_row_compute_the_models_logits():
+    import titan_worker as tw
+    from torchtitan.models.llama3 import Transformer
+
+    model = tw.make_model()
+    sched = hp.pipeline.schedule("zbv", ranks=2, microbatches=4)
+    ids = torch.randint(0, tw.VOCAB, (2, 7), generator=torch.Generator().manual_seed(1))
+    # The model's keyword argument positions (step(..., positions=)), handed
+    # to every block as its forward does: shifted positions change the logits.
+    pos = torch.arange(3, 10).unsqueeze(0).expand(2, -1)
+    for kw in ({}, {"positions": pos}):
+        h = ids
+        for chunk in all_chunks(model, sched):
+            h = chunk(h, **kw)
+        assert torch.equal(h, model(ids, **kw))
+    assert not torch.equal(model(ids, positions=pos), model(ids))
+    # transformers' names (a step's kwargs meant for another model) are refused.
+    with pytest.raises(TypeError, match=r"position_ids= is no argument"):
+        all_chunks(model, sched)[1](torch.zeros(2, 7, 16, dtype=torch.float64), position_ids=pos)
+    # The chunks read the model's own freqs_cis (no copy): a new table is
+    # what they use, as the model's forward does.
+    chunks = all_chunks(model, sched)
+    model.freqs_cis = model.freqs_cis * 1j
+    h = ids
+    for chunk in chunks:
+        h = chunk(h)
+    assert torch.equal(h, model(ids))
+    # Modules set to None (torchtitan's own pipeline cut) are no units.
+    model.tok_embeddings = None
+    chunks = all_chunks(model, hp.pipeline.schedule("1f1b", ranks=2, microbatches=2))
+    assert chunks[0].module_names == ["layers.0", "layers.1"]
+    # Other torchtitan models are refused, not cut by guess.
+    other = type("Other", (Transformer,), {"__module__": "torchtitan.models.other"})
+    model.__class__ = other
+    with pytest.raises(ValueError, match=r"not of torchtitan\.models\.other\.Other"):
+        split_model(model, sched, 0)
 
 
 def tiny(cls_name, layers=4, **extra):
