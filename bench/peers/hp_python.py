@@ -28,9 +28,10 @@ COMPUTE = ("F", "I", "W", "B")
 
 class HpSide:
     """This rank's part of the schedule on hyperparallel.pipeline.Pipeline over
-    the GPT's chunks, on `group` (default: the world)."""
+    the GPT's chunks, on `group` (default: the world); `prepare`, if given,
+    makes each chunk as built into the module the Pipeline runs."""
 
-    def __init__(self, args, rank, world, config, group=None):
+    def __init__(self, args, rank, world, config, group=None, prepare=None):
         import torch
 
         import hyperparallel as hp
@@ -42,6 +43,8 @@ class HpSide:
                                           chunks=args.chunks)
         build, _ = common.chunk_builder(getattr(args, "model", "gpt"), config, args.seed)
         chunks = {c: build(c, self.sched.num_chunks) for c in self.sched.chunks_of_rank(rank)}
+        if prepare is not None:
+            chunks = {c: prepare(mod) for c, mod in chunks.items()}
         self.pipe = hp.pipeline.Pipeline(
             chunks, self.sched, loss_fn=models.gpt_loss,
             activation_shape=config.activation_shape(s["microbatch_size"]), group=group,

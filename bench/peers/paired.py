@@ -71,12 +71,32 @@ def worker(args):
         "hp-py": hp_python.HpSide(hp_args, rank, world, config,
                                   group=dist.new_group(backend="gloo")),
     }
+    result, actions, outside = take_turns(args, sides, lambda step: data.batch(step, m),
+                                          rank, world, torch, dist)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, {"actions": actions, "outside": outside})
+    if rank == 0:
+        result["ideal_seconds"] = ideal_step(sides["hp-py"].sched, everyone)
+        result.update({"setting": args.setting, "schedule": args.schedule, "hp_schedule": ours,
+                       "nproc": world, "torch_version": torch.__version__})
+        common.write_result(args.out, result)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def take_turns(args, sides, batch, rank, world, torch, dist):
+    """The paired steps: for each step k < args.steps, step k of every side
+    in turn (who goes first alternates with k), each after a barrier over
+    the world, on batch(k). Returns ({side: {"step_seconds", "losses",
+    "cpu_seconds"}}, our side's compute seconds per action kind, our side's
+    seconds outside the actions per step); the first step is in them (the
+    summary drops it)."""
+    now, cpu = time.perf_counter, time.thread_time
     names = list(sides)
     result = {k: {"step_seconds": [], "losses": [], "cpu_seconds": []} for k in names}
     actions, outside = {}, []  # our side's compute seconds per action kind; the rest of a step
-    now, cpu = time.perf_counter, time.thread_time
     for step in range(args.steps):
-        x, y = data.batch(step, m)
+        x, y = batch(step)
         for k in (names if step % 2 == 0 else names[::-1]):
             dist.barrier()
             t0, c0 = now(), cpu()
@@ -99,15 +119,7 @@ def worker(args):
             print(f"step {step}: " + " ".join(
                 f"{k} {result[k]['step_seconds'][-1] * 1e3:.1f} ms" for k in names),
                 file=sys.stderr)
-    everyone = [None] * world
-    dist.all_gather_object(everyone, {"actions": actions, "outside": outside})
-    if rank == 0:
-        result["ideal_seconds"] = ideal_step(sides["hp-py"].sched, everyone)
-        result.update({"setting": args.setting, "schedule": args.schedule, "hp_schedule": ours,
-                       "nproc": world, "torch_version": torch.__version__})
-        common.write_result(args.out, result)
-    dist.barrier()
-    dist.destroy_process_group()
+    return result, actions, outside
 
 
 def action_kind(text):
@@ -191,6 +203,53 @@ def summarize(runs):
             "torch_over_ideal": statistics.median(bound) if bound else float("nan")}
 
 
+def run_rows(script, args, settings, schedules, argv_of, nproc=None):
+    """Every row (setting x schedule) once per round, the schedules' order
+    rotating by round: `script argv_of(setting, name) --out FILE` on nproc
+    ranks (default args.nproc). Returns ({setting: {name: [run, ...]}},
+    ["round R SETTING NAME", ...] of the failed runs, {(setting, name): the
+    error text a rank left in FILE.error, the last one}); a run fails when a
+    rank exits non-zero, the row times out or no result is written."""
+    runs = {s: {n: [] for n in schedules} for s in settings}
+    total, done, failed, errors = args.rounds * len(settings) * len(schedules), 0, [], {}
+    started = time.monotonic()
+    scratch = tempfile.mkdtemp(prefix="hp-paired-")
+    out = os.path.join(scratch, "run.json")
+    for rnd in range(args.rounds):
+        for setting in settings:
+            order = schedules[rnd % len(schedules):] + schedules[:rnd % len(schedules)]
+            for name in order:
+                rc = common.launch(script, nproc or args.nproc,
+                                   [*argv_of(setting, name), "--out", out], args.timeout,
+                                   args.threads)
+                done += 1
+                if os.path.exists(out + ".error"):
+                    with open(out + ".error") as f:
+                        errors[(setting, name)] = f.read().strip()
+                    os.remove(out + ".error")
+                if rc != 0 or not os.path.exists(out):
+                    failed.append(f"round {rnd + 1} {setting} {name}")
+                    errors.setdefault((setting, name), "failed (no error text: a crash or "
+                                      "a timeout; see the log above)")
+                    print(f"[{done}/{total}] {setting} {name}: FAILED", file=sys.stderr)
+                    continue
+                with open(out) as f:
+                    r = json.load(f)
+                os.remove(out)
+                runs[setting][name].append(r)
+                took = f"({time.monotonic() - started:.0f} s)"
+                if len(r.get("torch", {}).get("step_seconds", [])) < 2:  # no pair timed
+                    print(f"[{done}/{total}] round {rnd + 1} {setting} {name}: done {took}",
+                          file=sys.stderr)
+                    continue
+                s = summarize([r])
+                print(f"[{done}/{total}] round {rnd + 1} {setting} {name}: PyTorch "
+                      f"{s['torch_ms']:.1f} ms, hp Python {s['hp_ms']:.1f} ms, paired "
+                      f"{s['ratio']:.2f} {took}", file=sys.stderr)
+    shutil.rmtree(scratch, ignore_errors=True)
+    return runs, failed, errors
+
+
 def render(report):
     out = []
     for setting, rows in report["settings"].items():
@@ -269,36 +328,13 @@ def main():
             ap.error(f"--schedules: {s!r} is not one of {', '.join(HP_OF)}")
     if args.steps < 3:
         ap.error("--steps must be at least 3 (the first is warm-up)")
-    runs = {s: {n: [] for n in schedules} for s in settings}
-    total, done, failed = args.rounds * len(settings) * len(schedules), 0, []
-    started = time.monotonic()
-    scratch = tempfile.mkdtemp(prefix="hp-paired-")
-    out = os.path.join(scratch, "run.json")
-    for rnd in range(args.rounds):
-        for setting in settings:
-            order = schedules[rnd % len(schedules):] + schedules[:rnd % len(schedules)]
-            for name in order:
-                argv = ["--setting", setting, "--schedule", name, "--out", out,
-                        "--steps", str(args.steps), "--seed", str(args.seed),
-                        "--lr", str(args.lr), "--weight-decay", str(args.weight_decay),
-                        "--timeout", str(args.timeout), "--hp-p2p", args.hp_p2p,
-                        "--model", args.model]
-                rc = common.launch(os.path.abspath(__file__), args.nproc, argv, args.timeout,
-                                   args.threads)
-                done += 1
-                if rc != 0 or not os.path.exists(out):
-                    failed.append(f"round {rnd + 1} {setting} {name}")
-                    print(f"[{done}/{total}] {setting} {name}: FAILED", file=sys.stderr)
-                    continue
-                with open(out) as f:
-                    r = json.load(f)
-                os.remove(out)
-                runs[setting][name].append(r)
-                s = summarize([r])
-                print(f"[{done}/{total}] round {rnd + 1} {setting} {name}: PyTorch "
-                      f"{s['torch_ms']:.1f} ms, hp Python {s['hp_ms']:.1f} ms, paired "
-                      f"{s['ratio']:.2f} ({time.monotonic() - started:.0f} s)", file=sys.stderr)
-    shutil.rmtree(scratch, ignore_errors=True)
+    runs, failed, _ = run_rows(os.path.abspath(__file__), args, settings, schedules,
+                               lambda setting, name: [
+                                   "--setting", setting, "--schedule", name,
+                                   "--steps", str(args.steps), "--seed", str(args.seed),
+                                   "--lr", str(args.lr), "--weight-decay",
+                                   str(args.weight_decay), "--timeout", str(args.timeout),
+                                   "--hp-p2p", args.hp_p2p, "--model", args.model])
     report = {"args": vars(args), "settings": {}, "runs": runs, "failed": failed,
               "date": time.strftime("%Y-%m-%d")}
     for setting in settings:

@@ -62,9 +62,11 @@ class TorchSide:
     """This rank's part of PyTorch's schedule over the GPT's chunks, built on
     `group` (default: the world). With `instrument`, the stage's per-action
     calls, the loss and the engine calls are timed (`events`, `kernels`);
-    without, nothing is wrapped (paired.py, where both sides share a process)."""
+    without, nothing is wrapped (paired.py, where both sides share a process).
+    `prepare`, if given, makes each chunk as built into the module the stage
+    runs (paired_fsdp.py: fully_shard over the data-parallel mesh)."""
 
-    def __init__(self, args, rank, world, config, group=None, instrument=True):
+    def __init__(self, args, rank, world, config, group=None, instrument=True, prepare=None):
         import torch
         import torch.distributed.pipelining as pp
 
@@ -122,6 +124,8 @@ class TorchSide:
         build, width = common.chunk_builder(getattr(args, "model", "gpt"), config, args.seed)
         for st in stages_of[rank]:
             chunk = build(st, num_stages)
+            if prepare is not None:
+                chunk = prepare(chunk)
             example_in = (torch.zeros(rows, T, dtype=torch.int64) if st == 0
                           else torch.zeros(rows, T, width))
             example_out = torch.zeros(rows, T, config.vocab if st == num_stages - 1 else width)

@@ -2,7 +2,8 @@
 PyTorch's pipelining and our Python runtime side by side over two Gloo groups
 and take turns step by step; both train the same GPT from the same values on
 the same batches, so their losses must agree step for step (float32, the
-tolerance the benchmark itself applies), and bad arguments are refused."""
+tolerance the benchmark itself applies), and bad arguments are refused; and
+bench/peers/paired_fsdp.py, the same with fully_shard'ed stages on 4 ranks."""
 
 import json
 import os
@@ -50,3 +51,41 @@ def test_bad_arguments_are_refused_before_any_run():
         r = run(args, timeout=60)
         assert r.returncode == 2, r.stdout + r.stderr
         assert fragment in r.stderr
+
+
+PAIRED_FSDP = os.path.join(ROOT, "bench", "peers", "paired_fsdp.py")
+
+
+def test_fsdp2_stages_pair_up_and_agree(tmp_path):
+    """bench/peers/paired_fsdp.py, one tiny round: pp 2 x dp 2 on 4 ranks, both
+    sides' chunks fully_shard'ed over dp; the row has its ratio and both
+    sides' times, the losses (the mean over the dp ranks) agree step for
+    step, and the memory row holds every rank's peak of our side and of
+    PyTorch's."""
+    out = tmp_path / "paired_fsdp.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, PAIRED_FSDP, "--rounds", "1", "--steps", "3",
+                        "--settings", "overhead", "--schedules", "1F1B", "--memory", "1f1b",
+                        "--json", str(out)],
+                       capture_output=True, text=True, timeout=240, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    report = json.loads(out.read_text())
+    assert report["failed"] == []
+    (run_,) = report["runs"]["overhead"]["1F1B"]
+    theirs, ours = run_["torch"]["losses"], run_["hp-py"]["losses"]
+    assert len(theirs) == len(ours) == 3
+    for a, b in zip(theirs, ours):
+        assert abs(a - b) <= 1e-4 * abs(a), (theirs, ours)
+    assert theirs[-1] < theirs[0], "the model did not train"
+    row = report["rows"]["overhead"]["1F1B"]
+    assert row["error"] is None
+    s = row["summary"]
+    assert s["pairs"] == 2 and s["torch_ms"] > 0 and s["hp_ms"] > 0
+    assert s["q25"] <= s["ratio"] <= s["q75"]
+    mem = report["memory"]["overhead"]["1f1b"]
+    for side in ("hp-py", "torch"):
+        peak, _, unsharded, ranks = mem[side]
+        assert len(ranks) == 4 and min(ranks) > 0, mem
+        # the step holds at least the unsharded parameters and their gradients
+        assert peak >= 2 * unsharded > 0, mem
+    assert "| 1F1B | 1f1b |" in r.stdout and "| 1f1b |" in r.stdout
