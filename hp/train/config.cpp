@@ -158,6 +158,11 @@ void TrainConfig::validate() const {
   if (checkpoints) check_output_dir(checkpoint_dir, "--checkpoint-dir");
   need(dp == 1 || !checkpoints,
        "--dp does not save checkpoints yet; drop --save-every/--resume or --dp");
+  need(!fsdp || dp > 1,
+       "--fsdp shards the stages over the data-parallel copies: give --dp 2 or more (with "
+       "--dp 1 there is nothing to shard)");
+  need(!fsdp || !graph,
+       "--graph shards with its own FSDP pass already; drop --fsdp (or --graph for PP x FSDP)");
   if (graph) {
     need(dp == 1,
          "--graph is data parallel over all its ranks already (with FSDP); drop --dp "

@@ -25,6 +25,10 @@ struct TrainConfig {
   /// stages' gradients are averaged over the copies (NOTE [Pipeline x data
   /// parallel] in trainer.cpp).
   int dp = 1;
+  /// With --dp: each stage's parameters, gradients and optimizer state
+  /// sharded over the copies between steps, whole during a step (NOTE [PP x
+  /// FSDP in hp train] in hp/train/fsdp.h).
+  bool fsdp = false;
   std::string schedule = "1f1b";  ///< any hp/schedule generator name
   /// A schedule CSV to run instead of a generator (`hp schedule tune -o`,
   /// `hp schedule show --csv`); its ranks and microbatches must be nproc and

@@ -30,6 +30,7 @@ std::string report_json(const TrainConfig& c, const TrainResult& r) {
                  {"dtype", c.model.dtype == torch::kFloat64 ? "float64" : "float32"},
                  {"nproc", c.nproc},
                  {"dp", c.dp},
+                 {"fsdp", c.fsdp},
                  {"schedule", c.schedule},
                  {"chunks", c.chunks},
                  {"microbatches", c.microbatches},
@@ -172,7 +173,10 @@ std::string summary_text(const TrainConfig& c, const TrainResult& r) {
                 "microbatches of %lld\n",
                 c.model.kind.c_str(), (long long)c.model.layers, (long long)c.model.d_model,
                 c.schedule.c_str(), c.nproc,
-                c.dp > 1 ? (" x " + std::to_string(c.dp) + " data-parallel copies").c_str() : "",
+                c.dp > 1 ? (" x " + std::to_string(c.dp) + " data-parallel copies" +
+                            (c.fsdp ? " (FSDP: sharded between steps)" : ""))
+                               .c_str()
+                         : "",
                 c.steps - r.first_step, c.microbatches, (long long)c.microbatch_size);
   s += buf;
   if (!r.losses.empty()) {

@@ -34,6 +34,7 @@
 #include "hp/schedule/progress.h"
 #include "hp/schedule/render.h"
 #include "hp/train/checkpoint.h"
+#include "hp/train/fsdp.h"
 #include "hp/train/progress.h"
 #include "hp/train/report.h"
 
@@ -283,6 +284,9 @@ TrainResult run_rank(const TrainConfig& config, std::shared_ptr<distributed::Com
       mod.parameters.push_back(item.value());
       mod.names.push_back(item.key());
     }
+    // --fsdp: the stage's gradients are averaged by FsdpShards, not by the
+    // Pipeline's reducer (NOTE [PP x FSDP in hp train]).
+    if (config.fsdp) mod.dp_parameters = std::vector<torch::Tensor>{};
     modules[c] = std::move(mod);
   }
   models::Dataset data(config.model, config.data, config.microbatch_size, config.seed);
@@ -322,7 +326,10 @@ TrainResult run_rank(const TrainConfig& config, std::shared_ptr<distributed::Com
       params.push_back(item.value());
       local_by_name[item.key()].push_back(item.value());
     }
-  auto optimizer = make_optimizer(config, params);
+  // --fsdp: the optimizer steps this copy's shards (NOTE [PP x FSDP in hp train]).
+  std::unique_ptr<FsdpShards> fsdp;
+  if (config.fsdp) fsdp = std::make_unique<FsdpShards>(dp_comm, params);
+  auto optimizer = make_optimizer(config, fsdp ? fsdp->shards() : params);
 
   TrainResult result;
   result.items_per_step = data.items_per_microbatch() * m * config.dp;  // all copies
@@ -384,6 +391,7 @@ TrainResult run_rank(const TrainConfig& config, std::shared_ptr<distributed::Com
   int64_t peak_bytes = 0;
   for (step = first; step < config.steps; ++step) {
     launch::fault_point(std::to_string(step));  // NOTE [Fault injection]
+    if (fsdp) fsdp->gather();
     // The weight gradients exist (zeros) before the step, so that the step's
     // peak above its start counts activations alone, whenever the first W
     // runs (NOTE [Memory measured against predicted]; subtracting them from
@@ -404,6 +412,7 @@ TrainResult run_rank(const TrainConfig& config, std::shared_ptr<distributed::Com
     // Activation memory: the step's peak above its start (the weight
     // gradients were allocated before it).
     peak_bytes = std::max(peak_bytes, std::max<int64_t>(0, peak_memory_allocated() - base));
+    if (fsdp) fsdp->scatter();
     optimizer->step();
     double secs = std::chrono::duration<double>(Clock::now() - t0).count();
     result.losses.push_back(last.loss);
@@ -420,6 +429,7 @@ TrainResult run_rank(const TrainConfig& config, std::shared_ptr<distributed::Com
   }
 
   result.executed = last.stats.executed;
+  if (fsdp) fsdp->gather();  // the final parameters, whole
 
   // Final parameters and a checksum that counts each model-wide name once.
   double own_sum = 0.0;

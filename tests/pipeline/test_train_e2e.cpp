@@ -336,6 +336,35 @@ TEST(TrainEndToEnd, PipelineTimesDataParallelEqualsSingleProcessTraining) {
   fs::remove_all(dir);
 }
 
+// `hp train --pp 2 --dp D --fsdp` (NOTE [PP x FSDP in hp train]): the stages
+// sharded over the copies between steps train exactly as one process on all
+// copies' microbatches. zb-h1 over 2 copies; zbv (two chunks a rank) over 3,
+// where every parameter of 16 or 256 x 16 elements needs padding to shard.
+TEST(TrainEndToEnd, PipelineTimesFsdpEqualsSingleProcessTraining) {
+  for (auto [schedule, dp] : {std::pair<std::string, int>{"zb-h1", 2}, {"zbv", 3}}) {
+    TrainConfig c = small(schedule, 2);
+    auto dir = fresh_dir("fsdp" + schedule);
+    HpRun r = run_hp(train_flags(c) + " --dp " + std::to_string(dp) + " --fsdp --report " +
+                     (dir / "report.json").string());
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("(FSDP: sharded between steps)"), std::string::npos) << r.output;
+    TrainConfig whole = c;
+    whole.microbatches = dp * c.microbatches;
+    auto ref = hp::train::train_reference(whole);
+    auto report = read_json(dir / "report.json");
+    EXPECT_EQ(report["config"]["fsdp"], true);
+    SCOPED_TRACE(schedule);
+    expect_report_matches(report, ref, /*checksum=*/true);
+    fs::remove_all(dir);
+  }
+  HpRun alone = run_hp(train_flags(small("1f1b", 2)) + " --fsdp");
+  EXPECT_EQ(alone.exit_code, 1);
+  EXPECT_NE(alone.output.find("--fsdp shards the stages over the data-parallel copies: give --dp "
+                              "2 or more"),
+            std::string::npos)
+      << alone.output;
+}
+
 // The tuning loop of issue 17: a run's report carries the per-stage costs
 // it measured, `hp schedule tune --costs` makes a schedule for them, and
 // `hp train --schedule-file` runs it, still equal to single-process training.

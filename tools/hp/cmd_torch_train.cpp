@@ -231,6 +231,10 @@ void add_train_command(CLI::App& app) {
                 "copies of the pipeline, data parallel: --pp x --dp processes; each copy "
                 "trains on its own --microbatches and the gradients are averaged over the "
                 "copies (default 1)");
+  t->add_flag("--fsdp", c.fsdp,
+              "with --dp: shard each stage's parameters, gradients and optimizer state over "
+              "the copies between steps (one all-gather before and one reduce-scatter after "
+              "each step; equal to plain --dp)");
   t->add_option(
       "--schedule,-s", c.schedule, "schedule: " + [] {
         std::string s;
