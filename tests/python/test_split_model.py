@@ -33,7 +33,7 @@ titan_warnings = pytest.mark.filterwarnings(
 
 
 def test_training_a_split_llama_equals_single_process_training(tmp_path):
-    names = list(w.CUTS)  # 1f1b, zb-h1, zbv, dualpipe: one launch runs them in turn
+    names = list(w.CUTS)  # seven schedules: one launch runs them in turn
     ranks_.run_ranks(w.P, [os.path.join(HERE, "split_model_worker.py"), tmp_path, ",".join(names)],
                      timeout=300, env={"HF_HUB_OFFLINE": "1"})
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(w.P)]
@@ -177,7 +177,7 @@ def test_training_a_split_mixtral_with_its_load_balancing_loss_equals_one_proces
     # DualPipeV and interleaved.
     import moe_worker as mw
 
-    names = ["1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev"]
+    names = ["1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev", "zb-auto"]
     ranks_.run_ranks(mw.P, [os.path.join(HERE, "moe_worker.py"), tmp_path, ",".join(names)],
                      timeout=300, env={"HF_HUB_OFFLINE": "1"})
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(mw.P)]
