@@ -31,8 +31,8 @@ fails with FSDP2 is a row with its error text.
 
 --memory SCHEDULES: one more step per side after the timed ones of the
 row (a run of its own, one step of warm-up, for a schedule without a row),
-under a TorchDispatchMode that reads hyperparallel's tracking CPU allocator
-after every ATen op (bench/python/bench_graph_fsdp.py's PeakMemory; the
+with hyperparallel's tracking CPU allocator counting its peak
+(bench/python/bench_graph_fsdp.py's PeakMemory, inside ops too; the
 tracker is installed before any model is built): the highest reading minus
 the reading at the step's start, taken after zero_grad(set_to_none=True):
 the shards and the optimizer's state are in the baseline, the unsharded
@@ -142,7 +142,7 @@ def run_rank(args, rank, world, torch, dist, error):
             error[0] = f"the memory step of {'PyTorch' if k == 'torch' else 'ours'}"
             dist.barrier()
             side.optimizer.zero_grad(set_to_none=True)
-            with PeakMemory(_C.profile.memory_allocated) as pm:
+            with PeakMemory() as pm:
                 loss = side.step(x, y)
             mine = torch.tensor([pm.peak - pm.base, unsharded_bytes(side.optimizer)],
                                 dtype=torch.float64)

@@ -37,12 +37,11 @@ Optimizer ("opt ms"): rank 0's time of optimizer.step() + zero_grad() in
 the step (graph: on the plain shards; FSDP2: on its DTensor parameters).
 
 Peak memory ("peak MiB"): one extra step per side after the timed rounds,
-under a TorchDispatchMode that reads hyperparallel's tracking CPU allocator
-(hyperparallel._C.profile.memory_allocated, installed before any model is
-built) after every ATen op; reported: the highest reading minus the reading
-at the step's start (parameters, optimizer state and gradients of the last
-step freed at zero_grad are in the baseline), rank 0. Op-internal
-temporaries freed inside one op are not seen (both sides alike).
+the peak of hyperparallel's tracking CPU allocator (installed before any
+model is built; it counts inside ops too: NOTE [Peak memory without a
+dispatch mode]); reported: the highest reading minus the reading at the
+step's start (parameters, optimizer state and gradients of the last step
+freed at zero_grad are in the baseline), rank 0.
 
 Usage: python bench/python/bench_graph_fsdp.py [--rounds 5] [--steps 4]
          [--settings small,medium] [--json out.json]
@@ -141,28 +140,28 @@ def _patch_fsdp2_comm():
 
 
 class PeakMemory:
-    """max memory_allocated() after every ATen op, as a TorchDispatchMode."""
+    """The tracking CPU allocator's peak (hp/core/memory.h) over a block:
+    every byte of CPU tensor storage, inside an op too.
 
-    def __init__(self, read):
-        from torch.utils._python_dispatch import TorchDispatchMode
+    NOTE [Peak memory without a dispatch mode]
+    This was a TorchDispatchMode reading memory_allocated() after every ATen
+    op. A Python dispatch mode is thread-local state that torch carries into
+    the threads it runs work on, and a rank segfaulted mid-step about once in
+    eleven runs with it on (never without); the allocator counts its peak
+    itself, at no cost per op and on every thread."""
 
-        outer = self
+    def __init__(self):
+        import hyperparallel._C as _C
 
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                outer.peak = max(outer.peak, read())
-                return out
-
-        self.read, self.mode, self.peak = read, Mode(), 0
+        self._C, self.peak = _C, 0
 
     def __enter__(self):
-        self.base = self.peak = self.read()
-        self.mode.__enter__()
+        self._C.profile.reset_peak_memory()
+        self.base = self._C.profile.memory_allocated()
         return self
 
     def __exit__(self, *exc):
-        self.mode.__exit__(*exc)
+        self.peak = self._C.profile.peak_memory_allocated()
 
 
 def rank_main(args, out_dir):
@@ -273,7 +272,7 @@ def rank_main(args, out_dir):
                                    / statistics.median(got["fsdp2"]))
             peak = {}
             for side in ("graph", "fsdp2"):
-                with PeakMemory(_C.profile.memory_allocated) as pm:
+                with PeakMemory() as pm:
                     run(side, False)
                 peak[side] = pm.peak - pm.base
             diff = max(abs(a - b) / abs(b) for s in ("graph", "graph-no")

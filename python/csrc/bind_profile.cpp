@@ -109,6 +109,9 @@ void bind_profile(py::module_& m) {
   sub.def("memory_allocated", &memory_allocated,
           "Bytes of CPU tensor storage allocated through the tracker now.");
   sub.def("memory_tracker_installed", &memory_tracker_installed);
+  sub.def("peak_memory_allocated", &peak_memory_allocated,
+          "Highest memory_allocated() since the last reset_peak_memory() (inside an op too).");
+  sub.def("reset_peak_memory", &reset_peak_memory, "Sets the peak to the current value.");
 }
 
 }  // namespace hp::python
