@@ -26,6 +26,7 @@ optimizer steps them.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import inspect
 import math
@@ -864,16 +865,12 @@ def _is_compiled(fn) -> bool:
     return isinstance(fn, torch.nn.Module) and any(compiled(m) for m in fn.modules())
 
 
-def _without_donated_buffers(fn):
-    """fn, run with AOTAutograd's donated buffers off (NOTE [Compiled stages
+def _without_donated_buffers():
+    """AOTAutograd's donated buffers off for a step (NOTE [Compiled stages
     under a split schedule])."""
     import torch._functorch.config as functorch_config
 
-    def forward(x, **kwargs):
-        with functorch_config.patch(donated_buffer=False):
-            return fn(x, **kwargs)
-
-    return forward
+    return functorch_config.patch(donated_buffer=False)
 
 
 # NOTE [Compiled stages under a split schedule]
@@ -888,11 +885,12 @@ def _without_donated_buffers(fn):
 # numbers each time, so the gradients are exact. I keeps the graph for W
 # (keep_graph), which AOTAutograd refuses for a backward compiled with
 # donated buffers (its saved activations reused as scratch, which a second
-# run would read): stages' forwards run with functorch's donated_buffer off,
-# so what compiles under the Pipeline never donates. (AOTAutograd compiles a
-# backward lazily and drops donation when that first run keeps the graph, so
-# a donating backward comes from a first run without keep_graph: a B, a first
-# stage's W, or a graph shared with such a stage.) A region whose backward
+# run would read): every step of such a Pipeline runs with functorch's
+# donated_buffer off, forwards and backwards, so what compiles under the
+# Pipeline never donates. (AOTAutograd compiles a backward lazily, at its
+# first run, and decides on donation there: under DualPipeV a region's first
+# backward may be a B, and with the setting on the forwards only, its later
+# I failed.) A region whose backward
 # was compiled before, with donated buffers (e.g. a warm-up backward outside
 # the Pipeline), still fails at its first I with AOTAutograd's own error,
 # which names the setting. Fused-backward schedules (B) run it once.
@@ -1149,9 +1147,10 @@ class Pipeline:
                 if mesh is not None:
                     agree_on.extend(mesh.get_group(d) for d in range(mesh.ndim))
         compiled = sorted(c for c, fn in chunks.items() if _is_compiled(fn))
+        # The whole step, forwards and backwards: AOTAutograd compiles a
+        # region's backward lazily, at its first run.
+        self._step_context = _without_donated_buffers if split and compiled else None
         if split and compiled:
-            for c in compiled:
-                forward[c] = _without_donated_buffers(forward[c])
             warnings.warn(
                 f"Pipeline: chunk(s) {compiled} are torch.compile'd and this schedule splits "
                 "backwards into I (dx) and W (dw): a compiled region's backward is one "
@@ -1364,10 +1363,11 @@ class Pipeline:
             self._fsdp.begin_step()
         counter = _CheckpointCounter() if self._watch_checkpoints else None
         try:
-            if counter is not None:
-                with counter:
-                    stats = self._runtime.step(ins)
-            else:
+            with contextlib.ExitStack() as scope:
+                if counter is not None:
+                    scope.enter_context(counter)
+                if self._step_context is not None:
+                    scope.enter_context(self._step_context())
                 stats = self._runtime.step(ins)
             ok = True
         finally:
