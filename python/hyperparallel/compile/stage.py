@@ -26,10 +26,9 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.autograd.graph import get_gradient_edge
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.nn.utils.stateless import _reparametrize_module
 
 from .passes.pipeline import PassPipeline
-from .tracer import _distinct, _train_mode_kept, check_leaf_types
+from .tracer import _distinct, _train_mode_kept, check_leaf_types, run_reparametrized
 
 __all__ = ["GraphStage", "split_joint_graph", "SplitGraphs"]
 
@@ -374,16 +373,8 @@ class GraphStage(torch.nn.Module):
         n_state, n_in = len(state), len(inputs)
 
         def call(flat_state, flat_inputs):
-            full = list(leaves)
-            for pos, t in zip(tensor_pos, flat_inputs):
-                full[pos] = t
-            a, kw = pytree.tree_unflatten(full, spec)
-            mapping = {}
-            for fqn, t in zip(fqns, flat_state):
-                for name in [fqn] + aliases[fqn]:
-                    mapping[name] = t
-            with _reparametrize_module(module, mapping):
-                return module(*a, **kw)
+            return run_reparametrized(module, fqns, aliases, flat_state, leaves, tensor_pos,
+                                      flat_inputs, spec, lambda akw: module(*akw[0], **akw[1]))
 
         def samples():
             s = [t.detach().requires_grad_(i in state_grad) for i, t in enumerate(state)]

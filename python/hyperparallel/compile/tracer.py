@@ -68,6 +68,20 @@ def input_signature(input: Any, label: Any) -> Tuple:
     return (str(spec), tuple(sig))
 
 
+def run_reparametrized(model, fqns, aliases, state, leaves, tensor_pos, tensors, spec, fn):
+    """`fn(tree)` with `model`'s state replaced by `state` (one tensor per
+    FQN in `fqns`, each also under its `aliases`), where `tree` is the pytree
+    `spec` of `leaves` with the positions `tensor_pos` replaced by `tensors`:
+    what a capture traces."""
+    full = list(leaves)
+    for pos, t in zip(tensor_pos, tensors):
+        full[pos] = t
+    tree = pytree.tree_unflatten(full, spec)
+    mapping = {name: t for fqn, t in zip(fqns, state) for name in [fqn] + aliases[fqn]}
+    with _reparametrize_module(model, mapping):
+        return fn(tree)
+
+
 def _distinct(named) -> Tuple[List[str], List[torch.Tensor], Dict[str, List[str]]]:
     fqns, tensors, aliases, first_of = [], [], {}, {}
     for fqn, t in named:
@@ -115,17 +129,9 @@ def trace_model_graph(model: torch.nn.Module, train_fn: Callable, input: Any, la
     n_state = len(state_fqns)
 
     def joint(*args):
-        state, flat_in = args[:n_state], args[n_state:]
-        full = list(leaves)
-        for pos, t in zip(tensor_pos, flat_in):
-            full[pos] = t
-        x, y = pytree.tree_unflatten(full, spec)
-        mapping = {}
-        for fqn, t in zip(state_fqns, state):
-            for name in [fqn] + aliases[fqn]:
-                mapping[name] = t
-        with _reparametrize_module(model, mapping):
-            loss = train_fn(model, x, y)
+        state = args[:n_state]
+        loss = run_reparametrized(model, state_fqns, aliases, state, leaves, tensor_pos,
+                                  args[n_state:], spec, lambda xy: train_fn(model, *xy))
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or loss.dim() != 0 \
                 or not loss.is_floating_point():
             what = (f"a {type(loss).__name__}" if not isinstance(loss, torch.Tensor) else
