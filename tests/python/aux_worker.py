@@ -56,9 +56,17 @@ def main():
     rank, p = dist.get_rank(), dist.get_world_size()
     results = {}
     for name in names:
-        m = microbatches(name, p)
-        sched = hp.pipeline.schedule(name, ranks=p, microbatches=m)
+        # "graph-": every chunk a hyperparallel.compile.GraphStage (its
+        # add_loss an output of the captured graphs).
+        graph = name.startswith("graph-")
+        sched_name = name[len("graph-"):] if graph else name
+        m = microbatches(sched_name, p)
+        sched = hp.pipeline.schedule(sched_name, ranks=p, microbatches=m)
         chunks = {c: RoutedChunk(c, sched.num_chunks, bad) for c in sched.chunks_of_rank(rank)}
+        if graph:
+            from hyperparallel.compile import GraphStage
+
+            chunks = {c: GraphStage(ch) for c, ch in chunks.items()}
         pipe = hp.pipeline.Pipeline(chunks, sched, loss_fn=pm.loss_fn,
                                     activation_shape=(pm.MB, pm.D), timeout=60)
         opt = torch.optim.SGD([q for c in chunks.values() for q in c.parameters()], lr=pm.LR)

@@ -192,3 +192,37 @@ def test_bad_input_is_a_clear_error():
 
     with pytest.raises(ValueError, match="no output of Frozen needs a gradient"):
         GraphStage(Frozen())(torch.randn(3, 2, requires_grad=True))
+
+
+def test_auxiliary_losses_are_outputs_of_the_graphs():
+    # NOTE [Auxiliary losses] in pipeline.py: a module that calls add_loss
+    # (a MoE router's load-balancing term) trains through its graph stage
+    # as it does eagerly.
+    from hyperparallel.pipeline import add_loss, collect_losses
+
+    class Routed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(5)
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.lin(x)
+            add_loss((y.softmax(-1) ** 2).mean())
+            return torch.tanh(y)
+
+    eager = Routed()
+    stage = GraphStage(copy.deepcopy(eager))
+    x, _ = inputs()
+    xe = x.detach().clone().requires_grad_()
+    seed = torch.randn(5, 4)
+    for m, a in ((stage, x), (eager, xe)):
+        with collect_losses() as aux:
+            out = m(a)
+        assert len(aux) == 1
+        ((out * seed).sum() + 3.0 * aux[0]).backward()
+    torch.testing.assert_close(x.grad, xe.grad, rtol=1e-12, atol=1e-12)
+    for (n, p), (_, q) in zip(stage.named_parameters(), eager.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12, msg=n)
+    with pytest.raises(RuntimeError, match="outside a Pipeline stage's forward"):
+        stage(x)  # add_loss with nowhere to go: the same error as eagerly

@@ -19,7 +19,8 @@ import aux_worker as aw  # noqa: E402
 import pipeline_model as pm  # noqa: E402
 import ranks  # noqa: E402
 
-SCHEDULES = ["1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev", "zb-auto"]
+SCHEDULES = ["1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev", "zb-auto",
+             "graph-zb-h1", "graph-zbv"]  # graph-: GraphStage chunks (NOTE [Graph stages])
 
 
 def reference(num_chunks: int, m: int):
@@ -57,7 +58,8 @@ def test_auxiliary_losses_train_equal_to_single_process(p, tmp_path):
     ranks.run_ranks(p, [os.path.join(HERE, "aux_worker.py"), tmp_path, ",".join(SCHEDULES)])
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(p)]
     for name in SCHEDULES:
-        sched = hp.pipeline.schedule(name, ranks=p, microbatches=aw.microbatches(name, p))
+        plain = name[len("graph-"):] if name.startswith("graph-") else name
+        sched = hp.pipeline.schedule(plain, ranks=p, microbatches=aw.microbatches(plain, p))
         ref_losses, ref_aux, ref_chunks = reference(sched.num_chunks, sched.num_microbatches)
         assert min(ref_aux) > 0.01  # the auxiliary term is not negligible
         for r, res in enumerate(results):

@@ -62,6 +62,10 @@ __all__ = ["GraphStage", "split_joint_graph", "SplitGraphs"]
 #      any schedule and under hyperparallel.split, with no hook in the
 #      executor. After dx only the residuals stay: the rest of what the
 #      forward saved is freed (the eager split's rule, NOTE [The dx/dw split]).
+# Auxiliary losses the module adds (hyperparallel.pipeline.add_loss) are
+# outputs of the graphs too, added again, as tensors of the stage's node, by
+# the stage's forward: they join the backward through dx and dw as the
+# outputs do.
 # Each graph is replayed as it is, or compiled by the backend (one compile per
 # graph per signature). A new input signature (shapes, dtypes, structure,
 # which inputs need a gradient, training mode) captures and compiles anew.
@@ -178,7 +182,8 @@ class _Signature:
 
     def __init__(self, graphs: SplitGraphs, run: Dict[str, Any], state_grad: List[int],
                  input_grad: List[int], out_spec, out_leaves: List[Any], out_diff: List[int],
-                 out_meta: List[Tuple[torch.Size, torch.dtype, torch.device]]):
+                 out_meta: List[Tuple[torch.Size, torch.dtype, torch.device]],
+                 num_aux: int = 0):
         self.graphs = graphs
         self.run = run  # name -> callable
         self.state_grad = state_grad    # positions in the state of the params with a grad
@@ -187,6 +192,7 @@ class _Signature:
         self.out_leaves = out_leaves    # non-tensor output leaves (tensors: None)
         self.out_diff = out_diff        # indices of the differentiable tensor outputs
         self.out_meta = out_meta        # per differentiable output: shape, dtype, device
+        self.num_aux = num_aux          # auxiliary losses, the last tensor outputs
 
 
 class _StageFunction(torch.autograd.Function):
@@ -351,6 +357,11 @@ class GraphStage(torch.nn.Module):
                 sig = self._capture(args, kwargs, leaves, spec, p_fqns, b_fqns, state)
                 self._signatures[key] = sig
         outs = _StageFunction.apply(self, sig, len(state), *state, *tensors)
+        if sig.num_aux:  # handed on as the module handed them (NOTE [Auxiliary losses])
+            from ..pipeline import add_loss
+
+            for a in outs[len(outs) - sig.num_aux:]:
+                add_loss(a)
         full, k = [], 0
         for leaf in sig.out_leaves:
             if leaf is _TENSOR:
@@ -373,8 +384,15 @@ class GraphStage(torch.nn.Module):
         n_state, n_in = len(state), len(inputs)
 
         def call(flat_state, flat_inputs):
-            return run_reparametrized(module, fqns, aliases, flat_state, leaves, tensor_pos,
-                                      flat_inputs, spec, lambda akw: module(*akw[0], **akw[1]))
+            """The module's output, and the auxiliary losses it added (NOTE
+            [Auxiliary losses] in pipeline.py): extra outputs of the graph."""
+            from ..pipeline import collect_losses
+
+            with collect_losses() as aux:
+                out = run_reparametrized(module, fqns, aliases, flat_state, leaves, tensor_pos,
+                                         flat_inputs, spec,
+                                         lambda akw: module(*akw[0], **akw[1]))
+            return out, aux
 
         def samples():
             s = [t.detach().requires_grad_(i in state_grad) for i, t in enumerate(state)]
@@ -385,11 +403,12 @@ class GraphStage(torch.nn.Module):
         found: Dict[str, Any] = {}
 
         def forward_only(*flat):
-            out = call(flat[:n_state], flat[n_state:])
+            out, aux = call(flat[:n_state], flat[n_state:])
             out_leaves, out_spec = pytree.tree_flatten(out)
             found["spec"] = out_spec
             found["leaves"] = [_TENSOR if isinstance(o, torch.Tensor) else o for o in out_leaves]
-            tensors_out = [o for o in out_leaves if isinstance(o, torch.Tensor)]
+            found["aux"] = len(aux)
+            tensors_out = [o for o in out_leaves if isinstance(o, torch.Tensor)] + aux
             found["diff"] = [i for i, o in enumerate(tensors_out) if o.requires_grad]
             found["meta"] = [(o.shape, o.dtype, o.device) for o in tensors_out]
             return tensors_out
@@ -418,8 +437,8 @@ class GraphStage(torch.nn.Module):
         def joint(*flat):
             st, ins = flat[:n_state], flat[n_state:n_state + n_in]
             tangents = flat[n_state + n_in:]
-            out = call(st, ins)
-            outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
+            out, aux = call(st, ins)
+            outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)] + aux
             wrt = [st[i] for i in state_grad] + [ins[j] for j in input_grad]
             grads = torch.autograd.grad([outs[i] for i in diff], wrt, tangents,
                                         allow_unused=True)
@@ -438,7 +457,7 @@ class GraphStage(torch.nn.Module):
                for name in ("forward", "dx", "dw", "backward")}
         self.counts["capture"] += 1
         return _Signature(graphs, run, state_grad, input_grad, found["spec"],
-                          found["leaves"], diff, meta)
+                          found["leaves"], diff, meta, found["aux"])
 
 
 class _Tensor:
