@@ -297,11 +297,7 @@ class GraphStage(torch.nn.Module):
         if backend is not None and not (isinstance(backend, str) or callable(backend)):
             raise ValueError(f"GraphStage: backend is {backend!r}; give None, a torch.compile "
                              "backend name (e.g. 'inductor') or a callable")
-        for name, p in module.named_parameters():
-            if type(p) is not torch.nn.Parameter and not type(p) is torch.Tensor:
-                raise TypeError(
-                    f"GraphStage: parameter {name!r} is a {type(p).__name__}; a graph stage "
-                    "takes plain tensors (no DTensor, FSDP2 or other tensor subclass)")
+        _check_plain(module)
         self.module = module
         self.backend = backend
         self.tracing_mode = tracing_mode
@@ -373,6 +369,7 @@ class GraphStage(torch.nn.Module):
 
     def _capture(self, args, kwargs, leaves, spec, p_fqns, b_fqns, state) -> _Signature:
         module = self.module
+        _check_plain(module)  # e.g. fully_shard after the stage was made
         fqns = p_fqns + b_fqns
         _, _, aliases_p = _distinct(module.named_parameters(remove_duplicate=False))
         _, _, aliases_b = _distinct(module.named_buffers(remove_duplicate=False))
@@ -466,6 +463,14 @@ class _Tensor:
 
 
 _TENSOR = _Tensor()
+
+
+def _check_plain(module: torch.nn.Module) -> None:
+    for name, p in module.named_parameters():
+        if type(p) is not torch.nn.Parameter and type(p) is not torch.Tensor:
+            raise TypeError(
+                f"GraphStage: parameter {name!r} is a {type(p).__name__}; a graph stage "
+                "takes plain tensors (no DTensor, FSDP2 or other tensor subclass)")
 
 
 def _needs_grad(t: torch.Tensor) -> bool:
