@@ -18,7 +18,8 @@
 
 namespace c10d {
 class ProcessGroup;
-}
+class Store;
+}  // namespace c10d
 
 namespace hp::distributed {
 
@@ -89,6 +90,9 @@ class Work {
     virtual bool blocks_host() const { return true; }
     /// True when the operation completed when it was posted (wait() is free).
     virtual bool completed() const { return false; }
+    /// Wakes a wait() in progress (or the next one), which then throws;
+    /// from any thread. Where the backend cannot, does nothing.
+    virtual void abort() {}
   };
   Work() = default;
   explicit Work(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -104,6 +108,12 @@ class Work {
   /// Whether the operation is known to be complete: waited, or complete when
   /// posted (Work::done(), e.g. a send copied into a shared-memory ring).
   bool completed() const { return done_ || (impl_ != nullptr && impl_->completed()); }
+  /// Ends a wait() in progress on another thread (it throws CommError)
+  /// where the backend can: Gloo's point-to-point (NOTE [A failed step
+  /// reaches the peers]). Elsewhere does nothing.
+  void abort() {
+    if (impl_ != nullptr) impl_->abort();
+  }
   /// A Work that is already complete.
   static Work done();
 
@@ -335,12 +345,36 @@ std::shared_ptr<Comm> for_device(std::shared_ptr<Comm> comm, const c10::Device& 
 // and its peers used to wait for its next message until the timeout (300 s
 // by default); a rank that dies is seen at once (its connections close, its
 // pidfd fires). So the executor calls Comm::abandon on any failure of a step:
-// over shared-memory rings it marks both ends of each of this rank's rings,
-// and a peer waiting on one of them fails at its next look (well within
-// 0.1 s), naming the rank and why; its own step fails in turn and abandons
-// its rings, so the failure runs down the pipeline. A plain Gloo or NCCL
-// group has no such signal (Backend::abort is a no-op for Gloo): there the
-// peers of a live failed rank wait their timeout.
+// * Over shared-memory rings it marks both ends of each of this rank's
+//   rings, and a peer waiting on one of them fails at its next look (well
+//   within 0.1 s), naming the rank and why.
+// * Over a group's own point-to-point (p2p="group"; the rings' overflow)
+//   nothing in the transport can tell, so with_failure_store carries it: the
+//   failed rank writes its reason in a c10d Store the group's ranks share
+//   ("failed/R", then "failed"). A wait on a Work of the group that lasts
+//   over 0.1 s wakes the Comm's watcher thread, which looks at "failed"
+//   (one store round trip) about every 0.1 s while waits are in progress,
+//   never otherwise: a healthy step's short waits never reach the store.
+//   When a peer's reason is there it calls Work::abort on every wait in
+//   progress: Gloo's SendWork/RecvWork abort through the transport's
+//   UnboundBuffer (abortWaitSend/abortWaitRecv), the wait returns false, and
+//   the group's connections stay as they were (slicing the wait with a
+//   timeout instead would not do: Gloo's waitRecv that times out signals the
+//   exception to every pair of the context and breaks the whole group). The
+//   wait then throws "rank 1: rank 0 stopped taking part while this rank was
+//   receiving from rank 0: rank 0's step failed: ...", well within 0.3 s;
+//   every later operation of that Comm throws the same at once.
+//   hyperparallel.pipeline.Pipeline passes the store of the group it
+//   borrows (torch.distributed's, under a prefix of its own: NOTE [The
+//   failure store of a Pipeline] in python/csrc/bind_pipeline.cpp); without
+//   one (a group torch.distributed does not know), and in `hp train`
+//   (whose ranks end their process on a failed step, which the peers see at
+//   once), the group's peers of a live failed rank wait their timeout.
+//   Collectives are not woken (a Gloo collective cannot be aborted): a rank
+//   already inside one when its peer failed waits its timeout, as does any
+//   wait on NCCL (stream-ordered, NOTE [Stream-ordered waits]).
+// Either way the peer's own step fails in turn and abandons, so the failure
+// runs down the pipeline.
 //
 // NOTE [Signals during a wait]
 // A Python rank waits inside Pipeline.step with the GIL released, so
@@ -349,6 +383,18 @@ std::shared_ptr<Comm> for_device(std::shared_ptr<Comm> comm, const c10::Device& 
 // InterruptCheck for the length of a call: waits on shared-memory rings call
 // it about every 0.1 s, and what it throws ends the wait (then the step, and
 // through NOTE [A failed step reaches the peers] the peers' steps).
+
+/// `inner` whose ranks tell each other of a failed step through `store` (NOTE
+/// [A failed step reaches the peers]): abandon() leaves this rank's reason
+/// there, and a wait on `inner`'s point-to-point that goes on for a while
+/// looks there about every 0.1 s; when a peer's reason appears the wait is
+/// aborted (Gloo's point-to-point; other backends' waits are not woken) and
+/// throws a CommError naming that rank and its reason, as does every later
+/// operation. `store` is shared by every rank of `inner` and holds keys of
+/// this group alone (a PrefixStore); every rank calls it. A null store, or a
+/// group of one rank, returns `inner` itself.
+std::shared_ptr<Comm> with_failure_store(std::shared_ptr<Comm> inner,
+                                         c10::intrusive_ptr<c10d::Store> store);
 
 /// Installs `check` for the calling thread while alive (NOTE [Signals during
 /// a wait]); nests, restoring the previous one.

@@ -62,6 +62,7 @@ struct PgWork : Work::Impl {
   bool stream_ordered = false;  // NCCL over CUDA tensors
   void wait() override;
   bool blocks_host() const override { return !stream_ordered; }
+  void abort() override;
 };
 
 class ProcessGroupComm : public Comm, public std::enable_shared_from_this<ProcessGroupComm> {
@@ -393,13 +394,30 @@ void PgWork::wait() {
       // the current stream wait for NCCL's and returns; with one it would spin
       // on the host until the transfer is done.
       work->wait();
-    } else {
-      work->wait(comm->timeout());
+    } else if (!work->wait(comm->timeout())) {
+      // Work::abort() woke the wait (NOTE [A failed step reaches the peers]).
+      throw CommError("rank " + std::to_string(comm->rank()) + ": " + what + " was aborted", {},
+                      false);
     }
+  } catch (const CommError&) {
+    throw;
   } catch (...) {
     comm->fail(what, peer, std::current_exception());
   }
   tensors.clear();
+}
+
+// Gloo's SendWork and RecvWork wake their wait through the transport's
+// UnboundBuffer (abortWaitSend/abortWaitRecv): the wait returns false, the
+// group's connections stay as they are. Other backends' abort tears down the
+// whole communicator (NCCL) or is not implemented: left alone.
+void PgWork::abort() {
+  if (stream_ordered || comm->backend_name() != "gloo") return;
+  try {
+    work->abort();
+  } catch (...) {
+    // A Work that cannot be aborted waits for its timeout, as before.
+  }
 }
 
 std::vector<int> iota(int n) {

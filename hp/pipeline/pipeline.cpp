@@ -203,6 +203,9 @@ Pipeline::Pipeline(schedule::Schedule schedule, std::shared_ptr<distributed::Com
   shm.overflow_on_inner = true;
   shm.links = sched_.rank_links();
   shm.device = options_.device;
+  // NOTE [A failed step reaches the peers] in hp/distributed/comm.h: over
+  // the group's own point-to-point (and the rings' overflow), through the store.
+  group = distributed::with_failure_store(group, options_.failure_store);
   comm_ = distributed::with_point_to_point(group, how, shm, &p2p_note_);
   // NOTE [Ranks on devices]: CUDA tensors over a CPU backend go through host memory.
   comm_ = distributed::for_device(comm_, options_.device);

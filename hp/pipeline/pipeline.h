@@ -6,6 +6,7 @@
 #pragma once
 
 #include <torch/torch.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <functional>
 #include <map>
@@ -46,6 +47,13 @@ struct PipelineOptions {
   /// Point-to-point between the pipeline's ranks (NOTE [Choosing the
   /// point-to-point] in hp/distributed/shm_p2p.cpp): "group", "shm", "auto".
   std::string p2p = "auto";
+  /// Where the ranks of the pipeline's group tell each other of a failed
+  /// step (distributed::with_failure_store; NOTE [A failed step reaches the
+  /// peers] in hp/distributed/comm.h): a store every rank of the group
+  /// shares, with keys of this Pipeline alone (a PrefixStore). Null: a peer
+  /// of a failed rank that lives on learns of it over the shared-memory
+  /// rings only, and waits its timeout over the group's point-to-point.
+  c10::intrusive_ptr<c10d::Store> failure_store;
   /// The data-parallel group across copies of this pipeline; null: none.
   std::shared_ptr<distributed::Comm> dp;
   /// Hooks around each (stage, microbatch)'s work, the caller's own.

@@ -2,10 +2,12 @@
 // (any callables, nn.Modules included) with any schedule, over the
 // torch.distributed ProcessGroup the user made (Gloo on CPU, NCCL on GPU).
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -65,6 +67,40 @@ c10::intrusive_ptr<c10d::ProcessGroup> process_group_of(const py::object& group)
   return c10::intrusive_ptr<c10d::ProcessGroup>::reclaim_copy(pg);
 }
 
+// NOTE [The failure store of a Pipeline]
+// Over the group's own point-to-point, a rank whose step failed while its
+// process lives on tells its peers through a store (NOTE [A failed step
+// reaches the peers] in hp/distributed/comm.h). Python passes the store of
+// the group (torch.distributed's, shared by the group's ranks) or None; the
+// Pipeline's keys go under a prefix of their own: the group's name and how
+// many Pipelines this process made over that group before (the same count on
+// every rank, since making a Pipeline is collective), so two Pipelines over
+// one group never see each other's failures. (A failure is final for a
+// Pipeline: one key per failed rank is all it needs.)
+c10::intrusive_ptr<c10d::Store> failure_store_of(const py::object& store,
+                                                 const c10d::ProcessGroup& group) {
+  if (store.is_none()) return {};
+  c10d::Store* s = nullptr;
+  try {
+    s = store.cast<c10d::Store*>();
+  } catch (const py::cast_error&) {
+    throw py::type_error("failure_store must be a torch.distributed.Store or None, got " +
+                         std::string(py::str(py::type::of(store))));
+  }
+  if (s == nullptr) return {};
+  static std::mutex mu;
+  static std::map<std::string, int> made;
+  const std::string name = group.getGroupName();
+  int n;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    n = made[name]++;
+  }
+  return c10::make_intrusive<c10d::PrefixStore>(
+      "hyperparallel/pipeline/" + name + "/" + std::to_string(n),
+      c10::intrusive_ptr<c10d::Store>::reclaim_copy(s));
+}
+
 /// A Python object that C++ copies freely without the GIL (only the
 /// shared_ptr's count changes) and that takes the GIL to be dropped: the
 /// callables a Pipeline holds go with it where no GIL is held (NOTE [A
@@ -89,11 +125,15 @@ class Runtime {
           const py::object& dp_group, int receive_lookahead, const std::string& p2p,
           bool cache_cpu_memory,
           const std::map<int, std::vector<torch::Tensor>>& chunk_dp_parameters = {},
-          bool recompute_sessions = false, py::object extra_sum = py::none()) {
+          bool recompute_sessions = false, py::object extra_sum = py::none(),
+          const py::object& failure_store = py::none()) {
     distributed::CommOptions options;
     options.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
-    auto borrowed = distributed::Comm::from_process_group(process_group_of(group), options);
+    auto pg = process_group_of(group);
+    auto borrowed = distributed::Comm::from_process_group(pg, options);
     pipeline::PipelineOptions po;
+    po.failure_store =
+        failure_store_of(failure_store, *pg);  // NOTE [The failure store of a Pipeline]
     po.device = device.is_none() ? torch::Device(torch::kCPU) : device.cast<torch::Device>();
     po.dtype = dtype.cast<c10::ScalarType>();
     po.p2p = p2p;
@@ -274,12 +314,13 @@ void bind_pipeline(py::module_& m) {
                        const py::object& dp_group, int receive_lookahead, const std::string& p2p,
                        bool cache_cpu_memory,
                        const std::map<int, std::vector<torch::Tensor>>& dp_parameters,
-                       bool recompute_sessions, py::object extra_sum) {
+                       bool recompute_sessions, py::object extra_sum,
+                       const py::object& failure_store) {
              try {
-               return std::make_unique<Runtime>(sched, group, forward, parameters, loss, shape,
-                                                dtype, device, timeout_s, dp_group,
-                                                receive_lookahead, p2p, cache_cpu_memory,
-                                                dp_parameters, recompute_sessions, extra_sum);
+               return std::make_unique<Runtime>(
+                   sched, group, forward, parameters, loss, shape, dtype, device, timeout_s,
+                   dp_group, receive_lookahead, p2p, cache_cpu_memory, dp_parameters,
+                   recompute_sessions, extra_sum, failure_store);
              } catch (const std::invalid_argument& e) {
                throw py::value_error(e.what());
              }
@@ -290,7 +331,8 @@ void bind_pipeline(py::module_& m) {
            py::arg("dp_group") = py::none(), py::arg("receive_lookahead") = 0,
            py::arg("p2p") = "auto", py::arg("cache_cpu_memory") = false,
            py::arg("chunk_dp_parameters") = std::map<int, std::vector<torch::Tensor>>{},
-           py::arg("recompute_sessions") = false, py::arg("extra_sum") = py::none())
+           py::arg("recompute_sessions") = false, py::arg("extra_sum") = py::none(),
+           py::arg("failure_store") = py::none())
       .def("step", &Runtime::step, py::arg("inputs"),
            "Runs one step of this rank's actions; returns the loss and timings.")
       .def_property_readonly("rank", &Runtime::rank)

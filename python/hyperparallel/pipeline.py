@@ -1278,6 +1278,7 @@ class Pipeline:
             dp_params,
             split,
             self._aux.take,
+            failure_store=dist.distributed_c10d._world.pg_map.get(group, (None, None))[1],
         )
         self.rank = self._runtime.rank
         self._loss.rank = self.rank

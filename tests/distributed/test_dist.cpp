@@ -6,6 +6,7 @@
 #include "tests/common/netns.h"
 
 #include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
 
 #include <signal.h>
 #include <sys/stat.h>
@@ -404,6 +405,75 @@ std::vector<std::string> two_ranks(const std::function<void(int, std::shared_ptr
   for (auto& t : ts)
     t.join();
   return errors;
+}
+
+// NOTE [A failed step reaches the peers] over a plain Gloo group: rank 0
+// abandons while rank 1 waits to receive from it (the timeout is 20 s). A
+// slow but healthy message first (its wait outlasts a look at the store).
+// Rank 1's wait must end at once, naming rank 0 and its reason; every later
+// operation of the watched Comm fails at once too; the group itself still
+// carries collectives (the abort broke none of its connections).
+TEST(DistFailureStore, AnAbandonedRankEndsItsPeersWaitAndTheGroupSurvives) {
+  TempDir dir;
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  std::vector<std::string> errors(2), later(2);
+  std::vector<double> sums(2, 0.0);
+  double waited = -1;
+  std::atomic<bool> rank1_failed{false};
+  std::vector<std::thread> ts;
+  for (int r = 0; r < 2; ++r)
+    ts.emplace_back([&, r] {
+      try {
+        hp::distributed::CommOptions o;
+        o.timeout = std::chrono::seconds(20);
+        auto group = Comm::from_file_store(dir.path + "/s", r, 2, o);
+        auto c = hp::distributed::with_failure_store(group, store);
+        if (r == 0) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(300));
+          c->send(at::ones({4}), 1);
+          std::this_thread::sleep_for(std::chrono::milliseconds(300));
+          c->abandon("rank 0's step failed: a bad batch");
+          while (!rank1_failed)
+            std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        } else {
+          auto t = at::zeros({4});
+          c->recv(t, 0);
+          EXPECT_EQ(t.sum().item<double>(), 4.0);
+          const auto t0 = std::chrono::steady_clock::now();
+          try {
+            c->recv(t, 0);
+          } catch (const CommError& e) {
+            waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+            errors[1] = e.what();
+            EXPECT_EQ(e.lost_ranks(), std::vector<int>{0});
+          }
+          try {
+            c->all_reduce(at::ones({1}));
+          } catch (const CommError& e) {
+            later[1] = e.what();
+          }
+          rank1_failed = true;
+        }
+        auto x = at::ones({2}, at::kDouble);
+        group->all_reduce(x);
+        sums[r] = x.sum().item<double>();
+      } catch (const std::exception& e) {
+        errors[r] += std::string(" [setup: ") + e.what() + "]";
+        rank1_failed = true;
+      }
+    });
+  for (auto& t : ts)
+    t.join();
+  EXPECT_EQ(errors[0], "");
+  EXPECT_NE(errors[1].find("rank 1: rank 0 stopped taking part while this rank was receiving "
+                           "from rank 0: rank 0's step failed: a bad batch"),
+            std::string::npos)
+      << errors[1];
+  EXPECT_GE(waited, 0.0);
+  EXPECT_LT(waited, 1.0);
+  EXPECT_NE(later[1].find("rank 0 stopped taking part"), std::string::npos) << later[1];
+  EXPECT_EQ(sums[0], 4.0);
+  EXPECT_EQ(sums[1], 4.0);
 }
 
 // Each rank first receives, then (in a later batch) sends: fine where posts

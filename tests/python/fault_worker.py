@@ -7,6 +7,8 @@ printed.
 
     fault_worker.py raise      rank 0's forward raises in step 1; rank 0
                                catches it and lives on; then step() again
+    fault_worker.py raise group  the same over the group's own
+                               point-to-point (p2p="group") instead of the rings
     fault_worker.py mismatch   rank 1 is built with 4 microbatches, rank 0 with 2
     fault_worker.py sigint     rank 0's forward sleeps 6 s in step 0 while
                                rank 1 waits for it; the test sends rank 1
@@ -33,6 +35,7 @@ def say(rank, what, t0, message=""):
 
 def main():
     scenario = sys.argv[1]
+    p2p = sys.argv[2] if len(sys.argv) > 2 else "auto"
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -57,7 +60,7 @@ def main():
         shape = (lambda stage, mb: "2x4") if scenario == "badshape" and rank == 1 else (2, 4)
         pipe = hp.pipeline.Pipeline({rank: forward}, sched, loss_fn=torch.nn.functional.mse_loss,
                                     activation_shape=shape, parameters={rank: list(lin.parameters())},
-                                    dtype=torch.float64, timeout=60)
+                                    dtype=torch.float64, timeout=60, p2p=p2p)
     except Exception as e:  # noqa: BLE001 - the test reads the message
         say(rank, "construction failed", t0, str(e).splitlines()[0])
         return

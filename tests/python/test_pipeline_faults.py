@@ -2,20 +2,22 @@
 even when the failed rank's process lives on (NOTE [A failed step reaches the
 peers] and NOTE [Signals during a wait] in hp/distributed/comm.h; NOTE [Ranks
 agree on the pipeline] in hp/pipeline/executor.cpp). Real processes started
-as torchrun starts them, over the default p2p (shared-memory rings)."""
+as torchrun starts them, over the default p2p (shared-memory rings) and,
+for a failed step, over the group's own point-to-point."""
 
 import os
 import re
 import signal
 import time
 
+import pytest
 import ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def start(scenario):
-    return ranks.start_ranks(2, [os.path.join(HERE, "fault_worker.py"), scenario])
+def start(scenario, *args):
+    return ranks.start_ranks(2, [os.path.join(HERE, "fault_worker.py"), scenario, *args])
 
 
 def finish(procs, timeout=90):
@@ -30,8 +32,11 @@ def event(out, rank, what):
     return float(m.group(1)), m.group(2)
 
 
-def test_a_failed_step_on_a_live_rank_ends_its_peers_step_at_once():
-    out0, out1 = finish(start("raise"))
+@pytest.mark.parametrize("p2p", ["auto", "group"])
+def test_a_failed_step_on_a_live_rank_ends_its_peers_step_at_once(p2p):
+    # "auto": the shared-memory rings carry the failure; "group": the store
+    # of the group (Gloo's point-to-point has no signal of its own).
+    out0, out1 = finish(start("raise", p2p))
     _, why0 = event(out0, 0, "step failed")
     assert "a bad batch on rank 0" in why0
     # Rank 0 lives on for 4 s after its failure: rank 1 must not wait for
