@@ -5,8 +5,8 @@ backward comes in two halves, dx and dw (NOTE [Graph stages]).
 forward + backward graph of `module` with make_fx and partitions it into
 
     forward:  (state, inputs)        -> (outputs, saved)
-    dx:       (saved, output grads)  -> (input grads, residuals)
-    dw:       (residuals)            -> parameter grads
+    dx:       (saved, output grads)  -> (input grads, residuals it computed)
+    dw:       (residuals)            -> parameter grads  (dx's and saved ones)
     backward: (saved, output grads)  -> (parameter grads, input grads)   # fused
 
 each replayed as it is or compiled by a torch.compile backend ("inductor").
@@ -78,11 +78,14 @@ class SplitGraphs:
 
     def __init__(self, forward: fx.GraphModule, dx: fx.GraphModule, dw: fx.GraphModule,
                  backward: fx.GraphModule, num_outputs: int, num_param_grads: int,
-                 num_input_grads: int):
+                 num_input_grads: int, passed: Sequence[int] = ()):
         self.forward, self.dx, self.dw, self.backward = forward, dx, dw, backward
         self.num_outputs = num_outputs
         self.num_param_grads = num_param_grads
         self.num_input_grads = num_input_grads
+        # dw's inputs: dx's outputs after the input grads, then these of dx's
+        # inputs (positions in (saved..., output grads...)).
+        self.passed = list(passed)
 
     def __repr__(self) -> str:
         def ops(gm):
@@ -161,10 +164,16 @@ def split_joint_graph(joint: fx.GraphModule, num_primals: int, num_outputs: int,
     reachable = set(saved) | set(tangents) | dx_nodes
     residuals = [n for n in joint.graph.nodes
                  if n in reachable and (any(u in dw_nodes for u in n.users) or n in param_grads)]
-    dx = _subgraph(joint, saved + tangents, dx_nodes, input_grads + residuals)
-    dw = _subgraph(joint, residuals, dw_nodes, param_grads)
+    # What dw reads of dx's own inputs goes to it directly, not through dx's
+    # outputs: an output that is an input is an alias, which a compiled graph
+    # pays for at every call.
+    inputs_of_dx = saved + tangents
+    computed = [n for n in residuals if n in dx_nodes]
+    passed = [n for n in residuals if n not in dx_nodes]
+    dx = _subgraph(joint, inputs_of_dx, dx_nodes, input_grads + computed)
+    dw = _subgraph(joint, computed + passed, dw_nodes, param_grads)
     return SplitGraphs(forward, dx, dw, backward, num_outputs, len(param_grads),
-                       len(input_grads))
+                       len(input_grads), [inputs_of_dx.index(n) for n in passed])
 
 
 def _will_run(node) -> bool:
@@ -258,11 +267,12 @@ class _StageFunction(torch.autograd.Function):
             stage.counts["backward"] += 1
             ctx.done = True
         else:  # I: the input half; the residuals wait for W
-            out = sig.run["dx"](*saved, *tangents)
+            args = [*saved, *tangents]
+            out = sig.run["dx"](*args)
             place([], out[:g.num_input_grads])
             stage.counts["dx"] += 1
             if sig.state_grad:
-                ctx.residuals = list(out[g.num_input_grads:])
+                ctx.residuals = list(out[g.num_input_grads:]) + [args[i] for i in g.passed]
             else:
                 ctx.done = True
         ctx.saved_kinds = []  # what dx alone needed is freed here
