@@ -95,7 +95,12 @@ def planned_parameters(model: torch.nn.Module, plan, degree: int,
 #     one reduce-scatter ("avg"); the shard gradients are views of its
 #     result, made just before the output so the wait sinks to the end.
 # A bucket of one parameter is the per-parameter form. The collectives'
-# order is the graph's, the same on every rank.
+# order is the graph's, the same on every rank. With reshard_after_forward
+# the backward concatenates a bucket's shards again and unpacks each
+# parameter just before its first reader, so the forward's buffers die with
+# the forward; still, a module's gathered parameters live together, so the
+# peak is a module's, as FSDP2's is (bucket="parameter": one parameter's,
+# at many more collectives; docs/benchmarks.md).
 
 
 def _bucket_key(fqn: str, plan) -> str:
@@ -339,7 +344,21 @@ def _regather_for_backward(graph, ph, w, loss, degree, group_name):
         return
     at = min(first, key=lambda u: index[u])
     with graph.inserting_before(at):
-        ag = graph.call_function(ALL_GATHER, (ph, degree, group_name))
+        src = ph
+        if ph.op != "placeholder":
+            # A bucket: its shards concatenated again here, so the forward's
+            # concatenation dies with the forward's gather.
+            made, todo = set(), [ph]
+            while todo:
+                n = todo.pop()
+                if n.op != "placeholder" and n not in made:
+                    made.add(n)
+                    todo.extend(n.all_input_nodes)
+            again = {}
+            for n in sorted(made, key=lambda n: index[n]):
+                again[n] = graph.node_copy(n, lambda a: again.get(a, a))
+            src = again[ph]
+        ag = graph.call_function(ALL_GATHER, (src, degree, group_name))
         copy = {w: graph.call_function(WAIT, (ag,))}
         for n in chain[1:]:
             copy[n] = graph.node_copy(n, lambda a: copy[a])
@@ -349,3 +368,13 @@ def _regather_for_backward(graph, ph, w, loss, degree, group_name):
     for n in reversed(chain[1:]):
         if not copy[n].users:
             graph.erase_node(copy[n])
+    # Each copied node (a bucket's parameter unpacked, its t()) just before
+    # its first reader, the last first: a module's parameters come whole one
+    # by one as the backward reaches them, not all at its first.
+    for n in reversed(chain[1:]):
+        c = copy[n]
+        if c.users:
+            order = {m: i for i, m in enumerate(graph.nodes)}
+            first_user = min(c.users, key=lambda u: order[u])
+            if order[first_user] > order[c] + 1:
+                first_user.prepend(c)
