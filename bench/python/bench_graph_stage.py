@@ -7,6 +7,7 @@ machine's noise:
 * ``graph-inductor``: ``GraphStage(chunk, backend="inductor")``: the fused
   backward graph against its dx graph then its dw graph (NOTE [Graph stages]),
   each compiled by inductor;
+* ``graph-replay``: the same graphs replayed as they are (no backend);
 * ``torch.compile``: ``torch.compile(chunk)``: its backward is one autograd
   node, so a split schedule runs it whole in I and again in W (NOTE [Compiled
   stages under a split schedule]): what a compiled stage cost before;
@@ -61,6 +62,7 @@ def main() -> None:
     sens = torch.randn(args.rows, args.seq_len, args.d_model, generator=g)
     variants = {
         "graph-inductor": GraphStage(chunk(), backend="inductor"),
+        "graph-replay": GraphStage(chunk()),
         "torch.compile": torch.compile(chunk()),
         "eager": chunk(),
     }
