@@ -4,6 +4,7 @@ LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT; one intra-op thread),
 the way torchrun starts a user's script."""
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -28,8 +29,18 @@ def start_ranks(p, argv, prefix=None, env=None):
                         OMP_NUM_THREADS="1", **(env or {}))
         command = [sys.executable, *[str(a) for a in argv]]
         procs.append(subprocess.Popen((prefix(r) if prefix else []) + command, env=rank_env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      preexec_fn=_sigint_as_in_a_terminal))
     return procs
+
+
+def _sigint_as_in_a_terminal():
+    # A shell starts a background job with SIGINT ignored, its children
+    # inherit that, and Python then installs no KeyboardInterrupt handler: a
+    # test suite started in the background (nohup ... &) saw Ctrl-C to a rank
+    # do nothing. Ranks start with SIGINT's default, as torchrun's in a
+    # terminal do.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def wait_ranks(procs, timeout=600, check=True):

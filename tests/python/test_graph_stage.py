@@ -15,7 +15,16 @@ from hyperparallel.compile import GraphStage
 from hyperparallel.split import forward_and_gradfn
 from hyperparallel.split_model import split_model
 
-torch.set_default_dtype(torch.float64)
+
+
+@pytest.fixture(autouse=True)
+def float64_by_default():
+    """float64 for this file's tests only: the default dtype is process-wide,
+    and the pytest process computes other files' references too."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(before)
 
 
 class Block(torch.nn.Module):
