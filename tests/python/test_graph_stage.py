@@ -238,3 +238,15 @@ def test_auxiliary_losses_are_outputs_of_the_graphs():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12, msg=n)
     with pytest.raises(RuntimeError, match="outside a Pipeline stage's forward"):
         stage(x)  # add_loss with nowhere to go: the same error as eagerly
+
+
+def test_retain_graph_runs_the_fused_backward_again():
+    stage = GraphStage(Block())
+    x, scale = inputs()
+    y = stage(x, scale)["y"]
+    seed = torch.randn(5, 4)
+    y.backward(seed, retain_graph=True)
+    first = x.grad.clone()
+    y.backward(seed)
+    torch.testing.assert_close(x.grad, 2 * first, rtol=1e-12, atol=1e-12)
+    assert stage.counts["backward"] == 2

@@ -249,11 +249,12 @@ class _StageFunction(torch.autograd.Function):
                 residuals, ctx.residuals = ctx.residuals, None
                 place(sig.run["dw"](*residuals), [])
                 stage.counts["dw"] += 1
+                ctx.done = True
             return tuple(result)
         if ctx.done:
             raise RuntimeError(
-                "GraphStage: this forward's backward already ran (its saved values are "
-                "freed); run the forward again, or keep the graph with retain_graph")
+                "GraphStage: this forward's backward ran in two halves already (dx freed "
+                "what dw did not need); run the forward again")
         kept = {i: t for i, t in zip(ctx.saved_out_index, ctx.saved_tensors)}
         saved = [kept[k[1]] if k[0] == "out" else k[1] for k in ctx.saved_kinds]
         tangents = []
@@ -265,7 +266,7 @@ class _StageFunction(torch.autograd.Function):
             out = sig.run["backward"](*saved, *tangents)
             place(out[:g.num_param_grads], out[g.num_param_grads:])
             stage.counts["backward"] += 1
-            ctx.done = True
+            return tuple(result)  # saved values live on with the node (retain_graph)
         else:  # I: the input half; the residuals wait for W
             args = [*saved, *tangents]
             out = sig.run["dx"](*args)
@@ -275,7 +276,7 @@ class _StageFunction(torch.autograd.Function):
                 ctx.residuals = list(out[g.num_input_grads:]) + [args[i] for i in g.passed]
             else:
                 ctx.done = True
-        ctx.saved_kinds = []  # what dx alone needed is freed here
+            ctx.saved_kinds = []  # what dx alone needed is freed here
         return tuple(result)
 
 
