@@ -295,7 +295,10 @@ _MAX_DIMS = 8
 # argument; a consecutive stage on the same rank, handed the flat tensor
 # locally, unpacks it the same way. Float leaves carry gradients back
 # (each its own part of the flat gradient; a leaf the next stage does not
-# use gets zeros), integer and bool leaves (masks, ids) none. An output whose
+# use gets zeros), integer and bool leaves (masks, ids) none, though their
+# part of the flat gradient still travels back as zeros (one tensor per
+# transfer each way; a gradient shorter than its activation would need the
+# executor to take a gradient shape of its own). An output whose
 # structure, shapes or other leaves differ from what the probe found for
 # that microbatch is a ValueError naming the stage and microbatch.
 class _Packing:
