@@ -95,6 +95,12 @@ class SplitGraphs:
                 f"dw={ops(self.dw)} ops, backward={ops(self.backward)} ops)")
 
 
+_aten = torch.ops.aten
+_VIEWS = (_aten.t.default, _aten.view.default, _aten.permute.default, _aten.transpose.int,
+          _aten._unsafe_view.default, _aten.expand.default, _aten.reshape.default,
+          _aten.unsqueeze.default, _aten.squeeze.dim, _aten.alias.default, _aten.detach.default)
+
+
 def _ancestors(roots: Sequence[fx.Node], stop: Set[fx.Node] = frozenset()) -> Set[fx.Node]:
     seen: Set[fx.Node] = set()
     todo = [r for r in roots if isinstance(r, fx.Node)]
@@ -161,9 +167,20 @@ def split_joint_graph(joint: fx.GraphModule, num_primals: int, num_outputs: int,
 
     dx_nodes = _ancestors(input_grads, stop=set(saved) | set(tangents))
     dw_nodes = _ancestors(param_grads, stop=set(saved) | set(tangents) | dx_nodes)
+    # A view dw reads (a weight's t(), a reshape) is taken again in dw from
+    # its base: dx hands over bases, not views of them.
+    changed = True
+    while changed:
+        changed = False
+        for n in list(dx_nodes):
+            if (n.op == "call_function" and n.target in _VIEWS and n not in dw_nodes
+                    and any(u in dw_nodes for u in n.users)):
+                dw_nodes.add(n)
+                changed = True
     reachable = set(saved) | set(tangents) | dx_nodes
     residuals = [n for n in joint.graph.nodes
-                 if n in reachable and (any(u in dw_nodes for u in n.users) or n in param_grads)]
+                 if n in reachable and n not in dw_nodes
+                 and (any(u in dw_nodes for u in n.users) or n in param_grads)]
     # What dw reads of dx's own inputs goes to it directly, not through dx's
     # outputs: an output that is an input is an alias, which a compiled graph
     # pays for at every call.
