@@ -79,20 +79,12 @@ def batch(step, m):
 
 def reference(m):
     """Single-process training of the whole model with its own forward (mean
-    loss over m microbatches, SGD): (losses, {name: parameter})."""
+    loss over m microbatches, SGD; pipeline_model's oracle): (losses, {name:
+    parameter})."""
+    import pipeline_model
+
     model = make_model()
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for step in range(STEPS):
-        x, y = batch(step, m)
-        opt.zero_grad()
-        total = 0.0
-        for xm, ym in zip(x.chunk(m), y.chunk(m)):
-            loss = loss_fn(model(xm), ym) / m
-            loss.backward()
-            total += loss.item()
-        losses.append(total)
-        opt.step()
+    losses, _ = pipeline_model.train_single_process([model], batch, m, STEPS, LR, loss_fn)
     return losses, {n: q.detach().clone() for n, q in model.named_parameters()}
 
 
