@@ -223,6 +223,7 @@ struct Executor::State {
   struct Posted {
     distributed::Work work;
     torch::Tensor buffer;
+    std::optional<std::vector<int64_t>> padded_to;  // a short gradient's whole shape
   };
   std::map<std::tuple<int, int, int>, Posted> recvs;  // (kind, consumer stage, mb)
   std::map<Key, torch::Tensor> local_grad;            // dx handed to (consumer stage, mb)
@@ -293,8 +294,28 @@ struct Executor::State {
     return os.str();
   }
 
+  // NOTE [Gradients shorter than their activations]
+  // What a stage hands the next may hold parts that take no gradient: the
+  // Python package packs a structure's tensors into one flat activation
+  // (NOTE [Pytrees between stages] in python/hyperparallel/pipeline.py),
+  // the differentiable ones first, then masks, ids and tables that need
+  // none. Their gradient is zero, so only its first
+  // ExecutorOptions::gradient_numel elements travel back: the sender sends
+  // that prefix of the flattened input gradient (a view, no copy), the
+  // receiver receives into a buffer of that size and, once it arrived,
+  // hands the stage's backward a zero gradient of the activation's shape
+  // with the prefix written in. Local hand-offs keep the whole gradient.
+  int64_t gradient_numel(int stage_id, int mb, int64_t whole, const Action& a) const {
+    if (!opts.gradient_numel) return whole;
+    const int64_t n = opts.gradient_numel(stage_id, mb);
+    TORCH_CHECK(n >= 0 && n <= whole, where(a), ": gradient_numel(", stage_id, ", ", mb, ") is ", n,
+                ", outside [0, ", whole, "] (the elements of the activation)");
+    return n;
+  }
+
   // The receive of a RECV action: a fresh buffer, from the producer's rank.
-  distributed::P2POp recv_op(const Action& a, torch::Tensor& buffer) {
+  distributed::P2POp recv_op(const Action& a, torch::Tensor& buffer,
+                             std::optional<std::vector<int64_t>>& padded_to) {
     const bool fwd = a.op == Op::RECV_F;
     int producer =
         fwd ? sched.prev_stage(a.stage, a.microbatch) : sched.next_stage(a.stage, a.microbatch);
@@ -302,6 +323,14 @@ struct Executor::State {
     TORCH_CHECK(!recvs.count(std::make_tuple(fwd ? 0 : 1, a.stage, a.microbatch)), where(a),
                 ": received twice");
     auto shape = opts.activation_shape(fwd ? producer : a.stage, a.microbatch);
+    if (!fwd) {  // NOTE [Gradients shorter than their activations]
+      const int64_t whole = c10::multiply_integers(shape);
+      const int64_t n = gradient_numel(a.stage, a.microbatch, whole, a);
+      if (n < whole) {
+        padded_to = shape;
+        shape = {n};
+      }
+    }
     buffer = torch::empty(shape, torch::TensorOptions().dtype(opts.dtype).device(opts.device));
     return distributed::P2POp::recv(buffer, rank_of(producer));
   }
@@ -320,6 +349,11 @@ struct Executor::State {
     spans.push_back({Action::make(kind == 0 ? Op::RECV_F : Op::RECV_B, stage_id, mb), start, end});
     if (waits_of_running != nullptr) waits_of_running->emplace_back(start, end);
     torch::Tensor buffer = std::move(it->second.buffer);
+    if (it->second.padded_to) {  // NOTE [Gradients shorter than their activations]
+      torch::Tensor whole = torch::zeros(*it->second.padded_to, buffer.options());
+      whole.view(-1).narrow(0, 0, buffer.numel()).copy_(buffer);
+      buffer = std::move(whole);
+    }
     recvs.erase(it);
     return buffer;
   }
@@ -346,6 +380,8 @@ struct Executor::State {
                   ": no input gradient to send (I must run first)");
       t = std::move(it->second);
       pending_dx.erase(it);
+      const int64_t n = gradient_numel(consumer, mb, t.numel(), a);
+      if (n < t.numel()) t = t.view(-1).narrow(0, 0, n);  // NOTE [Gradients shorter than ...]
     }
     return distributed::P2POp::send(t, rank_of(consumer));
   }
@@ -393,10 +429,11 @@ struct Executor::State {
     if (which.empty()) return;
     std::vector<distributed::P2POp> ops;
     std::vector<torch::Tensor> buffers(which.size());
+    std::vector<std::optional<std::vector<int64_t>>> padded_to(which.size());
     std::vector<std::function<void()>> on_done(which.size());
     for (size_t n = 0; n < which.size(); ++n) {
       const Action& a = actions[which[n]];
-      ops.push_back(is_send(a.op) ? send_op(a, on_done[n]) : recv_op(a, buffers[n]));
+      ops.push_back(is_send(a.op) ? send_op(a, on_done[n]) : recv_op(a, buffers[n], padded_to[n]));
     }
     auto works = comm->batch(ops);
     for (size_t n = 0; n < which.size(); ++n) {
@@ -408,7 +445,7 @@ struct Executor::State {
         reaper->add(works[n], ops[n].tensor, std::move(on_done[n]));
       } else {
         recvs.emplace(std::make_tuple(a.op == Op::RECV_F ? 0 : 1, a.stage, a.microbatch),
-                      Posted{works[n], buffers[n]});
+                      Posted{works[n], buffers[n], std::move(padded_to[n])});
       }
     }
   }

@@ -62,6 +62,11 @@ struct ExecutorOptions {
   /// Shape of the activation stage `stage` outputs for microbatch `mb` (the
   /// receive buffer of the next stage; also the shape of its output gradient).
   std::function<std::vector<int64_t>(int stage, int mb)> activation_shape;
+  /// Elements of the gradient of stage `stage`'s output for microbatch `mb`
+  /// that travel back: the first ones of the flattened gradient, the rest
+  /// being zero (NOTE [Gradients shorter than their activations] in
+  /// executor.cpp). Unset: the whole gradient travels.
+  std::function<int64_t(int stage, int mb)> gradient_numel;
   /// dtype of activations and gradients.
   torch::Dtype dtype = torch::kFloat32;
   /// The stages' device: receive buffers are allocated there, and the step

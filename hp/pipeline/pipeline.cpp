@@ -238,6 +238,7 @@ Pipeline::Pipeline(schedule::Schedule schedule, std::shared_ptr<distributed::Com
   ExecutorOptions eo;
   eo.input = options_.input;
   eo.activation_shape = options_.activation_shape;
+  eo.gradient_numel = options_.gradient_numel;
   eo.dtype = options_.dtype;
   eo.device = options_.device;
   eo.receive_lookahead = options_.receive_lookahead;

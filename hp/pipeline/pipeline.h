@@ -69,6 +69,8 @@ struct PipelineOptions {
   std::function<torch::Tensor(int mb)> input;
   /// The shape of what stage `stage` outputs for microbatch `mb`.
   std::function<std::vector<int64_t>(int stage, int mb)> activation_shape;
+  /// ExecutorOptions::gradient_numel (unset: whole gradients travel).
+  std::function<int64_t(int stage, int mb)> gradient_numel;
   /// This rank's share of a per-step sum reported beside the loss (e.g.
   /// auxiliary losses), read after the executor ran; summed over the group
   /// (and averaged over `dp`) with the loss, in the same collective.

@@ -126,7 +126,7 @@ class Runtime {
           bool cache_cpu_memory,
           const std::map<int, std::vector<torch::Tensor>>& chunk_dp_parameters = {},
           bool recompute_sessions = false, py::object extra_sum = py::none(),
-          const py::object& failure_store = py::none()) {
+          const py::object& failure_store = py::none(), py::object gradient_numel = py::none()) {
     distributed::CommOptions options;
     options.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
     auto pg = process_group_of(group);
@@ -176,6 +176,11 @@ class Runtime {
         return call_held(*shape_fn, "activation_shape", stage, mb).cast<std::vector<int64_t>>();
       };
     }
+    if (!gradient_numel.is_none())  // NOTE [Gradients shorter than their activations]
+      po.gradient_numel = [fn = held(gradient_numel)](int stage, int mb) {
+        py::gil_scoped_acquire gil;
+        return call_held(*fn, "gradient_numel", stage, mb).cast<int64_t>();
+      };
     if (!extra_sum.is_none())
       po.extra_sum = [fn = held(extra_sum)]() {
         py::gil_scoped_acquire gil;
@@ -315,12 +320,12 @@ void bind_pipeline(py::module_& m) {
                        bool cache_cpu_memory,
                        const std::map<int, std::vector<torch::Tensor>>& dp_parameters,
                        bool recompute_sessions, py::object extra_sum,
-                       const py::object& failure_store) {
+                       const py::object& failure_store, py::object gradient_numel) {
              try {
                return std::make_unique<Runtime>(
                    sched, group, forward, parameters, loss, shape, dtype, device, timeout_s,
                    dp_group, receive_lookahead, p2p, cache_cpu_memory, dp_parameters,
-                   recompute_sessions, extra_sum, failure_store);
+                   recompute_sessions, extra_sum, failure_store, gradient_numel);
              } catch (const std::invalid_argument& e) {
                throw py::value_error(e.what());
              }
@@ -332,7 +337,7 @@ void bind_pipeline(py::module_& m) {
            py::arg("p2p") = "auto", py::arg("cache_cpu_memory") = false,
            py::arg("chunk_dp_parameters") = std::map<int, std::vector<torch::Tensor>>{},
            py::arg("recompute_sessions") = false, py::arg("extra_sum") = py::none(),
-           py::arg("failure_store") = py::none())
+           py::arg("failure_store") = py::none(), py::arg("gradient_numel") = py::none())
       .def("step", &Runtime::step, py::arg("inputs"),
            "Runs one step of this rank's actions; returns the loss and timings.")
       .def_property_readonly("rank", &Runtime::rank)

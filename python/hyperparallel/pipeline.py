@@ -285,22 +285,26 @@ _MAX_DIMS = 8
 # NOTE [Pytrees between stages]
 # With shapes found, a stage may return a tuple, list or dict of tensors,
 # nested, with leaves that are no tensors (ints, None, strings): the probe
-# records its structure (a TreeSpec), each tensor leaf's shape and dtype and
-# the other leaves' values (the same for every microbatch of the signature).
-# The runtime moves one tensor per transfer, so the sender packs the tensor
-# leaves into one flat tensor of the pipeline's dtype (torch.cat: autograd
-# splits the flat gradient back into each leaf's), and the receiving stage's
+# records its structure (a TreeSpec), each tensor leaf's shape, dtype and
+# whether it takes a gradient, and the other leaves' values (the same for
+# every microbatch of the signature). The runtime moves one tensor per
+# transfer, so the sender packs the tensor leaves into one flat tensor of the
+# pipeline's dtype (torch.cat: autograd splits the flat gradient back into
+# each leaf's), those that take a gradient first, and the receiving stage's
 # forward gets the structure back (split, viewed, integer and bool leaves
 # cast back: exact up to 2^53 in float64, 2^24 in float32) as its first
 # argument; a consecutive stage on the same rank, handed the flat tensor
-# locally, unpacks it the same way. Float leaves carry gradients back
-# (each its own part of the flat gradient; a leaf the next stage does not
-# use gets zeros), integer and bool leaves (masks, ids) none, though their
-# part of the flat gradient still travels back as zeros (one tensor per
-# transfer each way; a gradient shorter than its activation would need the
-# executor to take a gradient shape of its own). An output whose
+# locally, unpacks it the same way. A leaf takes a gradient when the probe's
+# forward (on fake tensors, with autograd on) made it require grad: masks,
+# ids and rotary tables do not, and the receiver detaches them. Only the
+# differentiable leaves' part of the flat gradient travels back (the
+# runtime's gradient_numel: NOTE [Gradients shorter than their activations]
+# in hp/pipeline/executor.cpp); a leaf the next stage does not use gets
+# zeros. A stage that only runs for real in the probe (no autograd there)
+# counts its floating-point leaves as differentiable. An output whose
 # structure, shapes or other leaves differ from what the probe found for
-# that microbatch is a ValueError naming the stage and microbatch.
+# that microbatch, or a leaf that requires grad where the probe found none,
+# is a ValueError naming the stage and microbatch.
 class _Packing:
     """The structure of one stage's output (NOTE [Pytrees between stages])."""
 
@@ -309,60 +313,84 @@ class _Packing:
 
         self.spec_text = spec_text
         self.spec = pytree.treespec_loads(spec_text)
-        self.leaves = leaves  # ("t", shape, dtype name) or ("v", value)
-        self.sizes = [math.prod(shape) for kind, *rest in leaves if kind == "t"
-                      for shape in [rest[0]]]
+        # ("t", shape, dtype name, takes a gradient) or ("v", value)
+        self.leaves = leaves
+        tensors = [i for i, m in enumerate(leaves) if m[0] == "t"]
+        # The flat tensor's order: differentiable leaves first.
+        self.order = [i for i in tensors if leaves[i][3]] + [i for i in tensors if not leaves[i][3]]
+        self.sizes = [math.prod(leaves[i][1]) for i in self.order]
         self.numel = sum(self.sizes)
+        self.grad_numel = sum(math.prod(leaves[i][1]) for i in tensors if leaves[i][3])
 
     @staticmethod
-    def of(out) -> "_Packing":
+    def _describe(leaves) -> list:
+        return [("t", tuple(x.shape), str(x.dtype).replace("torch.", ""))
+                if isinstance(x, torch.Tensor) else ("v", x) for x in leaves]
+
+    @staticmethod
+    def of(out, autograd: bool) -> "_Packing":
+        """`out`'s structure; a tensor leaf takes a gradient if it requires
+        grad (`autograd`: the forward ran with it) or is of a floating dtype."""
         import torch.utils._pytree as pytree
 
         leaves, spec = pytree.tree_flatten(out)
-        meta = [("t", tuple(x.shape), str(x.dtype).replace("torch.", ""))
-                if isinstance(x, torch.Tensor) else ("v", x) for x in leaves]
+        meta = [m + ((x.requires_grad if autograd else x.is_floating_point()),) if m[0] == "t"
+                else m for m, x in zip(_Packing._describe(leaves), leaves)]
         return _Packing(pytree.treespec_dumps(spec), meta)
 
     def fake(self, mode, device):
-        """The structure with fake tensors (the next stage's probe input)."""
+        """The structure with fake tensors (the next stage's probe input),
+        the differentiable leaves requiring grad as they will for real."""
         import torch.utils._pytree as pytree
 
-        leaves = [mode.from_tensor(torch.empty(m[1], dtype=getattr(torch, m[2]), device=device))
-                  if m[0] == "t" else m[1] for m in self.leaves]
+        leaves = []
+        for m in self.leaves:
+            if m[0] != "t":
+                leaves.append(m[1])
+                continue
+            t = mode.from_tensor(torch.empty(m[1], dtype=getattr(torch, m[2]), device=device))
+            leaves.append(t.requires_grad_(True) if m[3] else t)
         return pytree.tree_unflatten(leaves, self.spec)
 
     def pack(self, out, dtype: torch.dtype, stage: int, mb: int) -> torch.Tensor:
         import torch.utils._pytree as pytree
 
         leaves, spec = pytree.tree_flatten(out)
-        got = [("t", tuple(x.shape), str(x.dtype).replace("torch.", ""))
-               if isinstance(x, torch.Tensor) else ("v", x) for x in leaves]
-        if got != self.leaves or pytree.treespec_dumps(spec) != self.spec_text:
+        got = self._describe(leaves)
+        if got != [m[:3] for m in self.leaves] or pytree.treespec_dumps(spec) != self.spec_text:
             raise ValueError(
                 f"stage {stage} microbatch {mb}: the output's structure differs from what this "
-                f"step's first look found for it: {got!r} where {self.leaves!r} was found "
+                f"step's first look found for it: {got!r} where "
+                f"{[m[:3] for m in self.leaves]!r} was found "
                 "(outputs of one microbatch signature must have one structure)")
-        tensors = [x.reshape(-1).to(dtype) for x in leaves if isinstance(x, torch.Tensor)]
+        for i in self.order:
+            if not self.leaves[i][3] and leaves[i].requires_grad:
+                raise ValueError(
+                    f"stage {stage} microbatch {mb}: output leaf {i} ({got[i][1]}, "
+                    f"{got[i][2]}) requires grad, but this step's first look at the stage found "
+                    "it does not (the probe runs the forward on fake tensors with autograd on): "
+                    "its gradient would be lost; make it require grad (or not) the same way "
+                    "whenever the forward runs")
+        tensors = [leaves[i].reshape(-1).to(dtype) for i in self.order]
         return torch.cat(tensors) if tensors else torch.zeros(0, dtype=dtype)
 
     def unpack(self, flat: torch.Tensor):
         import torch.utils._pytree as pytree
 
-        parts = iter(flat.split(self.sizes))
-        leaves = []
-        for m in self.leaves:
-            if m[0] != "t":
-                leaves.append(m[1])
-                continue
-            t = next(parts).view(m[1])
-            dtype = getattr(torch, m[2])
+        leaves = [m[1] if m[0] != "t" else None for m in self.leaves]
+        for i, part in zip(self.order, flat.split(self.sizes)):
+            _, shape, dtype_name, grad = self.leaves[i]
+            t = part.view(shape)
+            if not grad:
+                t = t.detach()  # its gradient does not travel back
+            dtype = getattr(torch, dtype_name)
             if dtype == torch.bool:
-                t = t.detach() != 0
+                t = t != 0
             elif not dtype.is_floating_point and not dtype.is_complex:
-                t = t.detach().round().to(dtype)
+                t = t.round().to(dtype)
             elif dtype != t.dtype:
                 t = t.to(dtype)
-            leaves.append(t)
+            leaves[i] = t
         return pytree.tree_unflatten(leaves, self.spec)
 
 
@@ -382,6 +410,12 @@ class _ShapeFinder:
     def shape_of(self, stage: int, mb: int) -> Tuple[int, ...]:
         out = self.outputs[(stage, mb)]
         return (out.numel,) if isinstance(out, _Packing) else out
+
+    def gradient_numel(self, stage: int, mb: int) -> int:
+        """Elements of the gradient of stage's output that travel back: its
+        differentiable leaves' (NOTE [Pytrees between stages])."""
+        out = self.outputs[(stage, mb)]
+        return out.grad_numel if isinstance(out, _Packing) else math.prod(out)
 
     def packing(self, stage: int, mb: int) -> Optional[_Packing]:
         out = self.outputs.get((stage, mb))
@@ -474,25 +508,29 @@ class _ShapeFinder:
 
         fn = self.forwards[self.schedule.stage_chunk[stage]]
 
-        def describe(out):
-            return tuple(out.shape) if isinstance(out, torch.Tensor) else _Packing.of(out)
+        def describe(out, autograd: bool):
+            return (tuple(out.shape) if isinstance(out, torch.Tensor)
+                    else _Packing.of(out, autograd))
 
         outer = getattr(_collecting, "sink", None)
         _collecting.sink = []  # add_loss inside the probe goes nowhere
         try:
             try:
-                with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
+                # Autograd on: which output leaves require grad is what the
+                # probe learns besides shapes (NOTE [Pytrees between stages]).
+                with torch.enable_grad(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
                     if given[0] == "input":
                         x = mode.from_tensor(torch.empty(given[2], dtype=given[1],
                                                          device=self.device))
                     elif isinstance(given[1], _Packing):
                         x = given[1].fake(mode, self.device)
-                    else:
+                    else:  # a received activation requires grad
                         x = mode.from_tensor(torch.empty(given[1], dtype=self.dtype,
                                                          device=self.device))
+                        x.requires_grad_(self.dtype.is_floating_point)
                     kw = {k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v
                           for k, v in kwargs.of(mb, None).items()}
-                    return describe(fn(x, mb, kw))
+                    return describe(fn(x, mb, kw), autograd=True)
             except Exception:  # noqa: BLE001 - a forward fake tensors cannot run: run it for real
                 with torch.no_grad():
                     if given[0] == "input":
@@ -502,7 +540,7 @@ class _ShapeFinder:
                                                         device=self.device))
                     else:
                         x = torch.zeros(given[1], dtype=self.dtype, device=self.device)
-                    return describe(fn(x, mb, kwargs.of(mb, None)))
+                    return describe(fn(x, mb, kwargs.of(mb, None)), autograd=False)
         except Exception as e:  # noqa: BLE001
             return (f"rank {self.rank}: finding the shape of stage {stage}'s output for "
                     f"microbatch {mb} failed ({e!r}); give Pipeline(activation_shape=...)")
@@ -1282,6 +1320,7 @@ class Pipeline:
             split,
             self._aux.take,
             failure_store=dist.distributed_c10d._world.pg_map.get(group, (None, None))[1],
+            gradient_numel=None if self._finder is None else self._finder.gradient_numel,
         )
         self.rank = self._runtime.rank
         self._loss.rank = self.rank

@@ -365,6 +365,85 @@ TEST(Executor, ReceivesPostedAheadKeepEveryChannelsOrder) {
   }
 }
 
+// NOTE [Gradients shorter than their activations]: where gradient_numel says
+// so, only the first elements of an output's gradient travel back (here: all
+// rows but the last of microbatches 0, 2, 4, ...; none of microbatch 0's),
+// received into a buffer of that size; the rest arrives as zeros, and a
+// local hand-off (zbv's turn) keeps the whole gradient. Plain autograd with
+// the last row detached where a message crosses ranks gives the same
+// gradients, so a tail that travelled (it is not zero here) would show.
+TEST(Executor, SendsOnlyTheGradientPrefixItIsTold) {
+  const int m = 4;
+  auto grad_numel = [](int stage, int mb) -> int64_t {
+    const int64_t rows = 1 + mb, cols = 9 + stage;
+    return mb % 2 == 0 ? (rows - 1) * cols : rows * cols;
+  };
+  for (const std::string name : {"zb-h1", "zbv", "interleaved-1f1b"}) {
+    SCOPED_TRACE(name);
+    const auto sched = hp::schedule::lower(hp::schedule::build(name, 2, m));
+    const int S = sched.num_stages;
+    std::vector<torch::Tensor> ref_w;
+    for (int s = 0; s < S; ++s)
+      ref_w.push_back(chain_weight(s));
+    torch::Tensor loss = torch::zeros({}, torch::kFloat64);
+    for (int mb = 0; mb < m; ++mb) {
+      torch::Tensor h = chain_input(mb);
+      for (int s = 0; s < S; ++s) {
+        if (s > 0 && mb % 2 == 0 && sched.stage_rank[s] != sched.stage_rank[s - 1])
+          h = torch::cat({h.narrow(0, 0, mb), h.narrow(0, mb, 1).detach()});
+        h = torch::tanh(h.matmul(ref_w[s]));
+      }
+      loss = loss + h.pow(2).sum() / m;
+    }
+    auto ref_grad = torch::autograd::grad({loss}, ref_w);
+    std::vector<std::vector<std::vector<std::vector<int64_t>>>> recorded(2);
+    std::map<int, torch::Tensor> grads;
+    std::mutex mu;
+    hp::testing::run_ranks_as_threads(2, [&](int r, std::shared_ptr<hp::distributed::Comm> c) {
+      auto rec = std::make_shared<RecvRecorder>(c, true);
+      std::map<int, hp::pipeline::StageModule> modules;
+      std::map<int, torch::Tensor> w;
+      for (int s : sched.stages_of_rank(r)) {
+        w[s] = chain_weight(s);
+        torch::Tensor ws = w[s];
+        modules[s] = {[ws](const torch::Tensor& x) { return torch::tanh(x.matmul(ws)); }, {ws}};
+      }
+      hp::pipeline::PipelineStage stage(
+          modules, [m](const torch::Tensor& y, int) { return y.pow(2).sum() / m; });
+      hp::pipeline::ExecutorOptions opts;
+      opts.input = chain_input;
+      opts.activation_shape = chain_shape;
+      opts.gradient_numel = grad_numel;
+      opts.dtype = torch::kFloat64;
+      hp::pipeline::Executor executor(sched, r, stage, rec, opts);
+      executor.run_step();
+      std::lock_guard<std::mutex> lock(mu);
+      recorded[r] = rec->batches;
+      for (auto& [s, ws] : w)
+        grads[s] = ws.grad();
+    });
+    // Each RECV_B's buffer has the prefix's size, each RECV_F's the whole shape.
+    for (int r = 0; r < 2; ++r) {
+      std::vector<std::vector<int64_t>> want, got;
+      for (const auto& a : sched.actions[r]) {
+        if (a.op == hp::schedule::Op::RECV_F)
+          want.push_back(chain_shape(sched.prev_stage(a.stage, a.microbatch), a.microbatch));
+        if (a.op == hp::schedule::Op::RECV_B) {
+          const auto whole = chain_shape(a.stage, a.microbatch);
+          const int64_t n = grad_numel(a.stage, a.microbatch);
+          want.push_back(n < whole[0] * whole[1] ? std::vector<int64_t>{n} : whole);
+        }
+      }
+      for (const auto& batch : recorded[r])
+        got.insert(got.end(), batch.begin(), batch.end());
+      EXPECT_EQ(got, want) << "rank " << r;
+    }
+    ASSERT_EQ(int(grads.size()), S);
+    for (int s = 0; s < S; ++s)
+      EXPECT_TRUE(torch::allclose(grads[s], ref_grad[s], 1e-12, 1e-12)) << "stage " << s;
+  }
+}
+
 // None are posted ahead by default, and a Comm whose operations may run in
 // posting order (NCCL's stream) refuses them when asked for.
 TEST(Executor, ReceivesPostedAheadOnlyWhereTheCommSaysFree) {

@@ -1,7 +1,8 @@
 """One rank of the pytree tests (test_pipeline_pytrees.py, started with
 torchrun's variables): a float64 model whose chunks hand each other tuples
 and dicts (a differentiable tensor, a bool mask, a side tensor, a string, an
-int, and a tensor the next chunk ignores), trained with each schedule on
+int, a tensor the next chunk ignores and a float table that takes no
+gradient), trained with each schedule on
 hyperparallel's executor over a Gloo group, shapes found (no
 activation_shape); saves its losses and chunk parameters.
 
@@ -36,20 +37,25 @@ class TreeChunk(torch.nn.Module):
 
     def forward(self, x):
         if isinstance(x, tuple):
-            h, mask, side, tag, k, _ignored = x
+            h, mask, side, tag, k, _ignored, table = x
             assert tag == "tree" and k == 3 and mask.dtype == torch.bool, (tag, k, mask.dtype)
-            h = h + 0.5 * side * mask
+            assert not table.requires_grad and not mask.requires_grad
+            h = h + 0.5 * side * mask + table
         else:
             h, mask = x, x[:, :1] > 0
         y = torch.tanh(self.lin(h))
         side = self.side(h)
         if self.c == self.n - 1:
             return {"out": y + side, "mask": mask}
+        # A float tensor that takes no gradient (like a rotary table): it
+        # travels forward only, its gradient never comes back.
+        table = 0.1 * torch.cos(torch.arange(h.shape[0] * h.shape[1], dtype=h.dtype)
+                                ).view_as(h) * (1 + self.c)
         self.calls += 1
         # The Pipeline's probe is the first call, microbatch 0's F the second.
         if self.bad and self.c == 0 and self.calls == 3:
-            return (y, mask, side, "tree", 3, 2 * side, 0)
-        return (y, mask, side, "tree", 3, 2 * side)
+            return (y, mask, side, "tree", 3, 2 * side, table, 0)
+        return (y, mask, side, "tree", 3, 2 * side, table)
 
 
 def loss_fn(out, target):
@@ -75,8 +81,13 @@ def main():
             opt.zero_grad()
             losses.append(pipe.step(x, y))
             opt.step()
+        finder = pipe._finder
         results[name] = {
             "losses": losses,
+            # (elements handed on, elements of their gradient handed back) of
+            # each stage on microbatch 0's route but the last
+            "numel": {s: (finder.shape_of(s, 0)[0], finder.gradient_numel(s, 0))
+                      for s in sched.route(0)[:-1]},
             "chunks": {c: [q.detach() for q in mod.parameters()] for c, mod in chunks.items()},
         }
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))

@@ -1,7 +1,8 @@
 """Structures between stages (NOTE [Pytrees between stages] in
 python/hyperparallel/pipeline.py): real processes train a float64 model whose
 chunks hand each other tuples and dicts - a differentiable tensor, a bool
-mask, a side tensor, a string, an int, a tensor the next chunk ignores - on
+mask, a side tensor, a string, an int, a tensor the next chunk ignores, a
+float table that takes no gradient (it travels forward only) - on
 schedules with fused and split backwards, V shapes and DualPipeV; losses and
 parameters equal single-process training."""
 
@@ -32,8 +33,15 @@ def test_structures_between_stages_train_equal_to_single_process(p, tmp_path):
         chunks = [tw.TreeChunk(c, n) for c in range(n)]
         ref_losses, ref_chunks = pm.train_single_process(
             chunks, pm.batch, sched.num_microbatches, pm.STEPS, pm.LR, tw.loss_fn)
+        rows = pm.MB
         for r, res in enumerate(results):
             got = res[name]
+            # Only the differentiable leaves' gradient travels back: y, side and
+            # the ignored 2 * side, not the mask nor the table (NOTE [Pytrees
+            # between stages]).
+            for s, (numel, grad_numel) in got["numel"].items():
+                assert (numel, grad_numel) == (4 * rows * pm.D + rows, 3 * rows * pm.D), (
+                    name, p, r, s, numel, grad_numel)
             for s, (a, b) in enumerate(zip(got["losses"], ref_losses, strict=True)):
                 assert abs(a - b) <= 1e-9 * max(1.0, abs(b)), (name, p, r, s, a, b)
             for c, tensors in got["chunks"].items():
@@ -49,3 +57,18 @@ def test_a_structure_that_changes_between_microbatches_fails_every_rank_naming_i
     assert rc0 != 0 and "stage 0 microbatch 1: the output's structure differs" in err0, err0[-3000:]
     rc1, _, err1 = outs[1]
     assert rc1 != 0 and "rank 0" in err1, err1[-3000:]
+
+
+def test_a_leaf_that_requires_grad_where_the_probe_found_none_is_refused():
+    from hyperparallel.pipeline import _Packing
+
+    w = torch.ones(2, dtype=torch.float64, requires_grad=True)
+    probe = (w * 2, torch.ones(2, dtype=torch.float64), 3)
+    packing = _Packing.of(probe, autograd=True)
+    assert (packing.numel, packing.grad_numel) == (4, 2)
+    flat = packing.pack((w * 3, torch.full((2,), 5.0, dtype=torch.float64), 3), torch.float64, 1, 0)
+    assert flat.tolist() == [3.0, 3.0, 5.0, 5.0]  # the differentiable leaf first
+    back = packing.unpack(flat)
+    assert back[0].requires_grad and not back[1].requires_grad and back[2] == 3
+    with pytest.raises(ValueError, match="stage 1 microbatch 0: output leaf 1 .* requires grad"):
+        packing.pack((w * 3, w * 5, 3), torch.float64, 1, 0)
