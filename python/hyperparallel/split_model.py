@@ -76,7 +76,7 @@ class ModelChunk(nn.Module):
     states), or the model's input on the first chunk (token ids)."""
 
     def __init__(self, units: Sequence[_Unit], index: int, num_chunks: int, hf=None,
-                 titan=None):
+                 titan=None, owner: Optional[nn.Module] = None):
         super().__init__()
         self.index, self.num_chunks = index, num_chunks
         #: the model's names of this chunk's units, in order
@@ -91,6 +91,9 @@ class ModelChunk(nn.Module):
         # freqs_cis buffer it owns: read at each call, so the chunk follows
         # the model's own (init_weights recomputes it, .to() moves it).
         self._titan = (titan,) if titan is not None else None
+        # The whole model (not a submodule either), for its router sums (NOTE
+        # [MoE load balancing in a pipeline]).
+        self._owner = (owner,) if owner is not None else None
 
     def named_model_parameters(self):
         """``(name in the model, parameter)`` of this chunk's parameters: the
@@ -133,7 +136,38 @@ class ModelChunk(nn.Module):
         for n, v in other:
             if v is not None:
                 raise TypeError(f"{n}= is no argument of this model's forward ({self.extra_repr()})")
-        h = x
+        sums = getattr(self._owner[0], "_hp_router_sums", None) if self._owner else None
+        if sums is None or sums.form != "model" or not sums.active():
+            return self._units_forward(x, attention_mask, position_ids, attention_masks, positions)
+        # NOTE [MoE load balancing in a pipeline]: the router sums travel.
+        if self.index == 0:
+            zeros = torch.zeros(sums.experts, dtype=torch.float32, device=x.device)
+            h, carry = x, (zeros, zeros, 0.0)
+        elif isinstance(x, tuple) and len(x) == 4:
+            h, carry = x[0], x[1:]
+        else:
+            raise TypeError(f"{self.extra_repr()}: with the model's router loss on "
+                            "(moe_aux_losses) a chunk takes (hidden states, probability sums, "
+                            f"assignment counts, rows) from the chunk before, got {type(x).__name__}")
+        outer = getattr(_router_logits, "sink", None)
+        _router_logits.sink = logits = []
+        try:
+            h = self._units_forward(h, attention_mask, position_ids, attention_masks, positions)
+        finally:
+            _router_logits.sink = outer
+        prob_sum, tok_sum, rows = _add_router_sums(sums, logits, carry, attention_mask)
+        if self.index < self.num_chunks - 1:
+            return h, prob_sum, tok_sum, rows
+        from .pipeline import add_loss
+
+        # load_balancing_loss_func's last lines, on the sums of every layer
+        tokens_per_expert = tok_sum / rows
+        router_prob_per_expert = prob_sum / rows
+        overall = torch.sum(tokens_per_expert * router_prob_per_expert.unsqueeze(0))
+        add_loss(sums.coef * (overall * sums.experts))
+        return h
+
+    def _units_forward(self, h, attention_mask, position_ids, attention_masks, positions):
         decoder = None
         for name, kind, mod in zip(self.module_names, self._kinds, self.units):
             if kind == "decoder" and self._titan is not None:
@@ -458,47 +492,120 @@ def split_model(
                         "pipeline would not sum their gradients. Untie them, or put both "
                         "modules in one chunk"
                     )
-    return {c: ModelChunk(members[c], c, k, hf, titan) for c in schedule.chunks_of_rank(rank)}
+    owner = model if hf is not None else None
+    return {c: ModelChunk(members[c], c, k, hf, titan, owner)
+            for c in schedule.chunks_of_rank(rank)}
 
 
 # NOTE [MoE load balancing in a pipeline]
 # transformers' Mixtral adds to its loss `router_aux_loss_coef` times a
-# load-balancing term over the router logits of all layers concatenated:
+# load-balancing term over the router logits of all layers together:
 # E * sum_e f_e * P_e, with f_e the share of top-k assignments to expert e
-# and P_e its mean router probability, both over every layer's tokens. Its
-# gradient at one layer's router is E * f_e / N: the assignments of every
-# other layer, later stages' included, which a stage does not have when it
-# runs its backward alone. So a pipeline trains the per-layer form that
-# Switch Transformer's paper states and Megatron-LM uses: each MoE layer's
-# own term (load_balancing_loss_func over that layer's logits alone), summed
-# over layers, each added by its layer with hyperparallel.pipeline.add_loss
-# (NOTE [Auxiliary losses] in pipeline.py) and so joined to its own stage's
-# backward. `moe_aux_losses(model)` puts that on a model's routers (hooks on
-# the model's own modules: the chunks of split_model share them), for a
-# Pipeline and, inside collect_losses(), for one process alike.
-def moe_aux_losses(model: nn.Module, coef: Optional[float] = None) -> list:
-    """Adds each MoE layer's load-balancing loss (times ``coef``, default the
-    config's ``router_aux_loss_coef``) with ``add_loss`` whenever its router
-    runs (NOTE [MoE load balancing in a pipeline]). For transformers' Mixtral
-    models; returns the hooks' handles (``handle.remove()`` undoes it)."""
+# and P_e its mean router probability, both over every layer's tokens
+# (load_balancing_loss_func sums counts and probabilities layer by layer,
+# then divides by the rows of all layers). Its gradient at one layer's
+# router is E * f_e / N: the assignments of every layer, later stages'
+# included, which a stage does not have when it runs its forward. So the
+# sums travel with the activations, as a structure between stages (NOTE
+# [Pytrees between stages] in pipeline.py): each chunk adds its layers'
+# probability sums (differentiable), assignment counts and rows (forward
+# only) to what it received, in layer order and with the model's own
+# operations and dtypes (float32), and the model's last chunk forms the
+# term and adds it with add_loss (NOTE [Auxiliary losses]). Its gradient
+# flows back through the probability sums, across stages, to every router:
+# the model's own loss, exactly, on any schedule. That is form="model", the
+# default of `moe_aux_losses(model)` (routers report their logits to the
+# running ModelChunk). form="layer" is the per-layer form that Switch
+# Transformer's paper states and Megatron-LM uses: each MoE layer adds its
+# own term (load_balancing_loss_func over that layer's logits alone) when
+# its router runs, in a Pipeline and, inside collect_losses(), in one
+# process alike; nothing travels.
+class _RouterSums:
+    """What moe_aux_losses(form="model") set on a model: the term's
+    constants and the routers' hooks (NOTE [MoE load balancing in a
+    pipeline])."""
+
+    def __init__(self, experts: int, top_k: int, coef: float, form: str):
+        self.experts, self.top_k, self.coef, self.form = experts, top_k, coef, form
+        self.hooks: list = []  # (router, handle)
+
+    def active(self) -> bool:
+        """Whether the hooks are still on (handle.remove() ends it)."""
+        return bool(self.hooks) and all(h.id in m._forward_hooks for m, h in self.hooks)
+
+
+_router_logits = __import__("threading").local()  # .sink: the running chunk's list
+
+
+def _add_router_sums(spec: _RouterSums, logits: List[torch.Tensor], carry, attention_mask):
+    """The carried sums with `logits`' layers added, as transformers'
+    load_balancing_loss_func accumulates them (same operations, same order)."""
+    prob_sum, tok_sum, rows = carry
+    device = prob_sum.device
+    histc_dtype = torch.float32 if device.type in ("cpu", "mps") else torch.int32
+    flat_mask = None
+    if attention_mask is not None:
+        flat_mask = attention_mask.reshape(-1).to(device=device, dtype=torch.float32)
+    for layer_gate in logits:
+        routing_weights = torch.nn.functional.softmax(layer_gate.to(device), dim=-1)
+        _, selected = torch.topk(routing_weights, spec.top_k, dim=-1)
+        if flat_mask is None:
+            tok_sum = tok_sum + torch.histc(selected.reshape(-1).to(histc_dtype),
+                                            bins=spec.experts, min=0, max=spec.experts)
+            prob_sum = prob_sum + routing_weights.float().sum(dim=0)
+            rows = rows + routing_weights.shape[0]
+        else:
+            tok_sum = tok_sum + torch.zeros(spec.experts, dtype=torch.float32, device=device
+                                            ).scatter_add_(0, selected.reshape(-1),
+                                                           flat_mask.repeat_interleave(spec.top_k))
+            prob_sum = prob_sum + (routing_weights.float() * flat_mask.unsqueeze(-1)).sum(dim=0)
+            rows = rows + flat_mask.sum()
+    return prob_sum, tok_sum, rows
+
+
+def moe_aux_losses(model: nn.Module, coef: Optional[float] = None, form: str = "model") -> list:
+    """Trains a transformers Mixtral's router load-balancing loss (times
+    ``coef``, default the config's ``router_aux_loss_coef``) through a
+    pipeline of :func:`split_model`'s chunks (NOTE [MoE load balancing in a
+    pipeline]). ``form="model"``: the model's own term over all layers, as
+    ``model(..., output_router_logits=True)`` adds it; the chunks hand on its
+    running sums and the last adds it with ``add_loss``. ``form="layer"``:
+    each MoE layer adds its own term with ``add_loss`` whenever its router
+    runs (in one process too, inside ``collect_losses()``). Returns the
+    routers' hook handles (``handle.remove()`` on each undoes it)."""
     from .pipeline import add_loss
 
+    if form not in ("model", "layer"):
+        raise ValueError(f"moe_aux_losses: form must be 'model' or 'layer', got {form!r}")
     config = getattr(model, "config", None)
     experts = getattr(config, "num_local_experts", None)
     top_k = getattr(config, "num_experts_per_tok", None)
     if not isinstance(experts, int) or not isinstance(top_k, int):
         raise ValueError(f"moe_aux_losses: {type(model).__name__} has no num_local_experts and "
                          "num_experts_per_tok in its config (a transformers Mixtral model has)")
+    if isinstance(getattr(model, "_hp_router_sums", None), _RouterSums) and \
+            model._hp_router_sums.active():
+        raise ValueError("moe_aux_losses: this model's routers already add their loss; remove "
+                         "the handles it returned first")
     coef = float(config.router_aux_loss_coef if coef is None else coef)
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
-    def hook(module, inputs, output):
+    def per_layer(module, inputs, output):
         logits = output[0] if isinstance(output, tuple) else output
         add_loss(coef * load_balancing_loss_func((logits,), experts, top_k))
 
-    handles = [m.register_forward_hook(hook) for m in model.modules()
-               if type(m).__name__.endswith("TopKRouter")]
-    if not handles:
+    def report(module, inputs, output):
+        sink = getattr(_router_logits, "sink", None)
+        if sink is not None:
+            sink.append(output[0] if isinstance(output, tuple) else output)
+
+    routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+    if not routers:
         raise ValueError(f"moe_aux_losses: no router (a *TopKRouter module) in "
                          f"{type(model).__name__}")
+    handles = [m.register_forward_hook(per_layer if form == "layer" else report)
+               for m in routers]
+    spec = _RouterSums(experts, top_k, coef, form)
+    spec.hooks = list(zip(routers, handles))
+    model._hp_router_sums = spec
     return handles

@@ -1,10 +1,12 @@
 """One rank of the MoE test (test_split_model.py): a tiny float64
-transformers MixtralForCausalLM cut by split_model, each MoE layer adding its
-load-balancing loss (hyperparallel.pipeline.moe_aux_losses), trained with
-each schedule; saves losses, auxiliary losses and parameters by the model's
-names. The model, data and single-process reference are here too.
+transformers MixtralForCausalLM cut by split_model, with its router
+load-balancing loss (hyperparallel.pipeline.moe_aux_losses, in the model's
+own form over all layers or per layer), trained with each schedule, the
+second step with padding (attention_mask); saves losses, auxiliary losses
+and parameters by the model's names. The model, data and single-process
+references are here too.
 
-    moe_worker.py OUT_DIR SCHEDULES"""
+    moe_worker.py OUT_DIR SCHEDULES FORM"""
 
 import os
 import sys
@@ -22,7 +24,7 @@ def microbatches(name):
     return 2 * P + 2 if name == "dualpipev" else 2 * P
 
 
-def make_model():
+def make_model(form=None):
     from transformers import MixtralConfig, MixtralForCausalLM
 
     config = MixtralConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=16,
@@ -33,7 +35,8 @@ def make_model():
                            experts_implementation="eager")  # grouped_mm has no float64
     torch.manual_seed(4321)
     model = MixtralForCausalLM(config).to(torch.float64)
-    hp.pipeline.moe_aux_losses(model)
+    if form is not None:
+        hp.pipeline.moe_aux_losses(model, form=form)
     return model
 
 
@@ -42,30 +45,47 @@ def loss_fn(logits, labels):
 
 
 def batch(step, m):
+    """Inputs, targets and, from the second step on, a padding mask (the
+    last token of every other sequence is padding)."""
     g = torch.Generator().manual_seed(90 + step)
     ids = torch.randint(0, VOCAB, (m * MB, T + 1), generator=g)
-    return ids[:, :-1], ids[:, 1:]
+    mask = None
+    if step > 0:
+        mask = torch.ones(m * MB, T, dtype=torch.int64)
+        mask[::2, -1] = 0
+    return ids[:, :-1], ids[:, 1:], mask
 
 
-def reference(m):
-    """One process: each microbatch's loss plus its layers' load-balancing
-    terms (collect_losses), the mean over microbatches, SGD. Returns
+def reference(m, form):
+    """One process, each microbatch's loss plus the load-balancing term, the
+    mean over microbatches, SGD. form "model": the model's own term
+    (``output_router_logits=True``: transformers' load_balancing_loss_func
+    over all layers); "layer": each layer's own (collect_losses). Returns
     (losses, auxiliary means, {name: parameter})."""
-    model = make_model()
+    model = make_model("layer" if form == "layer" else None)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses, aux_means = [], []
     for step in range(STEPS):
-        x, y = batch(step, m)
+        x, y, mask = batch(step, m)
         opt.zero_grad()
         total = aux_total = 0.0
-        for xm, ym in zip(x.chunk(m), y.chunk(m)):
-            with hp.pipeline.collect_losses() as aux:
-                logits = model(xm).logits
-            assert len(aux) == 4  # one per MoE layer
-            main = loss_fn(logits, ym)
-            ((main + sum(aux)) / m).backward()
+        for mb in range(m):
+            rows = slice(mb * MB, (mb + 1) * MB)
+            kw = {} if mask is None else {"attention_mask": mask[rows]}
+            with hp.pipeline.collect_losses() as added:
+                out = model(x[rows], output_router_logits=form == "model", **kw)
+            if form == "model":
+                assert not added
+                aux = model.router_aux_loss_coef * out.aux_loss
+                aux_value = aux.item()
+            else:
+                assert len(added) == 4  # one per MoE layer
+                aux = sum(added)
+                aux_value = sum(a.item() for a in added)  # reported in float64, as added
+            main = loss_fn(out.logits, y[rows])
+            ((main + aux) / m).backward()
             total += main.item() / m
-            aux_total += sum(a.item() for a in aux) / m
+            aux_total += aux_value / m
         losses.append(total)
         aux_means.append(aux_total)
         opt.step()
@@ -75,22 +95,22 @@ def reference(m):
 def main():
     import torch.distributed as dist
 
-    out_dir, names = sys.argv[1], sys.argv[2].split(",")
+    out_dir, names, form = sys.argv[1], sys.argv[2].split(","), sys.argv[3]
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     results = {}
     for name in names:
         sched = hp.pipeline.schedule(name, ranks=P, microbatches=microbatches(name))
-        model = make_model()
+        model = make_model(form)
         chunks = hp.pipeline.split_model(model, sched, rank)
         pipe = hp.pipeline.Pipeline(chunks, sched, loss_fn=loss_fn, timeout=60)
         opt = torch.optim.SGD([q for c in chunks.values() for q in c.parameters()], lr=LR)
         losses, aux = [], []
         for step in range(STEPS):
-            x, y = batch(step, sched.num_microbatches)
+            x, y, mask = batch(step, sched.num_microbatches)
             opt.zero_grad()
-            losses.append(pipe.step(x, y))
+            losses.append(pipe.step(x, y, **({} if mask is None else {"attention_mask": mask})))
             aux.append(pipe.last_stats["aux_loss"])
             opt.step()
         results[name] = {

@@ -171,18 +171,24 @@ def all_chunks(model, sched, **kw):
     return [chunks[c] for c in range(sched.num_chunks)]
 
 
-def test_training_a_split_mixtral_with_its_load_balancing_loss_equals_one_process(tmp_path):
-    # NOTE [MoE load balancing in a pipeline]: every MoE layer's term joins
-    # its own stage's backward, on fused and split schedules, V shapes,
-    # DualPipeV and interleaved.
+@pytest.mark.parametrize("form,names", [
+    ("model", ["1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev", "zb-auto"]),
+    ("layer", ["zb-h1", "zbv"]),
+])
+def test_training_a_split_mixtral_with_its_load_balancing_loss_equals_one_process(
+        form, names, tmp_path):
+    # NOTE [MoE load balancing in a pipeline]: "model", the model's own term
+    # over all layers, equals transformers' output_router_logits loss (its
+    # sums travel between stages, its gradient back through them); "layer":
+    # every MoE layer's term joins its own stage's backward. On fused and
+    # split schedules, V shapes, DualPipeV and interleaved, with padding.
     import moe_worker as mw
 
-    names = ["1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev", "zb-auto"]
-    ranks_.run_ranks(mw.P, [os.path.join(HERE, "moe_worker.py"), tmp_path, ",".join(names)],
+    ranks_.run_ranks(mw.P, [os.path.join(HERE, "moe_worker.py"), tmp_path, ",".join(names), form],
                      timeout=300, env={"HF_HUB_OFFLINE": "1"})
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(mw.P)]
     for name in names:
-        ref_losses, ref_aux, ref_params = mw.reference(mw.microbatches(name))
+        ref_losses, ref_aux, ref_params = mw.reference(mw.microbatches(name), form)
         assert min(ref_aux) > 0.1  # the term matters
         seen = set()
         for r, res in enumerate(ranks):
@@ -379,3 +385,22 @@ def test_unknown_transformers_models_are_refused():
     sched = hp.pipeline.schedule("1f1b", ranks=2, microbatches=2)
     with pytest.raises(ValueError, match=r"not of GPT2LMHeadModel \(model_type 'gpt2'\)"):
         split_model(model, sched, 0)
+
+
+def test_moe_aux_losses_refuses_a_second_registration_and_an_unknown_form():
+    import moe_worker as mw
+
+    model = mw.make_model()
+    handles = hp.pipeline.moe_aux_losses(model)
+    assert len(handles) == 4  # one per router
+    with pytest.raises(ValueError, match="already add their loss"):
+        hp.pipeline.moe_aux_losses(model, form="layer")
+    with pytest.raises(ValueError, match="form must be 'model' or 'layer'"):
+        hp.pipeline.moe_aux_losses(mw.make_model(), form="global")
+    # Removing the handles turns it off: the chunks hand on hidden states only.
+    for h in handles:
+        h.remove()
+    sched = hp.pipeline.schedule("1f1b", ranks=2, microbatches=2)
+    chunk = hp.pipeline.split_model(model, sched, 0)[0]
+    assert isinstance(chunk(torch.zeros(1, 3, dtype=torch.int64)), torch.Tensor)
+    hp.pipeline.moe_aux_losses(model, form="layer")
