@@ -15,7 +15,9 @@ machine's noise:
 
 Each split backward runs through hyperparallel.split.forward_and_gradfn
 (compute_input_grad, then compute_weight_grad), as the pipeline's executor
-splits a stage; each fused one as one backward.
+splits a stage; each fused one as one backward. CPU tensors take their
+memory from the step cache, as they do in the Pipeline's steps on the CPU
+(``Pipeline(keep_freed_memory)``, on by default there).
 
     .venv/bin/python bench/python/bench_graph_stage.py [--rounds 7] [--reps 10]
 
@@ -47,11 +49,13 @@ def main() -> None:
     import torch
     import torch._functorch.config as functorch_config
 
-    from hyperparallel import models
+    from hyperparallel import _C, models
     from hyperparallel.compile import GraphStage
     from hyperparallel.split import forward_and_gradfn
 
     torch.set_num_threads(1)
+    _C.pipeline.keep_freed_memory_mapped()
+    cache = _C.pipeline.StepCacheScope()  # noqa: F841 - held until the end
     config = models.GPTConfig(layers=6, d_model=args.d_model, heads=4, seq_len=args.seq_len)
 
     def chunk():  # the middle third: two blocks, activations in and out

@@ -306,6 +306,12 @@ void bind_pipeline(py::module_& m) {
       "keep_freed_memory_mapped", [] { keep_freed_memory_mapped(); },
       "Keeps freed CPU memory in the process for reuse instead of returning it to the kernel "
       "after every large free (NOTE [glibc malloc and page faults] in hp/core/memory.cpp).");
+  // The step cache around work outside a step (a benchmark of one stage run
+  // as the Pipeline runs it): a scope per thread, entered and left in pairs.
+  py::class_<StepCacheScope>(sub, "StepCacheScope")
+      .def(py::init<>(),
+           "Until it is deleted, CPU tensors this thread allocates take their memory from "
+           "the step cache, as a step's do (NOTE [The step cache] in hp/core/memory.cpp).");
   sub.def("cpu_cache_bytes", &step_cache_free_bytes,
           "Bytes of free CPU blocks the step cache holds (NOTE [The step cache] in "
           "hp/core/memory.cpp).");

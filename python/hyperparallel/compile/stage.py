@@ -67,8 +67,10 @@ __all__ = ["GraphStage", "split_joint_graph", "SplitGraphs"]
 # the stage's forward: they join the backward through dx and dw as the
 # outputs do.
 # Each graph is replayed as it is, or compiled by the backend (one compile per
-# graph per signature). A new input signature (shapes, dtypes, structure,
-# which inputs need a gradient, training mode) captures and compiles anew.
+# graph per signature, NOTE [Graphs compiled without dynamo] in
+# passes/pipeline.py). A new input signature (shapes, strides, dtypes,
+# structure, which inputs need a gradient, training mode) captures and
+# compiles anew.
 # Under no_grad, or on fake tensors (the Pipeline's shape probe), the stage
 # runs its module eagerly: nothing to split, nothing worth capturing.
 
@@ -167,6 +169,13 @@ def split_joint_graph(joint: fx.GraphModule, num_primals: int, num_outputs: int,
 
     dx_nodes = _ancestors(input_grads, stop=set(saved) | set(tangents))
     dw_nodes = _ancestors(param_grads, stop=set(saved) | set(tangents) | dx_nodes)
+    # The other outputs of a multi-output op of dx (layer norm's backward
+    # computes its weight's gradient too) are taken in dx: dx hands over
+    # tensors, not tuples.
+    for n in list(dw_nodes):
+        if n.op == "call_function" and n.target is operator.getitem and n.args[0] in dx_nodes:
+            dw_nodes.discard(n)
+            dx_nodes.add(n)
     # A view dw reads (a weight's t(), a reshape) is taken again in dw from
     # its base: dx hands over bases, not views of them.
     changed = True
@@ -372,9 +381,10 @@ class GraphStage(torch.nn.Module):
         b_fqns, b_tensors, _ = _distinct(self.module.named_buffers(remove_duplicate=False))
         state = p_tensors + b_tensors
         key = (str(spec), self.module.training,
-               tuple(("T", tuple(x.shape), x.dtype, str(x.device), _needs_grad(x))
+               tuple(("T", tuple(x.shape), x.stride(), x.dtype, str(x.device), _needs_grad(x))
                      if isinstance(x, torch.Tensor) else (type(x).__name__, x) for x in leaves),
-               tuple((tuple(t.shape), t.dtype, str(t.device), t.requires_grad) for t in state))
+               tuple((tuple(t.shape), t.stride(), t.dtype, str(t.device), t.requires_grad)
+                     for t in state))
         with self._lock:
             sig = self._signatures.get(key)
             if sig is None:
