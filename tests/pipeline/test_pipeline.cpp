@@ -257,6 +257,34 @@ std::vector<int64_t> chain_shape(int stage, int mb) {
   return {1 + mb, 9 + stage};
 }
 
+// Rank r's stages of the chain (their weights in `w`), the loss the mean
+// over m microbatches of sum(y^2), and the executor's options for it.
+struct ChainRank {
+  std::map<int, torch::Tensor> w;
+  hp::pipeline::PipelineStage stage;
+  ChainRank(const hp::schedule::Schedule& sched, int r, int m)
+      : stage(modules(sched, r, w),
+              [m](const torch::Tensor& y, int) { return y.pow(2).sum() / m; }) {}
+  static hp::pipeline::ExecutorOptions options() {
+    hp::pipeline::ExecutorOptions opts;
+    opts.input = chain_input;
+    opts.activation_shape = chain_shape;
+    opts.dtype = torch::kFloat64;
+    return opts;
+  }
+
+ private:
+  static std::map<int, hp::pipeline::StageModule> modules(const hp::schedule::Schedule& sched,
+                                                          int r, std::map<int, torch::Tensor>& w) {
+    std::map<int, hp::pipeline::StageModule> out;
+    for (int s : sched.stages_of_rank(r)) {
+      torch::Tensor ws = w[s] = chain_weight(s);
+      out[s] = {[ws](const torch::Tensor& x) { return torch::tanh(x.matmul(ws)); }, {ws}};
+    }
+    return out;
+  }
+};
+
 // The receive shapes of each batch the executor should post with `lookahead`:
 // a batch's own actions not posted yet, then the receives of the next
 // `lookahead` batches not posted yet (NOTE [Receives posted ahead]).
@@ -329,21 +357,10 @@ TEST(Executor, ReceivesPostedAheadKeepEveryChannelsOrder) {
       std::mutex mu;
       hp::testing::run_ranks_as_threads(2, [&](int r, std::shared_ptr<hp::distributed::Comm> c) {
         auto rec = std::make_shared<RecvRecorder>(c, true);
-        std::map<int, hp::pipeline::StageModule> modules;
-        std::map<int, torch::Tensor> w;
-        for (int s : sched.stages_of_rank(r)) {
-          w[s] = chain_weight(s);
-          torch::Tensor ws = w[s];
-          modules[s] = {[ws](const torch::Tensor& x) { return torch::tanh(x.matmul(ws)); }, {ws}};
-        }
-        hp::pipeline::PipelineStage stage(
-            modules, [m](const torch::Tensor& y, int) { return y.pow(2).sum() / m; });
-        hp::pipeline::ExecutorOptions opts;
-        opts.input = chain_input;
-        opts.activation_shape = chain_shape;
-        opts.dtype = torch::kFloat64;
+        ChainRank chain(sched, r, m);
+        hp::pipeline::ExecutorOptions opts = chain.options();
         opts.receive_lookahead = lookahead;
-        hp::pipeline::Executor executor(sched, r, stage, rec, opts);
+        hp::pipeline::Executor executor(sched, r, chain.stage, rec, opts);
         double l = 0;
         for (int step = 0; step < 2; ++step) {
           rec->batches.clear();
@@ -352,7 +369,7 @@ TEST(Executor, ReceivesPostedAheadKeepEveryChannelsOrder) {
         std::lock_guard<std::mutex> lock(mu);
         recorded[r] = rec->batches;  // the second step's
         loss_sums[r] = l;
-        for (auto& [s, ws] : w)
+        for (auto& [s, ws] : chain.w)
           grads[s] = ws.grad();
       });
       for (int r = 0; r < 2; ++r)
@@ -401,25 +418,14 @@ TEST(Executor, SendsOnlyTheGradientPrefixItIsTold) {
     std::mutex mu;
     hp::testing::run_ranks_as_threads(2, [&](int r, std::shared_ptr<hp::distributed::Comm> c) {
       auto rec = std::make_shared<RecvRecorder>(c, true);
-      std::map<int, hp::pipeline::StageModule> modules;
-      std::map<int, torch::Tensor> w;
-      for (int s : sched.stages_of_rank(r)) {
-        w[s] = chain_weight(s);
-        torch::Tensor ws = w[s];
-        modules[s] = {[ws](const torch::Tensor& x) { return torch::tanh(x.matmul(ws)); }, {ws}};
-      }
-      hp::pipeline::PipelineStage stage(
-          modules, [m](const torch::Tensor& y, int) { return y.pow(2).sum() / m; });
-      hp::pipeline::ExecutorOptions opts;
-      opts.input = chain_input;
-      opts.activation_shape = chain_shape;
+      ChainRank chain(sched, r, m);
+      hp::pipeline::ExecutorOptions opts = chain.options();
       opts.gradient_numel = grad_numel;
-      opts.dtype = torch::kFloat64;
-      hp::pipeline::Executor executor(sched, r, stage, rec, opts);
+      hp::pipeline::Executor executor(sched, r, chain.stage, rec, opts);
       executor.run_step();
       std::lock_guard<std::mutex> lock(mu);
       recorded[r] = rec->batches;
-      for (auto& [s, ws] : w)
+      for (auto& [s, ws] : chain.w)
         grads[s] = ws.grad();
     });
     // Each RECV_B's buffer has the prefix's size, each RECV_F's the whole shape.
