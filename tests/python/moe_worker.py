@@ -2,11 +2,11 @@
 transformers MixtralForCausalLM cut by split_model, with its router
 load-balancing loss (hyperparallel.pipeline.moe_aux_losses, in the model's
 own form over all layers or per layer), trained with each schedule, the
-second step with padding (attention_mask); saves losses, auxiliary losses
+second step with longer sequences and padding (attention_mask); saves losses, auxiliary losses
 and parameters by the model's names. The model, data and single-process
 references are here too.
 
-    moe_worker.py OUT_DIR SCHEDULES FORM"""
+    moe_worker.py OUT_DIR SCHEDULES FORM  (P ranks: the WORLD_SIZE)"""
 
 import os
 import sys
@@ -20,8 +20,8 @@ import hyperparallel as hp  # noqa: E402
 P, MB, T, VOCAB, STEPS, LR = 2, 2, 5, 32, 2, 0.1
 
 
-def microbatches(name):
-    return 2 * P + 2 if name == "dualpipev" else 2 * P
+def microbatches(name, p=P):
+    return 2 * p + 2 if name == "dualpipev" else 2 * p
 
 
 def make_model(form=None):
@@ -45,13 +45,15 @@ def loss_fn(logits, labels):
 
 
 def batch(step, m):
-    """Inputs, targets and, from the second step on, a padding mask (the
-    last token of every other sequence is padding)."""
+    """Inputs, targets and, from the second step on, two tokens longer
+    sequences with a padding mask (the last token of every other sequence is
+    padding)."""
     g = torch.Generator().manual_seed(90 + step)
-    ids = torch.randint(0, VOCAB, (m * MB, T + 1), generator=g)
+    t = T + 2 * min(step, 1)
+    ids = torch.randint(0, VOCAB, (m * MB, t + 1), generator=g)
     mask = None
     if step > 0:
-        mask = torch.ones(m * MB, T, dtype=torch.int64)
+        mask = torch.ones(m * MB, t, dtype=torch.int64)
         mask[::2, -1] = 0
     return ids[:, :-1], ids[:, 1:], mask
 
@@ -98,10 +100,10 @@ def main():
     out_dir, names, form = sys.argv[1], sys.argv[2].split(","), sys.argv[3]
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    rank, p = dist.get_rank(), dist.get_world_size()
     results = {}
     for name in names:
-        sched = hp.pipeline.schedule(name, ranks=P, microbatches=microbatches(name))
+        sched = hp.pipeline.schedule(name, ranks=p, microbatches=microbatches(name, p))
         model = make_model(form)
         chunks = hp.pipeline.split_model(model, sched, rank)
         pipe = hp.pipeline.Pipeline(chunks, sched, loss_fn=loss_fn, timeout=60)

@@ -171,24 +171,26 @@ def all_chunks(model, sched, **kw):
     return [chunks[c] for c in range(sched.num_chunks)]
 
 
-@pytest.mark.parametrize("form,names", [
-    ("model", ["1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev", "zb-auto"]),
-    ("layer", ["zb-h1", "zbv"]),
+@pytest.mark.parametrize("form,p,names", [
+    ("model", 2, ["1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev", "zb-auto"]),
+    ("model", 4, ["1f1b", "zb-h1"]),  # four layers: four chunks
+    ("layer", 2, ["zb-h1", "zbv"]),
 ])
 def test_training_a_split_mixtral_with_its_load_balancing_loss_equals_one_process(
-        form, names, tmp_path):
+        form, p, names, tmp_path):
     # NOTE [MoE load balancing in a pipeline]: "model", the model's own term
     # over all layers, equals transformers' output_router_logits loss (its
     # sums travel between stages, its gradient back through them); "layer":
     # every MoE layer's term joins its own stage's backward. On fused and
-    # split schedules, V shapes, DualPipeV and interleaved, with padding.
+    # split schedules, V shapes, DualPipeV and interleaved, with padding and
+    # a sequence length that changes.
     import moe_worker as mw
 
-    ranks_.run_ranks(mw.P, [os.path.join(HERE, "moe_worker.py"), tmp_path, ",".join(names), form],
+    ranks_.run_ranks(p, [os.path.join(HERE, "moe_worker.py"), tmp_path, ",".join(names), form],
                      timeout=300, env={"HF_HUB_OFFLINE": "1"})
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(mw.P)]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(p)]
     for name in names:
-        ref_losses, ref_aux, ref_params = mw.reference(mw.microbatches(name), form)
+        ref_losses, ref_aux, ref_params = mw.reference(mw.microbatches(name, p), form)
         assert min(ref_aux) > 0.1  # the term matters
         seen = set()
         for r, res in enumerate(ranks):
