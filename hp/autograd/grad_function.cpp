@@ -365,6 +365,32 @@ TensorList GradFunction::compute_input_grad(const TensorList& sens) {
 }
 
 TensorList GradFunction::compute_weight_grad(bool keep_graph) {
+  return run_weight_grad(keep_graph, /*into_grad=*/false);
+}
+
+// NOTE [dw into .grad]
+// W of a training step wants dw only in .grad (the pipeline's executor
+// never reads what compute_weight_grad returns). Asked for as engine
+// outputs, dw is captured and then added in: the first microbatch's
+// gradients are copied (the returned tensor must not alias .grad), and a
+// Python node that asks the engine whether a weight's node will run
+// (torch._C._will_engine_execute_node, as a graph stage does) gets an error
+// for a captured leaf, which costs ~0.15 ms to raise and catch. So, as the
+// fused backward does (NOTE [Fused backward into .grad]), the engine runs in
+// accumulating mode, limited to the weights' edges: each AccumulateGrad node
+// takes its gradient as it is made (the first one without a copy) and runs
+// the weight's hooks as loss.backward() does. Same values, bit for bit.
+// Weights that are not leaves (no AccumulateGrad node) keep the captured
+// path.
+void GradFunction::weight_grad_into_grad(bool keep_graph) {
+  auto& m = *impl_;
+  bool leaves = true;
+  for (const auto& w : m.weights)
+    leaves = leaves && w.is_leaf();
+  run_weight_grad(keep_graph, /*into_grad=*/leaves);
+}
+
+TensorList GradFunction::run_weight_grad(bool keep_graph, bool into_grad) {
   auto& m = *impl_;
   TORCH_CHECK(m.state != Impl::State::Fresh,
               "compute_weight_grad called before compute_input_grad: dw starts from gradients "
@@ -417,9 +443,9 @@ TensorList GradFunction::compute_weight_grad(bool keep_graph) {
           for (size_t slot : m.plan.masked_edges[j])
             mask.mask(m.plan.join_nodes[j].get(), slot);
       grads = Engine::get_default_engine().execute(roots, root_grads, keep_graph,
-                                                   /*create_graph=*/false,
-                                                   /*accumulate_grad=*/false, wanted);
+                                                   /*create_graph=*/false, into_grad, wanted);
     }
+    if (into_grad) return;
     for (size_t k = 0; k < wanted_weight.size(); ++k)
       dw[wanted_weight[k]] = grads[k];
   };
@@ -439,6 +465,11 @@ TensorList GradFunction::compute_weight_grad(bool keep_graph) {
     run_groups(all);
   }
   for (size_t w = 0; w < dw.size(); ++w) {
+    if (into_grad) {  // a weight no gradient reached gets zeros, as backward_into_grad gives
+      if (!m.weights[w].grad().defined())
+        const_cast<torch::Tensor&>(m.weights[w]).mutable_grad() = torch::zeros_like(m.weights[w]);
+      continue;
+    }
     dw[w] = or_zeros(dw[w], m.weights[w]);
     accumulate_grad(m.weights[w], dw[w]);
   }

@@ -84,6 +84,11 @@ class GradFunction {
   /// `keep_graph` it may be called again (and `.grad()` accumulates again).
   TensorList compute_weight_grad(bool keep_graph = false);
 
+  /// compute_weight_grad for a training step: dw goes only into `.grad()`,
+  /// through the engine's own accumulation as `backward()` does, and is not
+  /// returned (NOTE [dw into .grad]).
+  void weight_grad_into_grad(bool keep_graph = false);
+
   /// dx and dw in one fused backward (no split), for comparison and for stages
   /// that do not split. Accumulates dw into `.grad()` too.
   Grads operator()(const TensorList& sens = {}, bool keep_graph = false);
@@ -104,6 +109,8 @@ class GradFunction {
   SplitStats stats() const;
 
  private:
+  TensorList run_weight_grad(bool keep_graph, bool into_grad);
+
   struct Impl;
   std::shared_ptr<Impl> impl_;
 };

@@ -101,7 +101,7 @@ torch::Tensor PipelineStage::backward_input(int stage, int mb, const torch::Tens
 void PipelineStage::backward_weight(int stage, int mb) {
   Slot& s = slot(stage, mb, "W");
   TORCH_CHECK(s.input_done, "stage ", stage, " microbatch ", mb, ": W before I");
-  auto run = [&] { s.grad_fn->compute_weight_grad(); };
+  auto run = [&] { s.grad_fn->weight_grad_into_grad(); };
   hooks_.around_backward ? hooks_.around_backward(stage, mb, 'W', run) : run();
   finish(stage, mb);
 }

@@ -86,6 +86,17 @@ void bind_autograd(py::module_& m) {
           py::arg("keep_graph") = false,
           "dw, one per weight, also accumulated into each weight's .grad.")
       .def(
+          "weight_grad_into_grad",
+          [](GradFunction& self, bool keep_graph) {
+            HANDLE_TH_ERRORS
+            py::gil_scoped_release no_gil;
+            self.weight_grad_into_grad(keep_graph);
+            END_HANDLE_TH_ERRORS_PYBIND
+          },
+          py::arg("keep_graph") = false,
+          "dw only into each weight's .grad, through the engine's own accumulation (the "
+          "pipeline's W); returns nothing.")
+      .def(
           "__call__",
           [](GradFunction& self, const TensorList& sens, bool keep_graph) {
             HANDLE_TH_ERRORS

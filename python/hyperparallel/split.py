@@ -241,12 +241,21 @@ class GradFunction:
         Captures what compute_weight_grad needs and frees what only dx needed."""
         return self._shape_dx(self._impl.compute_input_grad(self._sens_list(sens)))
 
-    def compute_weight_grad(self, keep_graph=False):
+    def compute_weight_grad(self, keep_graph=False, *, return_grads=True):
         """dw, one per weight (a tuple in the order of `weights`, a dict for a dict; None for a
         weight that does not require grad), also accumulated into each weight's `.grad`. Only
-        after compute_input_grad; again only when the previous call passed keep_graph=True."""
+        after compute_input_grad; again only when the previous call passed keep_graph=True.
+
+        `return_grads=False`: dw goes only into `.grad`, through the engine's own accumulation
+        as `backward()` does (no copy of the first gradient; the weights' hooks run), and
+        None is returned; this is the pipeline's W (NOTE [dw into .grad])."""
         if not isinstance(keep_graph, bool):
             raise TypeError(f"keep_graph must be a bool, not {type(keep_graph).__name__}")
+        if not isinstance(return_grads, bool):
+            raise TypeError(f"return_grads must be a bool, not {type(return_grads).__name__}")
+        if not return_grads:
+            self._impl.weight_grad_into_grad(keep_graph)
+            return None
         return self._shape_dw(self._impl.compute_weight_grad(keep_graph))
 
     def __call__(self, sens=None, keep_graph=False):

@@ -4,6 +4,8 @@
 #include <ATen/record_function.h>
 #include <gtest/gtest.h>
 
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/torch.h>
 #include "tests/common/flop_counter.h"
 #include "tests/common/oracle.h"
@@ -90,6 +92,19 @@ hp::autograd::SplitStats check_split(const Fn& fn, const TensorList& inputs,
     expect_close(dw[i], ref.dw[i], "dw " + std::to_string(i));
     expect_close(weights[i].grad(), ref.dw[i], ".grad of weight " + std::to_string(i));
   }
+  // W of a training step: dw only into .grad, through the engine's own
+  // accumulation (NOTE [dw into .grad]), bit for bit what compute_weight_grad
+  // put there.
+  TensorList split_grad;
+  for (auto& w : weights) {
+    split_grad.push_back(w.grad().clone());
+    w.mutable_grad() = torch::Tensor();
+  }
+  auto [outs_i, into_w] = forward_and_gradfn(fn, inputs, opts);
+  into_w.compute_input_grad(sens);
+  into_w.weight_grad_into_grad();
+  for (size_t i = 0; i < weights.size(); ++i)
+    EXPECT_TRUE(torch::equal(weights[i].grad(), split_grad[i])) << "weight " << i;
   // The same with one engine call per weight group.
   for (auto& w : weights)
     w.mutable_grad() = torch::Tensor();
@@ -355,6 +370,21 @@ TEST_F(SplitTest, RepeatedMicrobatchesAccumulate) {
   pending[1].compute_weight_grad();
   expect_close(w.grad(), ref_w, "accumulated dw");
   expect_close(b.grad(), ref_b, "accumulated db");
+  // The same, W only into .grad (NOTE [dw into .grad]): bit for bit.
+  torch::Tensor split_w = w.grad().clone(), split_b = b.grad().clone();
+  w.mutable_grad() = torch::Tensor();
+  b.mutable_grad() = torch::Tensor();
+  pending.clear();
+  for (auto& x : xs) {
+    auto [out, gf] = forward_and_gradfn(fn, {x}, ForwardAndGradOptions().weights({w, b}));
+    gf.compute_input_grad();
+    pending.push_back(gf);
+  }
+  pending[2].weight_grad_into_grad();
+  pending[0].weight_grad_into_grad();
+  pending[1].weight_grad_into_grad();
+  EXPECT_TRUE(torch::equal(w.grad(), split_w));
+  EXPECT_TRUE(torch::equal(b.grad(), split_b));
   // Fused backwards accumulate the same, through operator() and through the
   // engine's own accumulation (backward_into_grad), bit for bit.
   std::vector<torch::Tensor> sums;
@@ -418,6 +448,48 @@ TEST_F(SplitTest, BackwardIntoGradLeavesAnUntrainedLeafAlone) {
     expect_close(w.grad(), r.dw[0], reach ? ".grad past an untrained leaf" : ".grad");
     EXPECT_FALSE(frozen.grad().defined()) << "reach " << reach;
   }
+}
+
+TEST_F(SplitTest, WeightGradIntoGradRunsHooksAndFallsBackOnANonLeafWeight) {
+  // NOTE [dw into .grad]: W through the engine's accumulation runs a weight's
+  // AccumulateGrad node (and so its hooks) as backward() does, once per W; a
+  // weight that is not a leaf has no such node and takes the captured path,
+  // with the same .grad.
+  auto w = param({5, 5});
+  auto base = param({5});
+  auto b = base * 2;  // not a leaf
+  auto unused = param({3});
+  Fn fn = [&](const TensorList& in) { return TensorList{torch::tanh(in[0].matmul(w) + b)}; };
+  auto x = torch::randn({4, 5}, kF64);
+  auto sens = torch::randn({4, 5}, kF64);
+  auto r = reference(fn, {x}, {w, b}, {0}, {sens}, false);
+  int fired = 0;
+  struct Count : torch::autograd::FunctionPostHook {
+    explicit Count(int* n) : n_(n) {}
+    TensorList operator()(const TensorList& outputs, const TensorList&) override {
+      ++*n_;
+      return outputs;
+    }
+    int* n_;
+  };
+  torch::autograd::impl::grad_accumulator(w)->add_post_hook(std::make_unique<Count>(&fired));
+  for (bool leaves_only : {true, false}) {
+    w.mutable_grad() = torch::Tensor();
+    b.mutable_grad() = torch::Tensor();
+    unused.mutable_grad() = torch::Tensor();
+    TensorList weights = leaves_only ? TensorList{w, unused} : TensorList{w, b, unused};
+    auto [out, gf] = forward_and_gradfn(fn, {x}, ForwardAndGradOptions().weights(weights));
+    gf.compute_input_grad({sens});
+    fired = 0;
+    gf.weight_grad_into_grad();
+    expect_close(w.grad(), r.dw[0], "dw of w");
+    EXPECT_TRUE(torch::equal(unused.grad(), torch::zeros({3}, kF64))) << "no path: zeros";
+    if (!leaves_only) expect_close(b.grad(), r.dw[1], "dw of a non-leaf weight");
+    EXPECT_EQ(fired, leaves_only ? 1 : 0) << "the hook runs when the engine accumulates";
+    EXPECT_FALSE(base.grad().defined()) << "nothing flows past the weights";
+    EXPECT_THROW(gf.weight_grad_into_grad(), c10::Error);  // the graph is freed
+  }
+  w.mutable_grad() = torch::Tensor();
 }
 
 TEST_F(SplitTest, UndefinedInputsAreIgnored) {

@@ -93,6 +93,43 @@ def test_keep_graph_repeats_dw_identically_and_accumulates():
         gf.compute_weight_grad()
 
 
+def test_weight_grad_into_grad_only_gives_the_same_grad_and_runs_the_hooks():
+    # NOTE [dw into .grad]: return_grads=False (the Pipeline's W) puts into .grad
+    # bit for bit what the returning form puts there, over several microbatches
+    # whose W run late and out of order, and runs each weight's post-accumulate
+    # hook as backward() does.
+    ws = [param(8, 16), param(16), param(16, 4), param(4)]
+    xs = [torch.randn(5, 8, dtype=F64) for _ in range(3)]
+    sums = []
+    for return_grads in (True, False):
+        clear_grads(ws)
+        pending = []
+        for x in xs:
+            _, gf = forward_and_gradfn(mlp(ws), x, weights=ws)
+            gf.compute_input_grad()
+            pending.append(gf)
+        fired = []
+        handles = [w.register_post_accumulate_grad_hook(lambda p, i=i: fired.append(i))
+                   for i, w in enumerate(ws)]
+        for k in (2, 0, 1):
+            out = pending[k].compute_weight_grad(return_grads=return_grads)
+            assert (out is None) == (not return_grads)
+        for h in handles:
+            h.remove()
+        assert sorted(fired) == ([] if return_grads else sorted(list(range(4)) * 3))
+        sums.append([w.grad.clone() for w in ws])
+    for a, b in zip(*sums):
+        assert torch.equal(a, b)
+    ref = [sum(reference(mlp(ws), [x], ws)[2][i] for x in xs) for i in range(4)]
+    for i in range(4):
+        close(sums[1][i], ref[i], f".grad {i}")
+    _, gf = forward_and_gradfn(mlp(ws), xs[0], weights=ws)
+    gf.compute_input_grad()
+    with pytest.raises(TypeError, match="return_grads must be a bool"):
+        gf.compute_weight_grad(return_grads=0)
+    clear_grads(ws)
+
+
 @pytest.mark.parametrize("kind", ["split", "chunk", "unbind"])
 def test_multi_output_intermediates_keep_per_slot_gradients(kind):
     w1, w2, w3 = param(4, 12), param(4, 4), param(4, 4)
