@@ -18,9 +18,9 @@ that a slow spell of the machine falls on both.
 
 Each split backward runs through hyperparallel.split.forward_and_gradfn
 (compute_input_grad, then compute_weight_grad into .grad only), as the
-pipeline's executor splits a stage; each fused one as one backward. CPU tensors take their
-memory from the step cache, as they do in the Pipeline's steps on the CPU
-(``Pipeline(keep_freed_memory)``, on by default there).
+pipeline's executor splits a stage; each fused one as one backward. CPU
+tensors take their memory from the step cache, as they do in the Pipeline's
+steps on the CPU (``Pipeline(keep_freed_memory)``, on by default there).
 
     .venv/bin/python bench/python/bench_graph_stage.py [--rounds 7] [--reps 10]
 
