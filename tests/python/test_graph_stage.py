@@ -250,3 +250,72 @@ def test_retain_graph_runs_the_fused_backward_again():
     y.backward(seed)
     torch.testing.assert_close(x.grad, 2 * first, rtol=1e-12, atol=1e-12)
     assert stage.counts["backward"] == 2
+
+
+def test_column_sums_become_products_equal_to_rounding():
+    # NOTE [Column sums as products]: sum(g, [0]) of a 2-D CPU float tensor
+    # with enough rows becomes ones(1, rows) @ g; other sums stay.
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from hyperparallel.compile import ColumnSumsAsProducts
+
+    def sums(g, g3, small, gi, g32):
+        return (g.sum(0), g.sum(0, keepdim=True), g.sum(-2), g.sum(1), g3.sum(0), small.sum(0),
+                gi.sum(0), g32.sum(0))
+
+    gen = torch.Generator().manual_seed(0)
+    args = (torch.randn(64, 5, generator=gen), torch.randn(64, 5, 2, generator=gen),
+            torch.randn(8, 5, generator=gen), torch.randint(0, 9, (64, 5), generator=gen),
+            torch.randn(40, 3, generator=gen, dtype=torch.float32))
+    gm = make_fx(sums, tracing_mode="fake")(*args)
+    want = gm(*args)
+    aten = torch.ops.aten
+
+    def count(target):
+        return sum(n.target is target for n in gm.graph.nodes)
+
+    assert count(aten.sum.dim_IntList) == 8 and count(aten.mm.default) == 0
+    ColumnSumsAsProducts().run(gm)
+    # Rewritten: the float64 and float32 sums over dim 0 (or -2) of 2-D tensors
+    # with >= 32 rows; kept: over dim 1, of a 3-D tensor, of 8 rows, of ints.
+    assert count(aten.sum.dim_IntList) == 4 and count(aten.mm.default) == 4
+    got = gm(*args)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        torch.testing.assert_close(a, b, rtol=1e-12 if a.dtype == torch.float64 else 1e-5,
+                                   atol=1e-12 if a.dtype == torch.float64 else 1e-5)
+
+
+def test_an_inductor_stage_gets_its_bias_gradients_as_products_and_equals_eager():
+    torch.manual_seed(4)
+    eager = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.GELU(), torch.nn.Linear(16, 6))
+    stage = GraphStage(copy.deepcopy(eager), backend="inductor")
+    replay = GraphStage(copy.deepcopy(eager))  # no backend: the graphs as they are
+    x = torch.randn(48, 6)
+    seed = torch.randn(48, 6)
+    (eager(x.requires_grad_()) * seed).sum().backward()
+    xs = x.detach().clone().requires_grad_()
+    out, gf = forward_and_gradfn(stage, xs, weights=list(stage.parameters()))
+    torch.testing.assert_close(gf.compute_input_grad(seed), x.grad, rtol=1e-12, atol=1e-12)
+    gf.compute_weight_grad(return_grads=False)  # dw: into .grad
+    xr = x.detach().clone().requires_grad_()
+    (replay(xr) * seed).sum().backward()
+    for (n, p), (_, q) in zip(stage.named_parameters(), eager.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12, msg=n)
+    stage.zero_grad()
+    (stage(x.detach().clone().requires_grad_()) * seed).sum().backward()  # fused
+    for (n, p), (_, q) in zip(stage.named_parameters(), eager.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12, msg=n)
+    assert stage.counts == {"capture": 1, "forward": 2, "dx": 1, "dw": 1, "backward": 1}
+
+    def ops(g, name):
+        return [n.target for n in getattr(g, name).graph.nodes if n.op == "call_function"]
+
+    (g,), (r,) = stage.graphs(), replay.graphs()
+    aten = torch.ops.aten
+    # The two bias sums: in the replayed graphs as sums, in the compiled ones
+    # as products (dw's two weight products and two bias products).
+    assert ops(r, "dw").count(aten.sum.dim_IntList) == 2
+    assert ops(g, "dw").count(aten.sum.dim_IntList) == 0
+    assert ops(g, "dw").count(aten.mm.default) == 4
+    assert ops(g, "backward").count(aten.sum.dim_IntList) == 0

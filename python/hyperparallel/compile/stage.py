@@ -27,6 +27,7 @@ import torch.utils._pytree as pytree
 from torch.autograd.graph import get_gradient_edge
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from .passes.column_sums import ColumnSumsAsProducts
 from .passes.pipeline import PassPipeline
 from .tracer import _distinct, _train_mode_kept, check_leaf_types, run_reparametrized
 
@@ -68,7 +69,9 @@ __all__ = ["GraphStage", "split_joint_graph", "SplitGraphs"]
 # outputs do.
 # Each graph is replayed as it is, or compiled by the backend (one compile per
 # graph per signature, NOTE [Graphs compiled without dynamo] in
-# passes/pipeline.py). A new input signature (shapes, strides, dtypes,
+# passes/pipeline.py); before a backend compiles them, the backward graphs'
+# bias sums become products (NOTE [Column sums as products] in
+# passes/column_sums.py). A new input signature (shapes, strides, dtypes,
 # structure, which inputs need a gradient, training mode) captures and
 # compiles anew.
 # Under no_grad, or on fake tensors (the Pipeline's shape probe), the stage
@@ -488,6 +491,10 @@ class GraphStage(torch.nn.Module):
                          _allow_non_fake_inputs=True)(*s, *x, *tangents)
         graphs = split_joint_graph(gm, n_state + n_in, len(found["meta"]), len(state_grad))
         compiler = PassPipeline((), backend=self.backend)
+        if self.backend is not None:  # NOTE [Column sums as products]
+            sums = PassPipeline([ColumnSumsAsProducts()])
+            for name in ("dx", "dw", "backward"):
+                sums.run(getattr(graphs, name))
         run = {name: compiler.compile(getattr(graphs, name))
                for name in ("forward", "dx", "dw", "backward")}
         self.counts["capture"] += 1
