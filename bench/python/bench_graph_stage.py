@@ -1,12 +1,16 @@
 """What a compiled stage's backward costs split into I (dx) and W (dw),
 against the same stage's fused backward, side by side in one process: a
-middle chunk of the GPT of hyperparallel.models (CPU, one thread), each
+middle chunk of the GPT of hyperparallel.models (CPU, one thread; or a GPU
+with ``--device cuda``, timed after a synchronize), each
 variant's backward timed in turn, round after round, so they share the
 machine's noise:
 
 * ``graph-inductor``: ``GraphStage(chunk, backend="inductor")``: the fused
   backward graph against its dx graph then its dw graph (NOTE [Graph stages]),
   each compiled by inductor;
+* ``graph-inductor-sums``: the same, its bias gradients' sums left to
+  inductor's own reduction (NOTE [Column sums as products]), what the graphs
+  were compiled with before (on a GPU the two are the same graphs);
 * ``graph-replay``: the same graphs replayed as they are (no backend);
 * ``torch.compile``: ``torch.compile(chunk)``: its backward is one autograd
   node, so a split schedule runs it whole in I and again in W (NOTE [Compiled
@@ -23,6 +27,8 @@ tensors take their memory from the step cache, as they do in the Pipeline's
 steps on the CPU (``Pipeline(keep_freed_memory)``, on by default there).
 
     .venv/bin/python bench/python/bench_graph_stage.py [--rounds 7] [--reps 10]
+    python3 bench/python/bench_graph_stage.py --device cuda --dtype bfloat16 \
+        --d-model 1024 --seq-len 1024
 
 Prints, per variant, the median fused and split backward in ms, their ratio
 (split / fused) and the median of the ratios of each split to the fused
@@ -48,28 +54,40 @@ def main() -> None:
     ap.add_argument("--d-model", type=int, default=128)
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--rows", type=int, default=8)
+    ap.add_argument("--device", default="cpu", help="cpu (one thread) or cuda")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float64"))
     args = ap.parse_args()
 
     import torch
     import torch._functorch.config as functorch_config
 
     from hyperparallel import _C, models
-    from hyperparallel.compile import GraphStage
+    from hyperparallel.compile import GraphPass, GraphStage
+    from hyperparallel.compile import stage as stage_module
     from hyperparallel.split import forward_and_gradfn
 
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench_graph_stage: --device cuda, but torch sees no GPU")
     torch.set_num_threads(1)
     _C.pipeline.keep_freed_memory_mapped()
     cache = _C.pipeline.StepCacheScope()  # noqa: F841 - held until the end
+
+    def now() -> float:  # a GPU's work is timed once it is done
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
     config = models.GPTConfig(layers=6, d_model=args.d_model, heads=4, seq_len=args.seq_len)
 
     def chunk():  # the middle third: two blocks, activations in and out
-        return models.GPT(config, seed=0, chunk=1, num_chunks=3)
+        return models.GPT(config, seed=0, chunk=1, num_chunks=3).to(device=device, dtype=dtype)
 
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(args.rows, args.seq_len, args.d_model, generator=g)
-    sens = torch.randn(args.rows, args.seq_len, args.d_model, generator=g)
+    x = torch.randn(args.rows, args.seq_len, args.d_model, generator=g).to(device, dtype)
+    sens = torch.randn(args.rows, args.seq_len, args.d_model, generator=g).to(device, dtype)
     variants = {
         "graph-inductor": GraphStage(chunk(), backend="inductor"),
+        "graph-inductor-sums": GraphStage(chunk(), backend="inductor"),
         "graph-replay": GraphStage(chunk()),
         "torch.compile": torch.compile(chunk()),
         "eager": chunk(),
@@ -78,26 +96,36 @@ def main() -> None:
     def fused(mod) -> float:
         xi = x.detach().requires_grad_()
         out = mod(xi)
-        t = time.perf_counter()
+        t = now()
         out.backward(sens)
-        return time.perf_counter() - t
+        return now() - t
 
     def split(mod) -> float:
         weights = [p for p in mod.parameters()]
         out, gf = forward_and_gradfn(mod, x.detach().requires_grad_(), weights=weights)
-        t = time.perf_counter()
+        t = now()
         gf.compute_input_grad(sens)
         gf.compute_weight_grad(return_grads=False)  # the Pipeline's W: dw only into .grad
-        return time.perf_counter() - t
+        return now() - t
 
     times = {(v, k): [] for v in variants for k in ("fused", "split")}
     with functorch_config.patch(donated_buffer=False):  # as the Pipeline runs torch.compile
         print("compiling (inductor: the forward and the three backward graphs) ...",
               file=sys.stderr, flush=True)
-        for mod in variants.values():  # compile and warm up outside the timing
-            for _ in range(2):
-                fused(mod)
-                split(mod)
+
+        class SumsKept(GraphPass):  # captures without the rewrite
+            def run(self, gm, **context):
+                return gm
+
+        rewrite = stage_module.ColumnSumsAsProducts
+        for v, mod in variants.items():  # compile and warm up outside the timing
+            stage_module.ColumnSumsAsProducts = SumsKept if v == "graph-inductor-sums" else rewrite
+            try:
+                for _ in range(2):
+                    fused(mod)
+                    split(mod)
+            finally:
+                stage_module.ColumnSumsAsProducts = rewrite
             mod.zero_grad()
         for r in range(args.rounds):
             for v, mod in variants.items():
@@ -109,8 +137,15 @@ def main() -> None:
 
     stage = variants["graph-inductor"]
     print(f"GPT middle chunk: 2 blocks, d_model {args.d_model}, {args.rows} x {args.seq_len} "
-          f"tokens, float32, 1 thread; {args.rounds} rounds x {args.reps} backwards")
+          f"tokens, {args.dtype}, {'1 thread' if device.type == 'cpu' else device}; "
+          f"{args.rounds} rounds x {args.reps} backwards")
     print(f"graph-inductor runs: {stage.counts}")
+    for v in ("graph-inductor", "graph-inductor-sums"):
+        (g,) = variants[v].graphs()
+        sums = {name: sum(n.target is torch.ops.aten.sum.dim_IntList
+                          for n in getattr(g, name).graph.nodes)
+                for name in ("dx", "dw", "backward")}
+        print(f"{v}: sums in the graphs {sums}")
     print("| variant | fused backward (ms) | split: I + W (ms) | split / fused | median of pair ratios |")
     print("|---|---|---|---|---|")
     for v in variants:
