@@ -77,6 +77,7 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return time.perf_counter()
+
     config = models.GPTConfig(layers=6, d_model=args.d_model, heads=4, seq_len=args.seq_len)
 
     def chunk():  # the middle third: two blocks, activations in and out

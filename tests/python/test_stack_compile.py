@@ -26,7 +26,7 @@ CHECKPOINTED = ["1f1b", "zb-h1", "hp-zb-h1", "hp-zbv"]
 # hyperparallel.compile.GraphStage chunks (graphs replayed; "inductor-":
 # each graph compiled by inductor) on fused and split schedules.
 GRAPH = ["graph-" + n for n in ("1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zbv",
-                                "dualpipev", "zb-auto", "inductor-zb-h1")]
+                                "dualpipev", "zb-auto", "inductor-zb-h1", "inductor-zbv")]
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +111,10 @@ def test_graph_stages_split_their_backward_into_dx_and_dw_graphs_once_each(ranks
                     assert n["backward"] == 1.0, where  # no I on the route's first stage
                 elif name != "dualpipev":  # DualPipeV also runs B where it overlaps
                     assert n["dx"] == 1.0, where
+            # Two bias sums in dw and two in the fused graph when replayed;
+            # compiled, products (NOTE [Column sums as products]).
+            for c, sums in got["sums"].items():
+                assert sums == (0 if key.startswith("graph-inductor-") else 4), (key, r, c, sums)
         for res in ranks:
             assert not [w for w in res["warnings-graph"] if "hyperparallel" in w], \
                 res["warnings-graph"]

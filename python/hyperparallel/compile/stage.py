@@ -490,11 +490,12 @@ class GraphStage(torch.nn.Module):
             gm = make_fx(joint, tracing_mode=self.tracing_mode,
                          _allow_non_fake_inputs=True)(*s, *x, *tangents)
         graphs = split_joint_graph(gm, n_state + n_in, len(found["meta"]), len(state_grad))
-        compiler = PassPipeline((), backend=self.backend)
-        if self.backend is not None:  # NOTE [Column sums as products]
-            sums = PassPipeline([ColumnSumsAsProducts()])
-            for name in ("dx", "dw", "backward"):
-                sums.run(getattr(graphs, name))
+        # With a backend, the backward graphs' bias sums become products first
+        # (NOTE [Column sums as products]).
+        compiler = PassPipeline([ColumnSumsAsProducts()] if self.backend is not None else (),
+                                backend=self.backend)
+        for name in ("dx", "dw", "backward"):
+            compiler.run(getattr(graphs, name))
         run = {name: compiler.compile(getattr(graphs, name))
                for name in ("forward", "dx", "dw", "backward")}
         self.counts["capture"] += 1
