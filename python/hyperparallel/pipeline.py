@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C
-from .split_model import moe_aux_losses, split_model  # cutting one model into chunks
+from .split_model import _SharedGradients, moe_aux_losses, split_model  # cutting one model into chunks
 
 __all__ = ["PipelineSchedule", "schedule", "Pipeline", "add_loss", "collect_losses",
            "cpu_cache_bytes", "empty_cpu_cache",
@@ -1302,6 +1302,10 @@ class Pipeline:
         for f in forward.values():
             f.schedule, f.last_outputs = schedule, self._loss.last_outputs
         self.schedule = schedule
+        # Parameters that chunks of several ranks share (tied embeddings):
+        # summed over their holders after each step (NOTE [Parameters shared
+        # by chunks] in split_model.py).
+        self._shared = _SharedGradients(chunks, schedule, group)
         self._runtime = _C.pipeline.Runtime(
             schedule,
             group,
@@ -1412,6 +1416,8 @@ class Pipeline:
                 if self._step_context is not None:
                     scope.enter_context(self._step_context())
                 stats = self._runtime.step(ins)
+                if self._shared:
+                    self._shared.sum()
             ok = True
         finally:
             self._loss.targets = []

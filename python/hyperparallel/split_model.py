@@ -13,17 +13,22 @@ optimizer over either steps both).
 
 Three kinds of model:
 
-* transformers' decoder-only language models (``LlamaForCausalLM``,
-  ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM`` and their
-  base models), found without being told: units ``model.embed_tokens``,
-  ``model.layers.<i>``, ``model.norm``, ``lm_head``. A chunk's forward takes
-  the hidden states (token ids on the first chunk), and before its first
-  decoder layer computes what the model's own forward would hand the layers:
-  the position ids (given, or ``0..T-1``), the rotary embedding
-  (``model.model.rotary_emb``) and the causal mask (full or sliding-window,
-  per layer type) from the hidden states' shape and the padding mask
-  (``attention_mask``, given or none). The Pipeline hands both to every chunk
-  as keyword arguments of ``step``. The last chunk returns the logits.
+* transformers' decoder-only language models (any ``...ForCausalLM`` or base
+  model whose forward is an embedding, a row of decoder layers, a final norm
+  and a head: llama, mistral, mixtral, qwen2, qwen3, qwen2_moe, qwen3_moe,
+  deepseek_v3, gemma, gemma2, phi3, gpt2, gpt_neox, olmo2, ...), found without
+  being told by a probe run (split_model_hf.py): units the modules with
+  parameters that run before the layers (``model.embed_tokens``; GPT-2's
+  ``transformer.wte`` and ``transformer.wpe``), the layers
+  (``model.layers.<i>``) and the modules that run after them
+  (``model.norm``, ``lm_head``). A chunk runs the model's own forward with
+  the other chunks' modules skipped, so every layer gets what the forward
+  hands it (masks, positions, rotary tables, per-layer attention types) and
+  the head whatever follows it (NOTE [Cutting a transformers decoder]). Its
+  forward takes the hidden states (token ids on the first chunk) and the
+  model's ``attention_mask`` and ``position_ids``, which the Pipeline hands
+  to every chunk as keyword arguments of ``step``. The last chunk returns the
+  logits.
 * torchtitan's Llama 3 ``Transformer`` (``torchtitan.models.llama3``), found
   without being told: units ``tok_embeddings``, ``layers.<k>`` (its
   ``nn.ModuleDict``), ``norm``, ``output`` (those of them that are not
@@ -39,7 +44,10 @@ Three kinds of model:
 Every rank builds the whole model the same way (the same seed) and keeps the
 chunks of its stages; a chunk that the schedule gives to two ranks
 (DualPipe's mirrored copies) is then a module over each rank's own model
-instance, with equal initial weights, as the runtime needs.
+instance, with equal initial weights, as the runtime needs. So is a
+parameter that units of two chunks share (tied input and output
+embeddings): each holder's copy, summed over its holders after each step
+(NOTE [Parameters shared by chunks]).
 """
 
 from __future__ import annotations
@@ -52,12 +60,6 @@ from torch import nn
 
 __all__ = ["split_model", "ModelChunk", "moe_aux_losses"]
 
-# transformers' model types whose base model's forward is exactly
-# embed_tokens -> layers (with rotary embeddings and a causal mask) -> norm,
-# and whose causal LM's forward is lm_head over that (checked against the
-# model's own forward: tests/python/test_split_model.py).
-_HF_DECODERS = ("llama", "mistral", "mixtral", "qwen2", "qwen3")
-
 # torchtitan's model classes (module, name) whose forward is exactly
 # tok_embeddings -> layers.values() (each given the model's freqs_cis,
 # attention_masks and positions) -> norm -> output (the same check).
@@ -65,6 +67,18 @@ _TITAN_MODELS = (("torchtitan.models.llama3.model.model", "Transformer"),)
 
 # A unit: (name in the model, module, kind) with kind "embed", "block",
 # "decoder" (a transformers or torchtitan decoder layer) or "tail".
+
+# NOTE [Parameters shared by chunks]
+# A parameter held by units of two chunks (tied input and output embeddings:
+# the head's weight is the embedding's) is one model-wide parameter: each
+# chunk reports it under the model's own name (the first of
+# model.named_parameters()), and `shared_parameters` names the chunks that
+# hold it. Chunks of one rank share the one object (autograd adds both
+# gradients into its .grad); chunks on different ranks hold each rank's own
+# copy, equal at the start (every rank builds the model from one seed), and
+# the Pipeline sums the copies' gradients over their ranks after each step,
+# in rank order, so the copies get the same bits and stay equal: the
+# gradient one process computes (pipeline.py's _SharedGradients).
 _Unit = Tuple[str, nn.Module, str]
 
 
@@ -76,16 +90,25 @@ class ModelChunk(nn.Module):
     states), or the model's input on the first chunk (token ids)."""
 
     def __init__(self, units: Sequence[_Unit], index: int, num_chunks: int, hf=None,
-                 titan=None, owner: Optional[nn.Module] = None):
+                 titan=None, owner: Optional[nn.Module] = None,
+                 names: Optional[Dict[int, str]] = None,
+                 holders: Optional[Dict[int, Tuple[int, ...]]] = None):
         super().__init__()
         self.index, self.num_chunks = index, num_chunks
         #: the model's names of this chunk's units, in order
         self.module_names: List[str] = [n for n, _, _ in units]
         self._kinds: List[str] = [k for _, _, k in units]
         self.units = nn.ModuleList([m for _, m, _ in units])
-        self._hf = hf  # (config, layer types per decoder unit) for transformers models
-        if hf is not None and "decoder" in self._kinds:
-            self.rotary_emb = hf[2]  # buffers only; the model's own module
+        # transformers: the probe's HfPlan (not a module) and this chunk's
+        # span of layers (NOTE [Cutting a transformers decoder]).
+        self._hf = hf
+        if hf is not None:
+            pos = {n: i for i, n in enumerate(hf.layer_names)}
+            mine = [pos[n] for n in self.module_names if n in pos]
+            has_embed = "embed" in self._kinds
+            lo = mine[0] if mine else (0 if has_embed else len(pos))
+            hi = mine[-1] + 1 if mine else lo
+            self._span = (has_embed, lo, hi, "tail" in self._kinds)
         # torchtitan: the whole model, in a tuple so that it is not a
         # submodule (the chunk's parameters stay its units'), for the
         # freqs_cis buffer it owns: read at each call, so the chunk follows
@@ -94,30 +117,27 @@ class ModelChunk(nn.Module):
         # The whole model (not a submodule either), for its router sums (NOTE
         # [MoE load balancing in a pipeline]).
         self._owner = (owner,) if owner is not None else None
+        # Model-wide names by parameter (the model's first name for a shared
+        # one) and the parameters other chunks hold too (NOTE [Parameters
+        # shared by chunks]).
+        self._names = names or {}
+        holders = holders or {}
+        #: ``{name in the model: chunks holding it}`` of this chunk's
+        #: parameters that other chunks hold too (tied embeddings)
+        self.shared_parameters: Dict[str, Tuple[int, ...]] = {
+            n: holders[id(q)] for n, q in self.named_model_parameters() if id(q) in holders}
 
     def named_model_parameters(self):
         """``(name in the model, parameter)`` of this chunk's parameters: the
-        names of ``model.named_parameters()`` (for checkpoints)."""
+        names of ``model.named_parameters()`` (for checkpoints), each once; a
+        parameter shared with another unit (a tied head) under the model's
+        first name for it."""
+        seen = set()
         for name, mod in zip(self.module_names, self.units):
             for n, q in mod.named_parameters():
-                yield f"{name}.{n}", q
-
-    def _decoder_inputs(self, h: torch.Tensor, attention_mask, position_ids):
-        from transformers.masking_utils import (
-            create_causal_mask,
-            create_sliding_window_causal_mask,
-        )
-
-        config = self._hf[0]
-        if position_ids is None:
-            position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-        kw = dict(config=config, inputs_embeds=h, attention_mask=attention_mask,
-                  past_key_values=None, position_ids=position_ids)
-        masks = {}
-        for t in set(self._hf[1].values()):
-            fn = create_sliding_window_causal_mask if t == "sliding_attention" else create_causal_mask
-            masks[t] = fn(**kw)
-        return position_ids, self.rotary_emb(h, position_ids), masks
+                if id(q) not in seen:
+                    seen.add(id(q))
+                    yield self._names.get(id(q), f"{name}.{n}"), q
 
     def forward(self, x: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None, *, attention_masks=None,
@@ -168,19 +188,12 @@ class ModelChunk(nn.Module):
         return h
 
     def _units_forward(self, h, attention_mask, position_ids, attention_masks, positions):
-        decoder = None
-        for name, kind, mod in zip(self.module_names, self._kinds, self.units):
-            if kind == "decoder" and self._titan is not None:
+        if self._hf is not None:
+            return self._hf.run(h, *self._span[:3], self._span[3], attention_mask, position_ids)
+        for kind, mod in zip(self._kinds, self.units):
+            if kind == "decoder":  # torchtitan
                 h = mod(h, self._titan[0].freqs_cis, attention_masks=attention_masks,
                         positions=positions)
-            elif kind == "decoder":
-                if decoder is None:
-                    decoder = self._decoder_inputs(h, attention_mask, position_ids)
-                position_ids, position_embeddings, masks = decoder
-                h = mod(h, attention_mask=masks[self._hf[1][name]], position_ids=position_ids,
-                        position_embeddings=position_embeddings)
-                if isinstance(h, tuple):  # older transformers return (hidden_states, ...)
-                    h = h[0]
             else:
                 h = mod(h)
         return h
@@ -222,50 +235,16 @@ def _block_names(model: nn.Module, blocks: str) -> List[Tuple[str, nn.Module]]:
 
 
 def _hf_units(model: nn.Module):
-    """The units of a transformers decoder-only model and (config, layer type
-    of each decoder, rotary embedding), or None when ``model`` is not one."""
+    """The units of a transformers decoder-only model and the probe's plan
+    (NOTE [Cutting a transformers decoder]), or None when ``model`` is not a
+    transformers model; ValueError naming the reason when it cannot be cut."""
     config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
-    if model_type is None or not hasattr(config, "to_dict"):
+    if getattr(config, "model_type", None) is None or not hasattr(config, "to_dict"):
         return None
-    if model_type not in _HF_DECODERS:
-        raise ValueError(
-            f"split_model knows the forward of transformers' {', '.join(_HF_DECODERS)} models, "
-            f"not of {type(model).__name__} (model_type {model_type!r}), whose forward may do "
-            "more between its modules (e.g. scale the embedding) than a cut by names keeps. "
-            "Give its units by name (embed=, blocks=, tail=) only if each block takes and "
-            "returns one tensor"
-        )
-    prefix = ""
-    base = model
-    if not hasattr(model, "layers"):
-        inner = getattr(model, getattr(model, "base_model_prefix", "model") or "model", None)
-        if inner is None:
-            inner = getattr(model, "model", None)
-        if not isinstance(inner, nn.Module) or not hasattr(inner, "layers"):
-            return None
-        prefix = [n for n, m in model.named_children() if m is inner][0] + "."
-        base = inner
-    for attr in ("embed_tokens", "layers", "norm", "rotary_emb"):
-        if not isinstance(getattr(base, attr, None), nn.Module):
-            raise ValueError(f"{type(model).__name__}: no module {prefix}{attr}, which "
-                             "a transformers decoder-only model has")
-    units: List[_Unit] = [(prefix + "embed_tokens", base.embed_tokens, "embed")]
-    layer_types = {}
-    types = getattr(config, "layer_types", None)
-    sliding = getattr(config, "sliding_window", None)
-    for i, layer in enumerate(base.layers):
-        name = f"{prefix}layers.{i}"
-        units.append((name, layer, "decoder"))
-        if types:
-            layer_types[name] = types[i]
-        else:
-            layer_types[name] = "full_attention" if sliding is None else "sliding_attention"
-    units.append((prefix + "norm", base.norm, "tail"))
-    head = getattr(model, "lm_head", None)
-    if prefix and isinstance(head, nn.Module):
-        units.append(("lm_head", head, "tail"))
-    return units, (config, layer_types, base.rotary_emb)
+    from .split_model_hf import probe
+
+    plan = probe(model)
+    return plan.units(), plan
 
 
 def _titan_units(model: nn.Module) -> Optional[List[_Unit]]:
@@ -356,9 +335,10 @@ def split_model(
     The model: a transformers decoder-only LM or torchtitan's Llama 3
     ``Transformer`` (see the module's doc), found by itself, or the names
     ``embed`` (modules run first, in order), ``blocks``
-    (the container of the blocks) and ``tail`` (modules run last). Parameters
-    shared by modules of two chunks (tied embeddings) are refused: the
-    pipeline would not sum their gradients.
+    (the container of the blocks) and ``tail`` (modules run last). A
+    parameter shared by modules of two chunks (tied embeddings) is reported
+    by both under one model-wide name, its gradient summed over its holders
+    after each step (NOTE [Parameters shared by chunks]).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -478,23 +458,98 @@ def split_model(
             members.append(units[lo:hi])
             start += n
 
-    # Parameters shared across chunks (tied embeddings) would get two
-    # gradients the pipeline never sums.
-    owner: Dict[int, Tuple[int, str]] = {}
+    if hf is not None:
+        # The model's forward computes between its embedding modules (GPT-2
+        # adds wte's and wpe's) and between its tail's: each kind in one chunk.
+        for kind in ("embed", "tail"):
+            held = sorted({c for c, mem in enumerate(members) for _, _, kd in mem if kd == kind})
+            if len(held) > 1:
+                names = [n for n, _, kd in units if kd == kind]
+                raise ValueError(
+                    f"the {kind} modules {', '.join(names)} of {type(model).__name__} are in "
+                    f"chunks {held}: its forward computes between them, so they go in one chunk")
+    # NOTE [Parameters shared by chunks]
+    names: Dict[int, str] = {}
+    for n, q in model.named_parameters():
+        names.setdefault(id(q), n)
+    where: Dict[int, set] = {}
     for c, mem in enumerate(members):
-        for n, m, _ in mem:
-            for pn, q in m.named_parameters():
-                prev = owner.setdefault(id(q), (c, f"{n}.{pn}"))
-                if prev[0] != c:
-                    raise ValueError(
-                        f"{n}.{pn} is the parameter {prev[1]} (shared, e.g. tied embeddings: "
-                        f"tie_word_embeddings) but the two are in chunks {prev[0]} and {c}: the "
-                        "pipeline would not sum their gradients. Untie them, or put both "
-                        "modules in one chunk"
-                    )
+        for _, m, _ in mem:
+            for q in m.parameters():
+                where.setdefault(id(q), set()).add(c)
+    holders = {i: tuple(sorted(cs)) for i, cs in where.items() if len(cs) > 1}
+    ranks_of = _chunk_ranks(schedule)
+    for i, cs in holders.items():
+        sets = [ranks_of[c] for c in cs]
+        if any(s != sets[0] for s in sets) and any(len(s) > 1 for s in sets):
+            raise ValueError(
+                f"{names[i]} is shared by chunks {list(cs)}, held by ranks "
+                f"{[sorted(s) for s in sets]}: the schedule replicates some of them and not "
+                "the others, whose gradient sums would count copies twice. Use a schedule "
+                "whose chunks are not replicated (zbv, dualpipev, 1f1b, ...), or untie them")
     owner = model if hf is not None else None
-    return {c: ModelChunk(members[c], c, k, hf, titan, owner)
+    return {c: ModelChunk(members[c], c, k, hf, titan, owner, names, holders)
             for c in schedule.chunks_of_rank(rank)}
+
+
+def _chunk_ranks(schedule) -> Dict[int, set]:
+    ranks: Dict[int, set] = {}
+    for st, c in enumerate(schedule.stage_chunk):
+        ranks.setdefault(c, set()).add(schedule.stage_rank[st])
+    return ranks
+
+
+class _SharedGradients:
+    """The Pipeline's sums of parameters that chunks of several ranks share
+    (NOTE [Parameters shared by chunks]): read from the chunks'
+    ``shared_parameters`` (split_model's ModelChunk), no communication until
+    ``sum()`` after each step."""
+
+    def __init__(self, chunks, schedule, group):
+        self.group = group
+        ranks_of = _chunk_ranks(schedule)
+        found: Dict[str, Tuple[List[int], List[torch.Tensor]]] = {}
+        for mod in chunks.values():
+            shared = getattr(mod, "shared_parameters", None)
+            if not shared:
+                continue
+            named = dict(mod.named_model_parameters())
+            for name, holders in shared.items():
+                sets = [ranks_of.get(c, set()) for c in holders]
+                if all(s == sets[0] for s in sets):
+                    continue  # on one rank, or replicas the runtime sums (DualPipe)
+                ranks, local = found.setdefault(name, (sorted(set().union(*sets)), []))
+                if not any(q is named[name] for q in local):
+                    local.append(named[name])
+        self.work = [(n, *found[n]) for n in sorted(found)]
+
+    def __bool__(self) -> bool:
+        return bool(self.work)
+
+    def sum(self) -> None:
+        """Every holder's gradient becomes the sum over the holders, added in
+        rank order by the lowest and sent back (the same bits everywhere)."""
+        import torch.distributed as dist
+
+        me = self.group.rank()
+        for _, ranks, local in self.work:
+            grads = [q.grad if q.grad is not None else torch.zeros_like(q) for q in local]
+            g = grads[0] if len(grads) == 1 else torch.stack(grads).sum(0)
+            g = g.contiguous()
+            if me == ranks[0]:
+                total = g
+                for r in ranks[1:]:
+                    buf = torch.empty_like(g)
+                    dist.recv(buf, group=self.group, group_src=r)
+                    total = total + buf
+                for r in ranks[1:]:
+                    dist.send(total, group=self.group, group_dst=r)
+            else:
+                dist.send(g, group=self.group, group_dst=ranks[0])
+                total = torch.empty_like(g)
+                dist.recv(total, group=self.group, group_src=ranks[0])
+            for q in local:
+                q.grad = total if len(local) == 1 else total.clone()
 
 
 # NOTE [MoE load balancing in a pipeline]
@@ -564,7 +619,7 @@ def _add_router_sums(spec: _RouterSums, logits: List[torch.Tensor], carry, atten
 
 
 def moe_aux_losses(model: nn.Module, coef: Optional[float] = None, form: str = "model") -> list:
-    """Trains a transformers Mixtral's router load-balancing loss (times
+    """Trains a transformers Mixtral's (Qwen2-MoE's, Qwen3-MoE's) router load-balancing loss (times
     ``coef``, default the config's ``router_aux_loss_coef``) through a
     pipeline of :func:`split_model`'s chunks (NOTE [MoE load balancing in a
     pipeline]). ``form="model"``: the model's own term over all layers, as
@@ -578,11 +633,18 @@ def moe_aux_losses(model: nn.Module, coef: Optional[float] = None, form: str = "
     if form not in ("model", "layer"):
         raise ValueError(f"moe_aux_losses: form must be 'model' or 'layer', got {form!r}")
     config = getattr(model, "config", None)
+    # Mixtral's num_local_experts, Qwen2-MoE's and Qwen3-MoE's num_experts
+    # (the same load_balancing_loss_func over their *TopKRouter logits).
     experts = getattr(config, "num_local_experts", None)
+    if experts is None:
+        experts = getattr(config, "num_experts", None)
     top_k = getattr(config, "num_experts_per_tok", None)
-    if not isinstance(experts, int) or not isinstance(top_k, int):
-        raise ValueError(f"moe_aux_losses: {type(model).__name__} has no num_local_experts and "
-                         "num_experts_per_tok in its config (a transformers Mixtral model has)")
+    if not isinstance(experts, int) or not isinstance(top_k, int) or (
+            coef is None and getattr(config, "router_aux_loss_coef", None) is None):
+        raise ValueError(f"moe_aux_losses: {type(model).__name__} has no num_local_experts (or "
+                         "num_experts), num_experts_per_tok and router_aux_loss_coef in its "
+                         "config, as transformers' Mixtral, Qwen2-MoE and Qwen3-MoE have: it "
+                         "trains no router load-balancing loss of that form")
     if isinstance(getattr(model, "_hp_router_sums", None), _RouterSums) and \
             model._hp_router_sums.active():
         raise ValueError("moe_aux_losses: this model's routers already add their loss; remove "

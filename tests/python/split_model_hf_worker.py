@@ -1,0 +1,145 @@
+"""One rank of test_split_model_hf.py's training test (started with torchrun's
+variables): for every transformers decoder of MODELS (tiny float64 configs,
+random init from a fixed seed; tied input and output embeddings where the
+model ties them by default, and a tied Llama) and each schedule, cuts the
+model with hyperparallel.pipeline.split_model, trains it STEPS SGD steps with
+hyperparallel.pipeline.Pipeline over a Gloo group (a padding mask given to
+step() as the model's attention_mask; the sequence length changing across
+steps), and saves the losses and its chunks' parameters by the model's names.
+
+    split_model_hf_worker.py OUT_DIR SCHEDULES
+
+The models, data and single-process reference are here too (the test
+imports them)."""
+
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+import hyperparallel as hp  # noqa: E402
+
+P, MB, T, VOCAB, STEPS, LR = 2, 2, 5, 96, 3, 0.1
+SCHEDULES = ("zbv", "zb-h1")
+
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+              attn_implementation="eager", tie_word_embeddings=False,
+              pad_token_id=0, bos_token_id=1, eos_token_id=2)
+MOE = dict(experts_implementation="eager")  # grouped_mm has no float64
+# model key: (model_type, config beyond COMMON). Sliding windows of 3 with at
+# most 2 padded tokens: every query sees a token.
+MODELS = {
+    "llama": ("llama", {}),
+    "llama_tied": ("llama", dict(tie_word_embeddings=True)),
+    "mistral": ("mistral", dict(sliding_window=3)),
+    "qwen2": ("qwen2", dict(use_sliding_window=True, sliding_window=3, max_window_layers=2)),
+    "qwen3": ("qwen3", dict(head_dim=8)),
+    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, **MOE)),
+    "qwen2_moe": ("qwen2_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                    shared_expert_intermediate_size=24, **MOE)),
+    "qwen3_moe": ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                    head_dim=8, **MOE)),
+    "deepseek_v3": ("deepseek_v3", dict(n_routed_experts=4, num_experts_per_tok=2,
+                                        moe_intermediate_size=16, n_shared_experts=1,
+                                        first_k_dense_replace=1, n_group=2, topk_group=1,
+                                        kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+                                        qk_nope_head_dim=8, v_head_dim=8, num_key_value_heads=4,
+                                        **MOE)),
+    "gemma": ("gemma", dict(head_dim=8, tie_word_embeddings=True)),
+    "gemma2": ("gemma2", dict(head_dim=8, sliding_window=3, final_logit_softcapping=3.0,
+                              attn_logit_softcapping=5.0, tie_word_embeddings=True)),
+    "phi3": ("phi3", {}),
+    "gpt2": ("gpt2", dict(n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                          tie_word_embeddings=True)),
+    "gpt_neox": ("gpt_neox", dict(rotary_pct=0.5, hidden_dropout=0.0, attention_dropout=0.0)),
+    "olmo2": ("olmo2", {}),
+}
+TIED = ("llama_tied", "gemma", "gemma2", "gpt2")
+
+
+def make_model(key):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type, extra = MODELS[key]
+    config = AutoConfig.for_model(model_type, **{**COMMON, **extra})
+    torch.manual_seed(1234)
+    return AutoModelForCausalLM.from_config(config).to(torch.float64)
+
+
+def loss_fn(logits, labels):
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def batch(step, m):
+    """Inputs, next-token labels and a padding mask (row i's last i % 3
+    tokens); the sequence length changes from step to step (5, 7, 5)."""
+    g = torch.Generator().manual_seed(70 + step)
+    t = T + 2 * (step % 2)
+    ids = torch.randint(0, VOCAB, (m * MB, t + 1), generator=g)
+    mask = torch.ones(m * MB, t, dtype=torch.long)
+    for i in range(m * MB):
+        if i % 3:
+            mask[i, t - i % 3:] = 0
+    return ids[:, :-1], ids[:, 1:], mask
+
+
+def reference(key, m):
+    """Single-process training of the whole model (mean loss over m
+    microbatches, SGD): (losses, {name: parameter})."""
+    model = make_model(key)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        x, y, mask = batch(step, m)
+        opt.zero_grad()
+        total = 0.0
+        for xm, ym, mm in zip(x.chunk(m), y.chunk(m), mask.chunk(m)):
+            loss = loss_fn(model(xm, attention_mask=mm).logits, ym) / m
+            loss.backward()
+            total += loss.item()
+        losses.append(total)
+        opt.step()
+    return losses, {n: q.detach().clone() for n, q in model.named_parameters()}
+
+
+def main():
+    import torch.distributed as dist
+
+    out_dir, names = sys.argv[1], sys.argv[2].split(",")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    results = {}
+    for key in MODELS:
+        for name in names:
+            sched = hp.pipeline.schedule(name, ranks=P, microbatches=2 * P)
+            model = make_model(key)  # every rank: the whole model, same seed
+            chunks = hp.pipeline.split_model(model, sched, rank)
+            pipe = hp.pipeline.Pipeline(chunks, sched, loss_fn=loss_fn, timeout=60)
+            # A tied weight held by two chunks of this rank is one parameter:
+            # the optimizer steps it once.
+            params = list({id(q): q for c in chunks.values() for q in c.parameters()}.values())
+            opt = torch.optim.SGD(params, lr=LR)
+            losses = []
+            for step in range(STEPS):
+                x, y, mask = batch(step, sched.num_microbatches)
+                opt.zero_grad()
+                losses.append(pipe.step(x, y, attention_mask=mask))
+                opt.step()
+            results[key, name] = {
+                "losses": losses,
+                "params": {n: q.detach().clone() for mod in chunks.values()
+                           for n, q in mod.named_model_parameters()},
+                "shared": {c: dict(mod.shared_parameters) for c, mod in chunks.items()},
+                "names": {c: mod.module_names for c, mod in chunks.items()},
+            }
+            del pipe
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""hyperparallel.pipeline.split_model on every common transformers decoder
+(NOTE [Cutting a transformers decoder]) and on tied input and output
+embeddings (NOTE [Parameters shared by chunks]): trained on real processes
+(2 ranks, Gloo, float64, zbv and zb-h1, all models in one launch) equal to
+single-process training to 1e-9 in losses and every parameter; the chunks in
+a row equal the model's logits exactly; models the cut would change are
+refused, naming why."""
+
+import os
+import sys
+import types
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+
+import hyperparallel as hp  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import ranks as ranks_  # noqa: E402
+import split_model_hf_worker as w  # noqa: E402
+
+split_model = hp.pipeline.split_model
+
+
+def all_chunks(model, sched, **kw):
+    chunks = {}
+    for r in range(sched.num_ranks):
+        chunks.update(split_model(model, sched, r, **kw))
+    return [chunks[c] for c in range(sched.num_chunks)]
+
+
+def test_training_every_decoder_equals_single_process_training(tmp_path):
+    ranks_.run_ranks(w.P, [os.path.join(HERE, "split_model_hf_worker.py"), tmp_path,
+                           ",".join(w.SCHEDULES)], timeout=600, env={"HF_HUB_OFFLINE": "1"})
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(w.P)]
+    m = 2 * w.P
+    for key in w.MODELS:
+        ref_losses, ref_params = w.reference(key, m)
+        initial = dict(w.make_model(key).named_parameters())
+        # The steps moved the weights (the comparison below means something).
+        assert max((ref_params[n] - q).abs().max().item() for n, q in initial.items()) > 1e-3, key
+        for name in w.SCHEDULES:
+            sched = hp.pipeline.schedule(name, ranks=w.P, microbatches=m)
+            seen = set()
+            for r, res in enumerate(ranks):
+                got = res[key, name]
+                assert sorted(got["names"]) == sched.chunks_of_rank(r), (key, name)
+                for s, (a, b) in enumerate(zip(got["losses"], ref_losses, strict=True)):
+                    assert abs(a - b) <= 1e-9 * max(1.0, abs(b)), f"{key} {name} rank {r} step {s}: {a} vs {b}"
+                for n, q in got["params"].items():
+                    err = (q - ref_params[n]).abs().max().item()
+                    assert err <= 1e-9 * max(1.0, ref_params[n].abs().max().item()), (
+                        f"{key} {name} rank {r} {n}: max error {err}")
+                    seen.add(n)
+            assert seen == set(ref_params), f"{key} {name}: in no chunk: {set(ref_params) - seen}"
+    # Tied embeddings: the first and the last chunk report the weight under
+    # the model's one name; on zb-h1 each rank holds its own copy, equal to
+    # the reference above after the steps (the gradients were summed).
+    for key in w.TIED:
+        tied = next(iter(ranks[0][key, "zb-h1"]["shared"][0]))
+        assert ranks[0][key, "zb-h1"]["shared"] == {0: {tied: (0, 1)}}, key
+        assert ranks[1][key, "zb-h1"]["shared"] == {1: {tied: (0, 1)}}, key
+        assert ranks[0][key, "zbv"]["shared"][3] == {tied: (0, 3)}, key  # one rank: one object
+        assert torch.equal(ranks[0][key, "zb-h1"]["params"][tied],
+                           ranks[1][key, "zb-h1"]["params"][tied]), key
+    for key in set(w.MODELS) - set(w.TIED):
+        assert all(not s for res in ranks for s in res[key, "zb-h1"]["shared"].values()), key
+    # GPT-2's two embedding modules (tokens and learned positions) go together.
+    assert ranks[0]["gpt2", "zb-h1"]["names"][0][:3] == ["transformer.wte", "transformer.wpe",
+                                                         "transformer.h.0"]
+    assert ranks[1]["gpt2", "zb-h1"]["names"][1][-2:] == ["transformer.ln_f", "lm_head"]
+
+
+@pytest.mark.parametrize("key", list(w.MODELS))
+def test_chunks_in_a_row_compute_every_decoders_logits(key):
+    model = w.make_model(key)
+    ids = torch.randint(0, w.VOCAB, (3, 7), generator=torch.Generator().manual_seed(1))
+    mask = torch.tensor([[1] * 7, [1] * 5 + [0] * 2, [1] * 6 + [0]])
+    pos = torch.arange(2, 9).unsqueeze(0).expand(3, -1)
+    for name, kw in (("zbv", {}), ("zb-h1", {"attention_mask": mask}),
+                     ("1f1b", {"attention_mask": mask, "position_ids": pos})):
+        sched = hp.pipeline.schedule(name, ranks=2, microbatches=4)
+        h = ids
+        for chunk in all_chunks(model, sched):
+            h = chunk(h, **kw)
+        assert torch.equal(h, model(ids, **kw).logits), (key, name)
+
+
+def test_the_embedding_or_the_tail_alone_in_a_chunk():
+    # GPT-2 (learned positions added to the embedding, a tied head): the
+    # embedding modules alone in the first chunk, the norm and head alone in
+    # the last, as modules= asks.
+    model = w.make_model("gpt2")
+    sched = hp.pipeline.schedule("zbv", ranks=2, microbatches=4)
+    h = ids = torch.randint(0, w.VOCAB, (2, 6), generator=torch.Generator().manual_seed(2))
+    chunks = all_chunks(model, sched, modules=[
+        ["transformer.wte", "transformer.wpe"], [f"transformer.h.{i}" for i in range(2)],
+        ["transformer.h.2", "transformer.h.3"], ["transformer.ln_f", "lm_head"]])
+    assert chunks[3].module_names == ["transformer.ln_f", "lm_head"]
+    for chunk in chunks:
+        h = chunk(h)
+    assert torch.equal(h, model(ids).logits)
+    with pytest.raises(ValueError, match=r"the embed modules transformer\.wte, transformer\.wpe "
+                                         r"of GPT2LMHeadModel are in chunks \[0, 1\]"):
+        split_model(model, sched, 0, modules=[
+            ["transformer.wte"], ["transformer.wpe", "transformer.h.0", "transformer.h.1"],
+            ["transformer.h.2"], ["transformer.h.3"]])
+
+
+def test_tied_weights_are_reported_under_the_models_name():
+    model = w.make_model("llama_tied")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    sched = hp.pipeline.schedule("zbv", ranks=2, microbatches=4)
+    chunks = all_chunks(model, sched)
+    first, last = dict(chunks[0].named_model_parameters()), dict(chunks[3].named_model_parameters())
+    assert first["model.embed_tokens.weight"] is last["model.embed_tokens.weight"]
+    assert "lm_head.weight" not in last
+    assert chunks[0].shared_parameters == chunks[3].shared_parameters == {
+        "model.embed_tokens.weight": (0, 3)}
+    assert chunks[1].shared_parameters == {}
+
+
+def _llama_with_forward(body):
+    """A tiny Llama whose base model's forward is `body(base, input_ids, h0)`
+    after the embedding (h0): models the cut would change."""
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    model = w.make_model("llama")
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, **kw):
+        h0 = self.embed_tokens(input_ids)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(body(self, input_ids, h0)))
+
+    model.model.forward = types.MethodType(forward, model.model)
+    return model
+
+
+def _layers(base, h, pos, scale=1.0, extra=None):
+    pe = base.rotary_emb(h, pos)
+    if extra is not None:
+        pe = tuple(t + 0 * extra.sum() for t in pe)
+    for layer in base.layers:
+        h = layer(h, attention_mask=None, position_embeddings=pe, position_ids=pos)
+        h = h * scale if scale != 1.0 else h
+    return h
+
+
+def test_models_the_cut_would_change_are_refused():
+    sched = hp.pipeline.schedule("1f1b", ranks=2, microbatches=2)
+    arange = lambda h: torch.arange(h.shape[1]).unsqueeze(0)  # noqa: E731
+    model = _llama_with_forward(lambda b, ids, h: _layers(b, h, arange(h), scale=0.5))
+    with pytest.raises(ValueError, match=r"computes between model\.layers\.0 and model\.layers\.1"):
+        split_model(model, sched, 0)
+    model = _llama_with_forward(lambda b, ids, h: _layers(b, h, arange(h), extra=h))
+    with pytest.raises(ValueError, match=r"model\.layers\.0 uses model\.embed_tokens\.weight"):
+        split_model(model, sched, 0)
+    model = _llama_with_forward(lambda b, ids, h: _layers(b, h, (ids != 0).long().cumsum(-1)))
+    with pytest.raises(ValueError, match=r"argument \w+ of model\.layers\.0 changes with the token values"):
+        split_model(model, sched, 0)
+    t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=32, d_model=8, d_kv=4, d_ff=16, num_layers=2, num_heads=2))
+    with pytest.raises(ValueError, match=r"cannot cut T5ForConditionalGeneration .*encoder-decoder"):
+        split_model(t5, sched, 0)
+
+
+def test_moe_aux_losses_finds_the_routers_of_qwen_moe_and_refuses_deepseek():
+    for key in ("qwen2_moe", "qwen3_moe"):
+        model = w.make_model(key)
+        handles = hp.pipeline.moe_aux_losses(model, form="layer")
+        assert len(handles) == 4, key  # one router per MoE layer
+        with hp.pipeline.collect_losses() as added:
+            model(torch.zeros(1, 3, dtype=torch.long))
+        assert len(added) == 4, key
+    # DeepSeek-V3 balances its experts without an auxiliary loss.
+    with pytest.raises(ValueError, match="trains no router load-balancing loss"):
+        hp.pipeline.moe_aux_losses(w.make_model("deepseek_v3"))
