@@ -327,7 +327,7 @@ case "$cmd" in
     # What differs between LibTorch versions: the rooms that touch LibTorch's
     # API and their tests; the torch-free schedule room, the launcher and the
     # benchmarks are the pip target's alone (docs/torch_versions.md).
-    HP_TEST_ROOMS=${HP_TEST_ROOMS:-core;autograd;recompute;distributed;pipeline;compile} \
+    HP_TEST_ROOMS=${HP_TEST_ROOMS:-core;autograd;recompute;distributed;moe;pipeline;compile} \
       HP_BUILD_BENCH=${HP_BUILD_BENCH:-OFF} \
       HP_BUILD_DIR=$BUILD_DIR in_root "$ROOT" bash -c 'cd /src && exec bash scripts/test.sh "$@"' test.sh \
       "${passthrough[@]}" || rc=$?

@@ -295,4 +295,51 @@ Work Comm::all_reduce_async(const at::Tensor& tensor, ReduceOp op) {
   return Work(work);
 }
 
+Work Comm::all_to_all_async(const at::Tensor& out, const std::vector<int64_t>& out_rows,
+                             const at::Tensor& in_raw, const std::vector<int64_t>& in_rows) {
+  const int w = world_size(), me = rank();
+  TORCH_CHECK(static_cast<int>(out_rows.size()) == w && static_cast<int>(in_rows.size()) == w,
+              "all_to_all_async: give one row count per rank (", w, "), got ", in_rows.size(),
+              " to send and ", out_rows.size(), " to receive");
+  at::Tensor in = in_raw.contiguous();
+  TORCH_CHECK(in.dim() >= 1 && out.dim() == in.dim() && out.is_contiguous() &&
+                  out.scalar_type() == in.scalar_type() &&
+                  out.sizes().slice(1) == in.sizes().slice(1),
+              "all_to_all_async: the output must be contiguous, of the input's dtype and "
+              "trailing shape; got ",
+              out.sizes(), " ", out.scalar_type(), " for ", in.sizes(), " ", in.scalar_type());
+  auto offsets = [&](const std::vector<int64_t>& rows, int64_t total, const char* what) {
+    std::vector<int64_t> at(w + 1, 0);
+    for (int q = 0; q < w; ++q) {
+      TORCH_CHECK(rows[q] >= 0, "all_to_all_async: a negative row count ", rows[q]);
+      at[q + 1] = at[q] + rows[q];
+    }
+    TORCH_CHECK(at[w] == total, "all_to_all_async: the ", what, " counts add up to ", at[w],
+                " rows but the tensor has ", total);
+    return at;
+  };
+  const auto in_at = offsets(in_rows, in.size(0), "send");
+  const auto out_at = offsets(out_rows, out.size(0), "receive");
+  TORCH_CHECK(in_rows[me] == out_rows[me], "all_to_all_async: this rank keeps ", in_rows[me],
+              " of its own rows but expects ", out_rows[me]);
+  if (in_rows[me] > 0)
+    out.narrow(0, out_at[me], out_rows[me]).copy_(in.narrow(0, in_at[me], in_rows[me]));
+  // The sends, then the receives, peers in rank order (NOTE [Sends before
+  // receives] in hp/schedule/lower.cpp); a pair with nothing to move is left
+  // out on both sides.
+  auto work = std::make_shared<ExchangeWork>();
+  std::vector<P2POp> ops;
+  for (int q = 0; q < w; ++q) {
+    if (q == me || in_rows[q] == 0) continue;
+    at::Tensor s = in.narrow(0, in_at[q], in_rows[q]);
+    work->keep.push_back(s);
+    ops.push_back(P2POp::send(s, q));
+  }
+  for (int q = 0; q < w; ++q)
+    if (q != me && out_rows[q] > 0)
+      ops.push_back(P2POp::recv(out.narrow(0, out_at[q], out_rows[q]), q));
+  if (!ops.empty()) work->works = batch(ops);
+  return Work(work);
+}
+
 }  // namespace hp::distributed

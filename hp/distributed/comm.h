@@ -231,6 +231,21 @@ class Comm {
   /// all_reduce_async: `tensor` becomes the reduction of every rank's.
   Work all_reduce_async(const at::Tensor& tensor, ReduceOp op);
 
+  /// all_to_all_async: rows of `in` go out in rank order, the first
+  /// `in_rows[0]` to rank 0, the next `in_rows[1]` to rank 1, and so on;
+  /// `out` (contiguous, `in`'s dtype and trailing shape) gets `out_rows[q]`
+  /// rows from each rank q, in rank order. Both lists have world_size()
+  /// entries, and `out_rows[q]` here must equal `in_rows[rank()]` on q (an
+  /// exchange of counts says so first, as expert parallelism's does). A pair
+  /// with 0 rows sends nothing; this rank's own rows are copied. One batch.
+  Work all_to_all_async(const at::Tensor& out, const std::vector<int64_t>& out_rows,
+                        const at::Tensor& in, const std::vector<int64_t>& in_rows);
+  /// The blocking form of all_to_all_async.
+  void all_to_all(const at::Tensor& out, const std::vector<int64_t>& out_rows,
+                  const at::Tensor& in, const std::vector<int64_t>& in_rows) {
+    all_to_all_async(out, out_rows, in, in_rows).wait();
+  }
+
   /// Tells the peers that this rank stopped taking part (its step failed, or
   /// was interrupted, while the process lives on): their waits on it fail at
   /// once, naming this rank and `why`, instead of at the timeout (NOTE [A

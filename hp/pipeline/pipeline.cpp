@@ -117,6 +117,36 @@ int64_t name_hash(const std::string& name) {
   return static_cast<int64_t>(h & 0x7fffffffffffffffull);
 }
 
+/// Over the data-parallel group: every copy runs the same pipeline rank's
+/// chunks with the same expert parameters (count and sizes), else every
+/// rank throws naming the copy that differs.
+void agree_on_the_copies(distributed::Comm& dp, const torch::Device& on, int rank,
+                         const std::map<int, ChunkModule>& chunks) {
+  int64_t experts = 0, expert_numel = 0, chunk_ids = 0;
+  for (const auto& [c, chunk] : chunks) {
+    chunk_ids = chunk_ids * 1000003 + c + 1;
+    experts += static_cast<int64_t>(chunk.expert_parameters.size());
+    for (const auto& t : chunk.expert_parameters)
+      expert_numel += t.numel();
+  }
+  const std::vector<int64_t> mine = {rank, chunk_ids, experts, expert_numel};
+  const int n = dp.world_size(), k = static_cast<int>(mine.size());
+  auto all = torch::empty({n * k}, torch::TensorOptions().dtype(torch::kLong).device(on));
+  dp.all_gather(all, torch::tensor(mine, torch::kLong).to(on));
+  all = all.cpu();
+  static const char* kWhat[] = {"is pipeline rank", "holds other model chunks",
+                                "holds another number of expert parameters",
+                                "holds expert parameters of other sizes"};
+  for (int q = 0; q < n; ++q)
+    for (int f = 0; f < k; ++f)
+      if (all[q * k + f].item<int64_t>() != mine[f])
+        invalid("pipeline rank " + std::to_string(rank) + ": its data-parallel copy " +
+                std::to_string(q) + " (rank " + std::to_string(q) + " of dp) " + kWhat[f] +
+                (f == 0 ? " " + std::to_string(all[q * k].item<int64_t>()) : "") +
+                ": every copy of a pipeline runs the same stages with the same experts' shapes "
+                "(data- and expert-parallel groups join ranks of one pipeline rank)");
+}
+
 }  // namespace
 
 distributed::PointToPoint parse_point_to_point(const std::string& p2p) {
@@ -192,6 +222,15 @@ Pipeline::Pipeline(schedule::Schedule schedule, std::shared_ptr<distributed::Com
         options_.device.is_cuda() ? options_.device : torch::Device(torch::kCPU);
     agree_on_the_pipeline(*distributed::for_device(group, on), schedule, options_.dtype, on, rank_,
                           !failed);
+    // The copies agree too: a data-parallel group whose ranks ran other
+    // stages or schedules would mix their gradients, and an expert-parallel
+    // one (the same group) would wait in an all-to-all that a peer never
+    // starts (NOTE [The all-to-all in the backward] in hp/moe/all_to_all.h).
+    if (options_.dp) {
+      agree_on_the_pipeline(*distributed::for_device(options_.dp, on), schedule, options_.dtype, on,
+                            options_.dp->rank(), !failed);
+      if (!failed) agree_on_the_copies(*distributed::for_device(options_.dp, on), on, rank_, chunks);
+    }
   }
   if (failed) std::rethrow_exception(failed);
 
@@ -222,7 +261,14 @@ Pipeline::Pipeline(schedule::Schedule schedule, std::shared_ptr<distributed::Com
     std::map<int, std::vector<torch::Tensor>> stage_params;
     for (const auto& [st, mod] : modules) {
       const auto& chunk = chunks.at(sched_.stage_chunk[st]);
-      stage_params[st] = chunk.dp_parameters ? *chunk.dp_parameters : mod.parameters;
+      std::vector<torch::Tensor> plain;
+      for (const auto& t : chunk.dp_parameters ? *chunk.dp_parameters : mod.parameters) {
+        bool expert = false;
+        for (const auto& e : chunk.expert_parameters)
+          expert = expert || e.unsafeGetTensorImpl() == t.unsafeGetTensorImpl();
+        if (!expert) plain.push_back(t);
+      }
+      stage_params[st] = plain;
     }
     reducer_ =
         std::make_unique<GradientReducer>(dp, stage_params, microbatches_per_stage(sched_, rank_));
@@ -231,6 +277,13 @@ Pipeline::Pipeline(schedule::Schedule schedule, std::shared_ptr<distributed::Com
     hooks = nest(reduce, hooks);  // the reduction starts after the caller's on_done
   }
   options_.dp = dp;
+  for (const auto& [c, chunk] : chunks)
+    for (const auto& t : chunk.expert_parameters) {
+      bool seen = false;
+      for (const auto& u : experts_)
+        seen = seen || u.unsafeGetTensorImpl() == t.unsafeGetTensorImpl();
+      if (!seen) experts_.push_back(t);
+    }
   // The step's loss is the mean over its microbatches (NOTE [The loss scale
   // is the backward's seed] in hp/pipeline/stage.cpp).
   stage_ = std::make_unique<PipelineStage>(std::move(modules), std::move(loss), hooks,
@@ -327,6 +380,24 @@ void Pipeline::sum_replica_gradients() {
     }
 }
 
+// NOTE [Expert gradients]
+// Expert parallelism is carved out of data parallelism (as torchtitan does):
+// the ranks of an EP group run the same stages on their own parts of the
+// global batch, and each holds other experts of every MoE layer. The plain
+// parameters are copies, averaged over the data-parallel group (`dp`, which
+// is the EP group or holds it) as always. An expert's gradient is different:
+// its rank received the rows of every rank of the group that routed tokens
+// to it, so after the step's backward it already holds the sum over the
+// group's losses; averaging it over `dp` would mix other experts in. It is
+// divided by the group's size instead, which makes it the gradient of the
+// global batch's mean loss, as one process computes it.
+void Pipeline::scale_expert_gradients() {
+  if (experts_.empty() || !options_.dp || options_.dp->world_size() == 1) return;
+  const double n = options_.dp->world_size();
+  for (const auto& t : experts_)
+    if (t.grad().defined()) t.grad().div_(n);
+}
+
 void Pipeline::clear_recompute_sessions() {
   if (!options_.recompute_sessions) return;
   for (int st : sched_.stages_of_rank(rank_))
@@ -345,6 +416,7 @@ PipelineStep Pipeline::step() {
     if (reducer_) reducer_->begin_step();
     out.stats = executor_->run_step();
     if (reducer_) reducer_->finish_step();
+    scale_expert_gradients();
     sum_replica_gradients();
     // The loss (and the extra sum) over the pipeline's ranks, then the mean
     // over the copies: one collective each.

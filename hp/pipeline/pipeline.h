@@ -36,6 +36,10 @@ struct ChunkModule {
   /// the cool-down]); unset: all of them. Parameters another owner reduces
   /// (FSDP2's) are left out here.
   std::optional<std::vector<torch::Tensor>> dp_parameters;
+  /// Parameters sharded over the data-parallel group by expert parallelism
+  /// (each rank holds other experts): never averaged over `dp`, their
+  /// gradients divided by its size instead (NOTE [Expert gradients]).
+  std::vector<torch::Tensor> expert_parameters;
 };
 
 /// Everything a Pipeline can be told besides its parts. Each option has one
@@ -131,6 +135,7 @@ class Pipeline {
   void learn_holders(const std::map<int, ChunkModule>& chunks);
   void sum_replica_gradients();
   void clear_recompute_sessions();
+  void scale_expert_gradients();
 
   schedule::Schedule sched_;
   PipelineOptions options_;
@@ -145,6 +150,7 @@ class Pipeline {
     std::vector<int> ranks;
   };
   std::vector<Replica> replicas_;
+  std::vector<torch::Tensor> experts_;  ///< every chunk's expert_parameters, once each
   std::unique_ptr<PipelineStage> stage_;
   std::unique_ptr<GradientReducer> reducer_;
   std::unique_ptr<Executor> executor_;

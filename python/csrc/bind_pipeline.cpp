@@ -18,6 +18,21 @@
 #include "hp/schedule/schedule.h"
 
 namespace hp::python {
+
+c10::intrusive_ptr<c10d::ProcessGroup> process_group_of(const py::object& group) {
+  c10d::ProcessGroup* pg = nullptr;
+  try {
+    pg = group.cast<c10d::ProcessGroup*>();
+  } catch (const py::cast_error&) {
+    throw py::type_error(
+        "group must be a torch.distributed.ProcessGroup (e.g. "
+        "torch.distributed.group.WORLD after init_process_group), got " +
+        std::string(py::str(py::type::of(group))));
+  }
+  if (pg == nullptr) throw py::value_error("group is None");
+  return c10::intrusive_ptr<c10d::ProcessGroup>::reclaim_copy(pg);
+}
+
 namespace {
 
 // NOTE [Python stages on the C++ executor]
@@ -53,19 +68,6 @@ torch::Tensor call_python(const py::object& fn, const char* what, Args&&... args
   return THPVariable_Unpack(o.ptr());
 }
 
-c10::intrusive_ptr<c10d::ProcessGroup> process_group_of(const py::object& group) {
-  c10d::ProcessGroup* pg = nullptr;
-  try {
-    pg = group.cast<c10d::ProcessGroup*>();
-  } catch (const py::cast_error&) {
-    throw py::type_error(
-        "group must be a torch.distributed.ProcessGroup (e.g. "
-        "torch.distributed.group.WORLD after init_process_group), got " +
-        std::string(py::str(py::type::of(group))));
-  }
-  if (pg == nullptr) throw py::value_error("group is None");
-  return c10::intrusive_ptr<c10d::ProcessGroup>::reclaim_copy(pg);
-}
 
 // NOTE [The failure store of a Pipeline]
 // Over the group's own point-to-point, a rank whose step failed while its
@@ -126,7 +128,8 @@ class Runtime {
           bool cache_cpu_memory,
           const std::map<int, std::vector<torch::Tensor>>& chunk_dp_parameters = {},
           bool recompute_sessions = false, py::object extra_sum = py::none(),
-          const py::object& failure_store = py::none(), py::object gradient_numel = py::none()) {
+          const py::object& failure_store = py::none(), py::object gradient_numel = py::none(),
+          const std::map<int, std::vector<torch::Tensor>>& chunk_expert_parameters = {}) {
     distributed::CommOptions options;
     options.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
     auto pg = process_group_of(group);
@@ -200,6 +203,9 @@ class Runtime {
       // python/hyperparallel/pipeline.py) are reduced by their owner.
       auto own = chunk_dp_parameters.find(c);
       if (own != chunk_dp_parameters.end()) mod.dp_parameters = own->second;
+      // Expert parallelism's shards: NOTE [Expert gradients] in hp/pipeline/pipeline.cpp.
+      auto experts = chunk_expert_parameters.find(c);
+      if (experts != chunk_expert_parameters.end()) mod.expert_parameters = experts->second;
       chunks.emplace(c, std::move(mod));
     }
     auto stage_loss = [loss_fn = held(loss)](const torch::Tensor& out, int mb) {
@@ -326,12 +332,13 @@ void bind_pipeline(py::module_& m) {
                        bool cache_cpu_memory,
                        const std::map<int, std::vector<torch::Tensor>>& dp_parameters,
                        bool recompute_sessions, py::object extra_sum,
-                       const py::object& failure_store, py::object gradient_numel) {
+                       const py::object& failure_store, py::object gradient_numel,
+                       const std::map<int, std::vector<torch::Tensor>>& expert_parameters) {
              try {
                return std::make_unique<Runtime>(
                    sched, group, forward, parameters, loss, shape, dtype, device, timeout_s,
                    dp_group, receive_lookahead, p2p, cache_cpu_memory, dp_parameters,
-                   recompute_sessions, extra_sum, failure_store, gradient_numel);
+                   recompute_sessions, extra_sum, failure_store, gradient_numel, expert_parameters);
              } catch (const std::invalid_argument& e) {
                throw py::value_error(e.what());
              }
@@ -343,7 +350,8 @@ void bind_pipeline(py::module_& m) {
            py::arg("p2p") = "auto", py::arg("cache_cpu_memory") = false,
            py::arg("chunk_dp_parameters") = std::map<int, std::vector<torch::Tensor>>{},
            py::arg("recompute_sessions") = false, py::arg("extra_sum") = py::none(),
-           py::arg("failure_store") = py::none(), py::arg("gradient_numel") = py::none())
+           py::arg("failure_store") = py::none(), py::arg("gradient_numel") = py::none(),
+           py::arg("chunk_expert_parameters") = std::map<int, std::vector<torch::Tensor>>{})
       .def("step", &Runtime::step, py::arg("inputs"),
            "Runs one step of this rank's actions; returns the loss and timings.")
       .def_property_readonly("rank", &Runtime::rank)

@@ -2,6 +2,7 @@
 // each registering its classes and functions in a submodule of _C.
 #pragma once
 
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/utils/pybind.h>
 
 namespace hp::python {
@@ -16,6 +17,8 @@ void bind_recompute(py::module_& m);
 void bind_schedule(py::module_& m);
 /// The pipeline runtime over a torch.distributed group: _C.pipeline (bind_pipeline.cpp).
 void bind_pipeline(py::module_& m);
+/// Expert parallelism's dispatch and combine: _C.moe (bind_moe.cpp).
+void bind_moe(py::module_& m);
 /// Measured costs and predicted schedules: _C.profile (bind_profile.cpp).
 void bind_profile(py::module_& m);
 #ifdef HP_BIND_COMPILE
@@ -23,12 +26,17 @@ void bind_profile(py::module_& m);
 void bind_compile(py::module_& m);
 #endif
 
+/// The c10d group behind a torch.distributed ProcessGroup (shared, not
+/// copied); TypeError for anything else (bind_pipeline.cpp).
+c10::intrusive_ptr<c10d::ProcessGroup> process_group_of(const py::object& group);
+
 /// Registers every part in `m`.
 inline void bind_all(py::module_& m) {
   bind_autograd(m);
   bind_recompute(m);
   bind_schedule(m);
   bind_pipeline(m);
+  bind_moe(m);
   bind_profile(m);
 #ifdef HP_BIND_COMPILE
   bind_compile(m);

@@ -55,6 +55,7 @@ from . import recompute  # noqa: E402
 __all__ += ["forward_and_gradfn", "GradFunction", "recompute"]
 
 from . import pipeline  # noqa: E402,F401  the runtime over a torch.distributed group
+from . import moe  # noqa: E402,F401  expert parallelism (hp/moe)
 
 # Schedules as data and their export to torch.distributed.pipelining
 # (schedule.py, torch_export.py; the export imports torch's pipelining on use).

@@ -983,6 +983,35 @@ class _CheckpointCounter:
         return False
 
 
+def _is_expert(p: torch.Tensor) -> bool:
+    # hyperparallel.moe marks the experts it sharded (is_expert_parameter).
+    return getattr(p, "_hp_expert_group", None) is not None
+
+
+def _expert_parallel_check(params: Dict[int, List[torch.Tensor]], dp_group) -> Optional[str]:
+    """Why this rank's expert-parallel chunks cannot train with `dp_group`
+    (NOTE [Expert gradients] in hp/pipeline/pipeline.cpp), or None."""
+    groups = {getattr(q, "_hp_expert_group") for ps in params.values() for q in ps if _is_expert(q)}
+    if not groups or groups == {(0,)}:
+        return None
+    if len(groups) > 1:
+        return (f"this rank's chunks hold experts sharded over different groups {sorted(groups)}: "
+                "convert every MoE layer of a pipeline rank with one expert-parallel group")
+    (ep_ranks,) = groups
+    if dp_group is None:
+        return (f"this rank's experts are spread over the expert-parallel group {list(ep_ranks)} "
+                "but no dp_group was given: expert parallelism is carved out of data "
+                "parallelism, so give dp_group=<the expert-parallel group> (its ranks train "
+                "their own parts of the batch and average the other parameters)")
+    dp_ranks = tuple(_group_ranks(dp_group))
+    if tuple(sorted(dp_ranks)) != tuple(sorted(ep_ranks)):
+        return (f"dp_group has ranks {list(dp_ranks)} but the experts are spread over ranks "
+                f"{list(ep_ranks)}: give the expert-parallel group as dp_group (a data-parallel "
+                "group larger than the expert-parallel one, with experts replicated over it, is "
+                "not supported yet)")
+    return None
+
+
 class Pipeline:
     """One rank's part of a pipeline: its model chunks, run by the C++
     executor with the schedule's actions (F, I, W, B, sends, receives).
@@ -1179,6 +1208,8 @@ class Pipeline:
                 except Exception as e:  # noqa: BLE001 - reported through _agree
                     error = f"FSDP2's initialization of this rank's chunks failed: {e!r}"
 
+        if error is None:
+            error = _expert_parallel_check(params, dp_group)
         agree_on = [group, dp_group]
         for pg in fsdp.groups:
             agree_on.extend(fsdp.mesh_groups(pg))
@@ -1325,6 +1356,7 @@ class Pipeline:
             self._aux.take,
             failure_store=dist.distributed_c10d._world.pg_map.get(group, (None, None))[1],
             gradient_numel=None if self._finder is None else self._finder.gradient_numel,
+            chunk_expert_parameters={c: [q for q in ps if _is_expert(q)] for c, ps in params.items()},
         )
         self.rank = self._runtime.rank
         self._loss.rank = self.rank

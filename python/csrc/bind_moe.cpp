@@ -1,0 +1,79 @@
+// hyperparallel._C.moe: the C++ router, and token dispatch and combine over
+// a torch.distributed group (hp/moe), for python/hyperparallel/moe.
+#include <chrono>
+#include <memory>
+
+#include "bindings.h"
+#include "hp/distributed/comm.h"
+#include "hp/moe/dispatch.h"
+#include "hp/moe/router.h"
+
+namespace hp::python {
+
+void bind_moe(py::module_& parent) {
+  auto m = parent.def_submodule("moe", "Expert parallelism: routing, dispatch and combine");
+
+  py::class_<moe::Dispatched>(m, "Dispatched",
+                              "What dispatch hands this rank's experts, and what combine needs.")
+      .def_readonly("tokens", &moe::Dispatched::tokens,
+                    "[rows, hidden]: the rows of this rank's experts, by local expert")
+      .def_readonly("tokens_per_expert", &moe::Dispatched::tokens_per_expert)
+      .def_readonly("send_rows", &moe::Dispatched::send_rows)
+      .def_readonly("recv_rows", &moe::Dispatched::recv_rows)
+      .def_readonly("dropped", &moe::Dispatched::dropped,
+                    "(token, slot) pairs of this rank an expert's capacity dropped");
+
+  py::class_<moe::TokenDispatcher, std::shared_ptr<moe::TokenDispatcher>>(
+      m, "TokenDispatcher",
+      "Moves tokens to the ranks of an expert-parallel group that hold their experts and back "
+      "(NOTE [Dispatch and combine] in hp/moe/dispatch.cpp). group=None: every expert local.")
+      .def(py::init([](const py::object& group, int64_t num_experts, double capacity_factor,
+                       double timeout_s) {
+             std::shared_ptr<distributed::Comm> comm;
+             if (!group.is_none()) {
+               distributed::CommOptions o;
+               o.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+               comm = distributed::Comm::from_process_group(process_group_of(group), o);
+             }
+             moe::DispatchOptions d;
+             d.capacity_factor = capacity_factor;
+             return std::make_shared<moe::TokenDispatcher>(comm, num_experts, d);
+           }),
+           py::arg("group"), py::arg("num_experts"), py::arg("capacity_factor") = 0.0,
+           py::arg("timeout") = 300.0)
+      .def("dispatch", &moe::TokenDispatcher::dispatch, py::arg("x"), py::arg("experts"),
+           py::call_guard<py::gil_scoped_release>(),
+           "x [tokens, hidden], experts [tokens, top_k] (int64): collective over the group")
+      .def("combine", &moe::TokenDispatcher::combine, py::arg("y"), py::arg("dispatched"),
+           py::arg("weights"), py::call_guard<py::gil_scoped_release>(),
+           "y [rows, hidden] (the experts' output, row for row), weights [tokens, top_k] -> "
+           "[tokens, hidden]: collective over the group")
+      .def_property_readonly("rank", [](const moe::TokenDispatcher& d) { return d.placement().rank; })
+      .def_property_readonly("size", [](const moe::TokenDispatcher& d) { return d.placement().size; })
+      .def_property_readonly("local_experts",
+                             [](const moe::TokenDispatcher& d) { return d.placement().local(); })
+      .def_property_readonly("first_expert",
+                             [](const moe::TokenDispatcher& d) { return d.placement().first(); });
+
+  m.def(
+      "route",
+      [](const torch::Tensor& logits, int64_t top_k, const std::string& scoring, int64_t groups,
+         int64_t top_groups, bool normalize, double scale, const c10::optional<torch::Tensor>& bias) {
+        moe::RouterOptions o;
+        o.num_experts = logits.dim() == 2 ? logits.size(1) : 0;
+        o.top_k = top_k;
+        o.scoring = scoring;
+        o.groups = groups;
+        o.top_groups = top_groups;
+        o.normalize = normalize;
+        o.scale = scale;
+        auto r = moe::route(logits, o, bias.value_or(torch::Tensor()));
+        return py::make_tuple(r.weights, r.experts, r.scores);
+      },
+      py::arg("logits"), py::arg("top_k"), py::arg("scoring") = "softmax", py::arg("groups") = 1,
+      py::arg("top_groups") = 1, py::arg("normalize") = true, py::arg("scale") = 1.0,
+      py::arg("selection_bias") = py::none(),
+      "Top-k routing of logits [tokens, experts] -> (weights, experts, scores).");
+}
+
+}  // namespace hp::python

@@ -1,0 +1,237 @@
+// hp/moe against the same layer with every expert on one rank: routing,
+// dispatch and combine over an expert-parallel group of 2 ranks (threads of
+// this process over a FileStore Gloo group), forward, the fused backward and
+// the dx/dw split, in float64.
+#include <gtest/gtest.h>
+
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <cstdlib>
+#include <map>
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "hp/autograd/grad_function.h"
+#include "hp/distributed/comm.h"
+#include "hp/moe/all_to_all.h"
+#include "hp/moe/dispatch.h"
+#include "hp/moe/moe_layer.h"
+#include "hp/moe/router.h"
+
+namespace {
+
+using hp::distributed::Comm;
+using namespace hp::moe;
+
+struct TempDir {
+  std::string path;
+  TempDir() {
+    char tmpl[] = "/tmp/hp_moe_XXXXXX";
+    path = mkdtemp(tmpl);
+  }
+  ~TempDir() { std::system(("rm -rf '" + path + "'").c_str()); }
+};
+
+/// Runs `body(rank, group)` on `n` threads; returns each one's error ("" if none).
+std::vector<std::string> on_ranks(int n, const std::function<void(int, std::shared_ptr<Comm>)>& body) {
+  TempDir dir;
+  std::vector<std::string> errors(n);
+  std::vector<std::thread> ts;
+  for (int r = 0; r < n; ++r)
+    ts.emplace_back([&, r] {
+      try {
+        hp::distributed::CommOptions o;
+        o.timeout = std::chrono::seconds(20);
+        body(r, Comm::from_file_store(dir.path + "/s", r, n, o));
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  for (auto& t : ts)
+    t.join();
+  return errors;
+}
+
+bool close(const torch::Tensor& a, const torch::Tensor& b, double tol = 1e-12) {
+  return a.sizes() == b.sizes() && (a - b).abs().max().item<double>() <= tol;
+}
+
+TEST(Router, SoftmaxTopKAndNormalizedWeights) {
+  auto logits = torch::tensor({{1.0, 3.0, 2.0, 0.0}, {0.0, 0.5, -1.0, 4.0}}, torch::kDouble);
+  RouterOptions o;
+  o.num_experts = 4;
+  o.top_k = 2;
+  auto r = route(logits, o);
+  EXPECT_TRUE(torch::equal(r.experts, torch::tensor({{1, 2}, {3, 1}}, torch::kLong)));
+  auto p = logits.softmax(-1);
+  auto w0 = torch::stack({p[0][1], p[0][2]});
+  EXPECT_TRUE(close(r.weights[0], w0 / w0.sum()));
+  o.normalize = false;
+  EXPECT_TRUE(close(route(logits, o).weights[0], w0));
+}
+
+TEST(Router, SigmoidGroupLimitedWithBiasAndScale) {
+  // Four groups of two; the best single expert (index 7, 0.95) sits in a
+  // group whose sum of two is the lowest, so group-limited routing to two
+  // groups cannot choose it. The bias moves expert 2 ahead of expert 3 for
+  // the choice only.
+  auto s = torch::tensor({{0.60, 0.58, 0.50, 0.55, 0.10, 0.12, 0.01, 0.95}}, torch::kDouble);
+  auto logits = torch::log(s / (1 - s));
+  RouterOptions o;
+  o.num_experts = 8;
+  o.top_k = 2;
+  o.scoring = "sigmoid";
+  o.groups = 4;
+  o.top_groups = 2;
+  o.scale = 2.5;
+  auto bias = torch::tensor({0.0, 0.0, 0.2, 0.0, 0.0, 0.0, 0.0, 0.0}, torch::kDouble);
+  auto r = route(logits, o, bias);
+  auto chosen = std::get<0>(r.experts.sort(-1));
+  EXPECT_TRUE(torch::equal(chosen, torch::tensor({{0, 2}}, torch::kLong))) << r.experts;
+  auto w = torch::stack({s[0][0], s[0][2]});
+  auto got = r.weights.gather(1, std::get<1>(r.experts.sort(-1)))[0];
+  EXPECT_TRUE(close(got, w / w.sum() * 2.5));
+  o.groups = 3;
+  EXPECT_THROW(route(logits, o), c10::Error);
+}
+
+TEST(Dispatch, OneRankRoundTripSumsEveryExpertByWeight) {
+  TokenDispatcher d(nullptr, 4);
+  auto x = torch::randn({5, 3}, torch::kDouble);
+  auto experts = torch::tensor({{0, 1}, {3, 2}, {1, 0}, {2, 3}, {0, 3}}, torch::kLong);
+  auto w = torch::rand({5, 2}, torch::kDouble);
+  auto out = d.dispatch(x, experts);
+  EXPECT_EQ(out.tokens_per_expert, (std::vector<int64_t>{3, 2, 2, 3}));
+  auto back = d.combine(out.tokens * 2.0, out, w);  // "experts" that double
+  EXPECT_TRUE(close(back, x * 2.0 * w.sum(1, true)));
+}
+
+TEST(Dispatch, CapacityDropsTheLatestTokensAndCountsThem) {
+  DispatchOptions o;
+  o.capacity_factor = 1.0;  // 6 pairs over 2 experts: 3 each
+  TokenDispatcher d(nullptr, 2, o);
+  auto x = torch::arange(6, torch::kDouble).view({6, 1});
+  auto experts = torch::zeros({6, 1}, torch::kLong);  // every token to expert 0
+  auto out = d.dispatch(x, experts);
+  EXPECT_EQ(out.dropped, 3);
+  EXPECT_EQ(out.tokens_per_expert, (std::vector<int64_t>{3, 0}));
+  auto back = d.combine(out.tokens, out, torch::ones({6, 1}, torch::kDouble));
+  EXPECT_TRUE(close(back.view({-1}), torch::tensor({0.0, 1.0, 2.0, 0.0, 0.0, 0.0}, torch::kDouble)));
+}
+
+// Two ranks, four experts: rank 0 sends every token to expert 0 (its own),
+// rank 1 every token to experts 2 and 3 (its own too), so no row crosses;
+// then the crossing case. The round trip through doubling experts gives
+// each token 2 x its weight sum either way.
+TEST(Dispatch, TwoRanksRoundTripIncludingEmptyExchanges) {
+  auto errors = on_ranks(2, [](int r, std::shared_ptr<Comm> g) {
+    TokenDispatcher d(g, 4);
+    auto x = torch::randn({4, 3}, torch::kDouble) + r;
+    for (int crossing = 0; crossing < 2; ++crossing) {
+      torch::Tensor experts =
+          r == 0 ? torch::zeros({4, 1}, torch::kLong) : torch::full({4, 1}, 2 + crossing, torch::kLong);
+      if (crossing) experts = torch::full({4, 1}, r == 0 ? 3 : 0, torch::kLong);
+      auto w = torch::rand({4, 1}, torch::kDouble);
+      auto out = d.dispatch(x, experts);
+      auto back = d.combine(out.tokens * 2.0, out, w);
+      TORCH_CHECK(close(back, x * 2.0 * w), "round trip, crossing=", crossing);
+    }
+  });
+  EXPECT_EQ(errors[0], "");
+  EXPECT_EQ(errors[1], "");
+}
+
+MoELayerOptions layer_options() {
+  MoELayerOptions o;
+  o.d_model = 6;
+  o.hidden = 10;
+  o.router.num_experts = 4;
+  o.router.top_k = 2;
+  o.shared_experts = 1;
+  return o;
+}
+
+struct Reference {
+  std::vector<torch::Tensor> x, out, dx;
+  std::map<std::string, torch::Tensor> grads;  // summed over both ranks' data
+  std::map<std::string, std::vector<torch::Tensor>> grads_of;  // per rank's data
+};
+
+// The layer with every expert local, run on each rank's batch in turn.
+Reference reference(const MoELayerOptions& o, int ranks) {
+  Reference ref;
+  MoELayer whole(o, nullptr, 7, 0.3, 0.2);
+  whole->to(torch::kDouble);
+  for (int r = 0; r < ranks; ++r) {
+    for (auto& p : whole->parameters())
+      p.mutable_grad() = torch::Tensor();
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(100 + r);
+    auto x = torch::randn({2, 5, o.d_model}, gen, torch::kDouble).requires_grad_(true);
+    auto out = whole->forward(x);
+    auto loss = (out * out).sum() + whole->last_balance_loss();
+    auto grads = torch::autograd::grad({loss}, {x}, {}, /*retain_graph=*/true);
+    torch::autograd::backward({loss});
+    ref.x.push_back(x.detach());
+    ref.out.push_back(out.detach());
+    ref.dx.push_back(grads[0]);
+    for (const auto& p : whole->named_parameters()) {
+      ref.grads_of[p.key()].push_back(p.value().grad().clone());
+    }
+  }
+  for (const auto& [name, per_rank] : ref.grads_of)
+    ref.grads[name] = torch::stack(per_rank).sum(0);
+  return ref;
+}
+
+// Expert parallelism over 2 ranks equals the local layer: outputs, the
+// input's gradient, the router's (from this rank's data) and each held
+// expert's (from both ranks' data), with a fused backward and with dx then dw.
+TEST(MoELayer, TwoRanksEqualEveryExpertLocalFusedAndSplit) {
+  const auto o = layer_options();
+  const Reference ref = reference(o, 2);
+  for (bool split : {false, true}) {
+    auto errors = on_ranks(2, [&](int r, std::shared_ptr<Comm> g) {
+      MoELayer mine(o, g, 7, 0.3, 0.2);
+      mine->to(torch::kDouble);
+      TORCH_CHECK(mine->placement().local() == 2 && mine->expert_parameters().size() == 4);
+      auto x = ref.x[r].clone().requires_grad_(true);
+      auto out = mine->forward(x);
+      TORCH_CHECK(close(out, ref.out[r]), "forward");
+      auto loss = (out * out).sum() + mine->last_balance_loss();
+      torch::Tensor dx;
+      if (split) {
+        std::vector<torch::Tensor> params;
+        for (const auto& p : mine->parameters()) params.push_back(p);
+        hp::autograd::GradFunction fn({loss}, {x}, params);
+        dx = fn.compute_input_grad()[0];
+        fn.weight_grad_into_grad();
+      } else {
+        dx = torch::autograd::grad({loss}, {x}, {}, /*retain_graph=*/true)[0];
+        torch::autograd::backward({loss});
+      }
+      TORCH_CHECK(close(dx, ref.dx[r]), "input gradient");
+      for (const auto& p : mine->named_parameters()) {
+        const bool expert = p.key().rfind("expert", 0) == 0;
+        const auto& want = expert ? ref.grads.at(p.key()) : ref.grads_of.at(p.key())[r];
+        TORCH_CHECK(p.value().grad().defined() && close(p.value().grad(), want), "gradient of ",
+                    p.key());
+      }
+    });
+    EXPECT_EQ(errors[0], "") << (split ? "split" : "fused");
+    EXPECT_EQ(errors[1], "") << (split ? "split" : "fused");
+  }
+}
+
+TEST(MoELayer, ExpertsMustDivideOverTheGroup) {
+  auto errors = on_ranks(2, [](int, std::shared_ptr<Comm> g) {
+    auto o = layer_options();
+    o.router.num_experts = 3;
+    o.router.top_k = 1;
+    MoELayer bad(o, g, 1, 0.1, 0.1);
+  });
+  EXPECT_NE(errors[0].find("do not divide over the 2 ranks"), std::string::npos) << errors[0];
+}
+
+}  // namespace

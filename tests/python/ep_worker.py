@@ -1,0 +1,216 @@
+"""One rank of the expert-parallel test (test_moe_ep.py): pp 2 x ep 2 over 4
+processes. Ranks 2e and 2e + 1 form pipeline copy e; ranks {0, 2} and
+{1, 3} are the expert-parallel groups (each holds half the experts of its
+stage's MoE layers), which are also the data-parallel groups. A tiny float64
+transformers MoE model (Mixtral, Qwen3-MoE, DeepSeek-V3) is converted with
+hyperparallel.moe.expert_parallel, cut by split_model and trained for STEPS
+SGD steps on each schedule; copy e reads its half of every global batch;
+the second step on has longer sequences and padding. Saves losses, the
+auxiliary losses and the parameters by the model's names (an expert weight:
+this rank's rows). The models, the data and the one-process reference
+(every expert local, the whole global batch) are here too.
+
+    ep_worker.py OUT_DIR CASES   (CASES: model:schedule,... ; WORLD_SIZE 4)"""
+
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+import hyperparallel as hp  # noqa: E402
+
+PP, EP, MB, T, VOCAB, STEPS, LR = 2, 2, 2, 5, 32, 3, 0.1
+
+
+def microbatches(schedule):
+    return 2 * PP + 2 if schedule == "dualpipev" else 2 * PP
+
+
+def make_model(kind):
+    """A tiny float64 MoE model of transformers, seeded; "mixtral-one-expert"
+    is Mixtral with one expert per token and a zero router, so that the
+    first step sends every token to expert 0 and none to the others."""
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=4, num_attention_heads=2,
+                  num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=False,
+                  attn_implementation="eager", experts_implementation="eager")
+    if kind.startswith("mixtral"):
+        one = kind == "mixtral-one-expert"
+        config = tf.MixtralConfig(intermediate_size=16, num_local_experts=4,
+                                  num_experts_per_tok=1 if one else 2, **common)
+        cls = tf.MixtralForCausalLM
+    elif kind == "qwen3_moe":
+        config = tf.Qwen3MoeConfig(intermediate_size=16, moe_intermediate_size=8, num_experts=4,
+                                   num_experts_per_tok=2, head_dim=8, decoder_sparse_step=1,
+                                   mlp_only_layers=[], **common)
+        cls = tf.Qwen3MoeForCausalLM
+    elif kind == "deepseek_v3":
+        config = tf.DeepseekV3Config(intermediate_size=16, moe_intermediate_size=8,
+                                     n_routed_experts=4, num_experts_per_tok=2, n_group=2,
+                                     topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
+                                     kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4,
+                                     qk_nope_head_dim=4, v_head_dim=4, routed_scaling_factor=2.0,
+                                     **{**common, "num_key_value_heads": 2})
+        cls = tf.DeepseekV3ForCausalLM
+    else:
+        raise ValueError(kind)
+    torch.manual_seed(4321)
+    model = cls(config).to(torch.float64)
+    if kind == "mixtral-one-expert":
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.mlp.gate.weight.zero_()
+    if kind == "deepseek_v3":
+        # The router starts at zero in transformers' init: give it values.
+        g = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for layer in model.model.layers[1:]:
+                layer.mlp.gate.weight.copy_(torch.randn(layer.mlp.gate.weight.shape, generator=g))
+    if kind != "deepseek_v3":  # trained without an auxiliary loss (its config has none)
+        hp.pipeline.moe_aux_losses(model, coef=0.5, form="layer")
+    return model
+
+
+def titan_layer():
+    """torchtitan's MoE layer (softmax top 2 of 4 experts, a shared expert,
+    the for-loop experts), float64, seeded."""
+    import types
+
+    import torchtitan.models.moe.moe as titan_moe
+    from torchtitan.models.moe.moe import MoE, MoEArgs
+
+    # torchtitan counts the tokens per expert with torch.histc over int64
+    # ids, which has a CUDA kernel only (torch 2.11: "histogram_cpu" not
+    # implemented for 'Long'); on the CPU its module counts them with
+    # bincount, the same numbers.
+    if not isinstance(titan_moe.torch, types.SimpleNamespace):
+        shim = types.SimpleNamespace(**{k: getattr(torch, k) for k in dir(torch)
+                                        if not k.startswith("__")})
+        shim.histc = lambda x, bins, min, max: torch.bincount(x, minlength=bins)[:bins]
+        titan_moe.torch = shim
+
+    args = MoEArgs(num_experts=4, num_shared_experts=1, score_func="softmax", top_k=2,
+                   use_grouped_mm=False, load_balance_coeff=None)
+    layer = MoE(args, dim=8, hidden_dim=12).to(torch.float64)
+    g = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for q in layer.parameters():
+            q.copy_(torch.randn(q.shape, generator=g, dtype=torch.float64) * 0.3)
+    return layer
+
+
+def titan_input(copy):
+    return torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(30 + copy),
+                       dtype=torch.float64)
+
+
+def titan_run(layer, copy):
+    """Output, input gradient and parameter gradients of (out**2).sum()."""
+    x = titan_input(copy).requires_grad_(True)
+    out = layer(x)
+    (out * out).sum().backward()
+    return out.detach(), x.grad, {k: q.grad.clone() for k, q in layer.named_parameters()}
+
+
+def loss_fn(logits, labels):
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def batch(step, m):
+    """The global batch of a step (both copies' rows): inputs, targets and,
+    from the second step on, longer sequences with a padding mask."""
+    g = torch.Generator().manual_seed(70 + step)
+    t = T + 2 * min(step, 1)
+    ids = torch.randint(0, VOCAB, (EP * m * MB, t + 1), generator=g)
+    mask = None
+    if step > 0:
+        mask = torch.ones(EP * m * MB, t, dtype=torch.int64)
+        mask[::2, -1] = 0
+    return ids[:, :-1], ids[:, 1:], mask
+
+
+def reference(kind, m):
+    """One process, every expert local: each copy's microbatches in turn,
+    the mean over all of them of loss + auxiliary losses, SGD. Returns
+    (losses, auxiliary means, {name: parameter})."""
+    model = make_model(kind)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses, aux_means = [], []
+    n = EP * m
+    for step in range(STEPS):
+        x, y, mask = batch(step, m)
+        opt.zero_grad()
+        total = aux_total = 0.0
+        for mb in range(n):
+            rows = slice(mb * MB, (mb + 1) * MB)
+            kw = {} if mask is None else {"attention_mask": mask[rows]}
+            with hp.pipeline.collect_losses() as added:
+                out = model(x[rows], **kw)
+            main = loss_fn(out.logits, y[rows])
+            aux = sum(added)
+            ((main + aux) / n).backward()
+            total += main.item() / n
+            aux_total += sum(a.item() for a in added) / n
+        losses.append(total)
+        aux_means.append(aux_total)
+        opt.step()
+    return losses, aux_means, {k: q.detach().clone() for k, q in model.named_parameters()}
+
+
+def main():
+    import torch.distributed as dist
+
+    out_dir, cases = sys.argv[1], [c.split(":") for c in sys.argv[2].split(",")]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    assert dist.get_world_size() == PP * EP
+    copy, stage_rank = divmod(rank, PP)
+    pp_groups = [dist.new_group([e * PP + s for s in range(PP)]) for e in range(EP)]
+    ep_groups = [dist.new_group([e * PP + s for e in range(EP)]) for s in range(PP)]
+    pp_group, ep_group = pp_groups[copy], ep_groups[stage_rank]
+    results = {}
+    for kind, name in cases:
+        m = microbatches(name)
+        sched = hp.pipeline.schedule(name, ranks=PP, microbatches=m)
+        # Cut first (split_model runs the model alone to find its layers'
+        # inputs), then spread the experts of the chunks, which share the
+        # model's modules.
+        model = make_model(kind)
+        chunks = hp.pipeline.split_model(model, sched, stage_rank)
+        hp.moe.expert_parallel(model, ep_group)
+        pipe = hp.pipeline.Pipeline(chunks, sched, loss_fn=loss_fn, group=pp_group,
+                                    dp_group=ep_group, timeout=60)
+        opt = torch.optim.SGD([q for c in chunks.values() for q in c.parameters()], lr=LR)
+        losses, aux, dropped = [], [], 0
+        rows = slice(copy * m * MB, (copy + 1) * m * MB)
+        for step in range(STEPS):
+            x, y, mask = batch(step, m)
+            opt.zero_grad()
+            kw = {} if mask is None else {"attention_mask": mask[rows]}
+            losses.append(pipe.step(x[rows], y[rows], **kw))
+            aux.append(pipe.last_stats["aux_loss"])
+            opt.step()
+        results[f"{kind}:{name}"] = {
+            "losses": losses, "aux": aux,
+            "params": {k: q.detach().clone() for mod in chunks.values()
+                       for k, q in mod.named_model_parameters()},
+            "experts": sorted(k for mod in chunks.values() for k, q in mod.named_model_parameters()
+                              if hp.moe.is_expert_parameter(q)),
+        }
+        del pipe
+    # torchtitan's MoE layer alone, its experts over the EP group.
+    layer = hp.moe.expert_parallel(titan_layer(), ep_group)
+    out, dx, grads = titan_run(layer, copy)
+    results["titan"] = {"out": out, "dx": dx, "grads": grads,
+                        "experts": sorted(k for k, q in layer.named_parameters()
+                                          if hp.moe.is_expert_parameter(q))}
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""Expert parallelism (hyperparallel.moe): the conversion of a model's own
+experts, its refusals, and pp 2 x ep 2 on 4 processes equal to one process
+in float64 (losses, auxiliary losses, every parameter after 3 SGD steps)
+for transformers' Mixtral, Qwen3-MoE and DeepSeek-V3 on fused, split, V and
+DualPipe schedules, with a sequence length that changes and padding; in the
+same launch, torchtitan's MoE layer over each EP group."""
+
+import os
+
+import pytest
+import torch
+
+import hyperparallel as hp
+import ranks as ranks_
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# Every model on zb-h1 and dualpipev; Mixtral on 1f1b and zbv too; the first
+# step of mixtral-one-expert sends every token to expert 0 (rank 0 of each EP
+# group) and none to the other three.
+CASES = ["mixtral:1f1b", "mixtral:zb-h1", "mixtral:zbv", "mixtral:dualpipev",
+         "qwen3_moe:zb-h1", "qwen3_moe:dualpipev", "deepseek_v3:zb-h1", "deepseek_v3:zbv",
+         "mixtral-one-expert:1f1b"]
+
+
+def test_pp2_ep2_equals_one_process(tmp_path):
+    import ep_worker as w
+
+    ranks_.run_ranks(4, [os.path.join(HERE, "ep_worker.py"), tmp_path, ",".join(CASES)],
+                     timeout=600, env={"HF_HUB_OFFLINE": "1"})
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
+    for case in CASES:
+        kind, name = case.split(":")
+        ref_losses, ref_aux, ref_params = w.reference(kind, w.microbatches(name))
+        if kind != "deepseek_v3":
+            assert min(ref_aux) > 0.01, case  # the load-balancing term matters
+        seen = set()
+        for r, res in enumerate(results):
+            got = res[case]
+            copy = r // w.PP
+            for s in range(w.STEPS):
+                for key, ref in (("losses", ref_losses), ("aux", ref_aux)):
+                    a, b = got[key][s], ref[s]
+                    assert abs(a - b) <= 1e-9 * max(1.0, abs(b)), f"{case} rank {r} {key} {s}: {a} vs {b}"
+            assert got["experts"], f"{case} rank {r}: no expert parameter"
+            for n, q in got["params"].items():
+                want = ref_params[n]
+                if n in got["experts"]:
+                    local = want.shape[0] // w.EP
+                    assert q.shape[0] == local, (case, n, q.shape)
+                    want = want[copy * local:(copy + 1) * local]
+                err = (q - want).abs().max().item()
+                assert err <= 1e-9 * max(1.0, want.abs().max().item()), (case, r, n, err)
+                seen.add(n)
+        assert seen == set(ref_params), case
+    # torchtitan's MoE layer with its experts over each EP group: the local
+    # layer's output and input gradient on the rank's own rows; the
+    # experts' gradients from both copies' rows, the rest from its own.
+    refs = [w.titan_run(w.titan_layer(), copy) for copy in range(w.EP)]
+    for r, res in enumerate(results):
+        got, copy = res["titan"], r // w.PP
+        out, dx, grads = refs[copy]
+        assert torch.allclose(got["out"], out, rtol=0, atol=1e-12), r
+        assert torch.allclose(got["dx"], dx, rtol=0, atol=1e-12), r
+        assert set(got["experts"]) == {"experts.w1", "experts.w2", "experts.w3"}, got["experts"]
+        for k, g in got["grads"].items():
+            want = grads[k]
+            if k in got["experts"]:
+                local = want.shape[0] // w.EP
+                want = sum(ref[2][k] for ref in refs)[copy * local:(copy + 1) * local]
+            assert torch.allclose(g, want, rtol=0, atol=1e-12), (r, k)
+
+
+def test_conversion_keeps_the_models_values_and_refuses_what_it_cannot_take():
+    import ep_worker as w
+
+    model = w.make_model("mixtral")
+    x = torch.randint(0, w.VOCAB, (2, 5))
+    with hp.pipeline.collect_losses():  # its routers add their loss
+        before = model(x).logits
+    names = [n for n, _ in model.named_parameters()]
+    assert hp.moe.expert_parallel(model, None) is model
+    # Names kept, the experts marked, the same logits with every expert local.
+    assert [n for n, _ in model.named_parameters()] == names
+    experts = hp.moe.expert_parameters(model)
+    assert len(experts) == 2 * 4 and all(e.shape[0] == 4 for e in experts)
+    with hp.pipeline.collect_losses():
+        assert torch.equal(model(x).logits, before)
+    with pytest.raises(hp.moe.ExpertParallelError, match="already expert-parallel"):
+        hp.moe.expert_parallel(model, None)
+    with pytest.raises(hp.moe.ExpertParallelError, match="has no experts collection"):
+        hp.moe.expert_parallel(torch.nn.Linear(2, 2), None)
+    with pytest.raises(TypeError, match="ep_group must be"):
+        hp.moe.expert_parallel(w.make_model("mixtral"), "world")
+
+
+def test_route_matches_deepseek_v3s_router():
+    # The C++ router (sigmoid scores, group-limited choice, correction
+    # bias, normalized and scaled weights) against transformers' own.
+    import ep_worker as w
+
+    model = w.make_model("deepseek_v3")
+    gate = model.model.layers[1].mlp.gate
+    with torch.no_grad():
+        gate.e_score_correction_bias.copy_(torch.linspace(-0.2, 0.2, 4))
+    h = torch.randn(12, 16, dtype=torch.float64)
+    _, want_w, want_i = gate(h)
+    logits = torch.nn.functional.linear(h.float(), gate.weight.float())
+    got_w, got_i, _ = hp.moe.route(logits, 2, scoring="sigmoid", groups=2, top_groups=1,
+                                   scale=2.0, selection_bias=gate.e_score_correction_bias.float())
+    order_w, order_g = want_i.sort(-1), got_i.sort(-1)
+    assert torch.equal(order_w.values, order_g.values)
+    assert torch.allclose(want_w.gather(1, order_w.indices), got_w.gather(1, order_g.indices),
+                          rtol=1e-6, atol=1e-7)
