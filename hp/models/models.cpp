@@ -5,6 +5,8 @@
 
 #include <unistd.h>
 
+#include "hp/moe/moe_layer.h"
+
 #include <algorithm>
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -33,25 +35,62 @@ std::pair<int64_t, int64_t> layer_range(int64_t total, int64_t index, int64_t n)
   return {begin, begin + base + (index < extra ? 1 : 0)};
 }
 
-// Pre-norm transformer block: causal self-attention and a GELU MLP.
+// NOTE [The load-balancing loss of the reference MoE]
+// Each MoE block's load-balancing loss (times aux_coef) joins the backward
+// where the block's output does: attach_loss hands the output on unchanged
+// and gives the loss the gradient `aux_scale`, the weight of one
+// microbatch's loss (1/m in a pipeline whose copy averages m microbatches,
+// 1/(all microbatches) in the one-process reference), so the gradients are
+// those of mean(loss + aux) over the microbatches wherever the schedule
+// runs the block's backward (B, or I then W), as Megatron's
+// MoEAuxLossAutoScaler does and as add_loss does in Python.
+struct AttachLoss : torch::autograd::Function<AttachLoss> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& out,
+                               const torch::Tensor& loss, double scale) {
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["loss"] = loss.detach();  // dtype and device of its gradient
+    return out.view_as(out);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto loss = ctx->saved_data["loss"].toTensor();
+    return {grads[0], torch::full({}, ctx->saved_data["scale"].toDouble(), loss.options()),
+            torch::Tensor()};
+  }
+};
+
+// Pre-norm transformer block: causal self-attention and a GELU MLP, or a MoE
+// layer in its place (spec.experts > 0, experts spread over `ep`).
 struct BlockImpl : nn::Module {
-  BlockImpl(const ModelSpec& s, at::Generator gen)
+  BlockImpl(const ModelSpec& s, at::Generator gen, uint64_t moe_seed = 0,
+            std::shared_ptr<distributed::Comm> ep = nullptr)
       : heads(s.heads),
+        aux_coef(s.aux_coef),
         ln1(nn::LayerNormOptions({s.d_model})),
         ln2(nn::LayerNormOptions({s.d_model})),
         qkv(s.d_model, 3 * s.d_model),
         proj(s.d_model, s.d_model),
-        fc(s.d_model, 4 * s.d_model),
-        fc2(4 * s.d_model, s.d_model) {
+        fc(nullptr),
+        fc2(nullptr) {
     register_module("ln1", ln1);
     register_module("qkv", qkv);
     register_module("proj", proj);
     register_module("ln2", ln2);
-    register_module("fc", fc);
-    register_module("fc2", fc2);
     const double residual_std = 0.02 / std::sqrt(2.0 * s.layers);
     init_linear(qkv, gen, 0.02);
     init_linear(proj, gen, residual_std);
+    if (s.experts > 0) {
+      moe::MoELayerOptions o;
+      o.d_model = s.d_model;
+      o.hidden = 4 * s.d_model;
+      o.router.num_experts = s.experts;
+      o.router.top_k = s.top_k;
+      o.dispatch.capacity_factor = s.capacity_factor;
+      experts = register_module("moe", moe::MoELayer(o, std::move(ep), moe_seed, 0.02, residual_std));
+      return;
+    }
+    fc = register_module("fc", nn::Linear(s.d_model, 4 * s.d_model));
+    fc2 = register_module("fc2", nn::Linear(4 * s.d_model, s.d_model));
     init_linear(fc, gen, 0.02);
     init_linear(fc2, gen, residual_std);
   }
@@ -67,11 +106,19 @@ struct BlockImpl : nn::Module {
     att = att.masked_fill(mask, -std::numeric_limits<double>::infinity()).softmax(-1);
     auto y = att.matmul(v).transpose(1, 2).reshape({B, T, D});
     auto h = x + proj(y);
-    return h + fc2(torch::gelu(fc(ln2(h))));
+    if (experts.is_empty()) return h + fc2(torch::gelu(fc(ln2(h))));
+    auto out = h + experts->forward(ln2(h));
+    if (aux_coef == 0.0) return out;
+    auto aux = experts->last_balance_loss() * aux_coef;
+    last_aux = aux.detach();
+    return AttachLoss::apply(out, aux, aux_scale);
   }
   int64_t heads;
+  double aux_coef = 0.0, aux_scale = 1.0;
+  torch::Tensor last_aux;  ///< the last forward's weighted load-balancing loss
   nn::LayerNorm ln1, ln2;
   nn::Linear qkv, proj, fc, fc2;
+  moe::MoELayer experts{nullptr};
 };
 TORCH_MODULE(Block);
 
@@ -102,15 +149,19 @@ TORCH_MODULE(Final);
 
 class GptChunk : public Chunk {
  public:
-  GptChunk(const ModelSpec& s, int64_t index, int64_t n, uint64_t seed) {
+  GptChunk(const ModelSpec& s, int64_t index, int64_t n, uint64_t seed,
+           std::shared_ptr<distributed::Comm> ep) {
     auto [begin, end] = layer_range(s.layers, index, n);
     const bool first = index == 0, last = index == n - 1;
     // Layer ids: 0 embedding, 1..L blocks, L+1 final.
     if (first || (last && s.tied_head))
       embed_ = register_module("embed", Embed(s, layer_generator(seed, 0), first));
     for (int64_t b = begin; b < end; ++b) {
-      blocks_.push_back(
-          register_module("block" + std::to_string(b), Block(s, layer_generator(seed, b + 1))));
+      // A MoE layer's experts draw from generators of their own, seeded by
+      // (seed, layer), so that any rank's slice equals the unsharded model's.
+      blocks_.push_back(register_module(
+          "block" + std::to_string(b),
+          Block(s, layer_generator(seed, b + 1), seed * 1000003ull + 7919ull * (b + 1), ep)));
     }
     if (last) final_ = register_module("final", Final(s, layer_generator(seed, s.layers + 1)));
     first_ = first;
@@ -140,6 +191,24 @@ class GptChunk : public Chunk {
     for (auto& b : blocks_)
       out.push_back(b.ptr());
     return out;
+  }
+  std::vector<torch::Tensor> expert_parameters() override {
+    std::vector<torch::Tensor> out;
+    for (auto& b : blocks_)
+      if (!b->experts.is_empty())
+        for (const auto& t : b->experts->expert_parameters())
+          out.push_back(t);
+    return out;
+  }
+  void set_aux_scale(double scale) override {
+    for (auto& b : blocks_)
+      b->aux_scale = scale;
+  }
+  double last_aux_loss() const override {
+    double sum = 0;
+    for (const auto& b : blocks_)
+      if (b->last_aux.defined()) sum += b->last_aux.item<double>();
+    return sum;
   }
 
  private:
@@ -190,15 +259,26 @@ void ModelSpec::check() const {
     TORCH_CHECK(heads >= 1 && d_model % heads == 0, "d_model ", d_model,
                 " must be divisible by the number of heads ", heads);
     TORCH_CHECK(vocab >= 2 && seq_len >= 1, "gpt needs vocab >= 2 and seq_len >= 1");
+    if (experts > 0) {
+      moe::RouterOptions r;
+      r.num_experts = experts;
+      r.top_k = top_k;
+      r.check();
+      TORCH_CHECK(capacity_factor >= 0 && aux_coef >= 0 && std::isfinite(aux_coef),
+                  "the MoE's capacity factor and load-balancing weight must be >= 0");
+    }
   } else {
     TORCH_CHECK(in_features >= 1, "mlp needs in_features >= 1");
+    TORCH_CHECK(experts == 0, "experts are for the gpt (--model moe), not the mlp");
   }
   // A size no run can hold is an error before anything is allocated (a raw
   // allocator message otherwise, or a machine swapping): the weights alone,
   // counted in double so that no product overflows.
   const double d = double(d_model), width = kind == "gpt" ? d : std::max(d, double(in_features));
+  const double mlp_copies = experts > 0 ? double(experts) : 1.0;
   const double params = kind == "gpt"
-                            ? double(layers) * 12.0 * d * d + double(vocab + seq_len) * d * 2
+                            ? double(layers) * (4.0 + 8.0 * mlp_copies) * d * d +
+                                  double(vocab + seq_len) * d * 2
                             : double(layers + 1) * width * width;
   const double bytes = params * double(c10::elementSize(dtype));
   const double memory = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGESIZE));
@@ -212,7 +292,7 @@ int64_t ModelSpec::cuttable_layers() const {
 }
 
 std::shared_ptr<Chunk> build_chunk(const ModelSpec& spec, int64_t index, int64_t num_chunks,
-                                   uint64_t seed) {
+                                   uint64_t seed, std::shared_ptr<distributed::Comm> ep) {
   spec.check();
   TORCH_CHECK(num_chunks >= 1 && index >= 0 && index < num_chunks, "chunk ", index, " of ",
               num_chunks, " does not exist");
@@ -222,7 +302,7 @@ std::shared_ptr<Chunk> build_chunk(const ModelSpec& spec, int64_t index, int64_t
               spec.kind == "gpt" ? ")" : " - 1)");
   std::shared_ptr<Chunk> chunk;
   if (spec.kind == "gpt") {
-    chunk = std::make_shared<GptChunk>(spec, index, num_chunks, seed);
+    chunk = std::make_shared<GptChunk>(spec, index, num_chunks, seed, std::move(ep));
   } else {
     chunk = std::make_shared<MlpChunk>(spec, index, num_chunks, seed);
   }

@@ -10,6 +10,10 @@
 #include <string>
 #include <vector>
 
+namespace hp::distributed {
+class Comm;
+}
+
 namespace hp::models {
 
 /// The shape of a reference model.
@@ -22,6 +26,13 @@ struct ModelSpec {
   int64_t seq_len = 32;      ///< tokens per sample (gpt)
   int64_t in_features = 32;  ///< input and output width (mlp)
   bool tied_head = false;    ///< gpt: the head reuses the token embedding
+  /// gpt: routed experts of each block's MoE layer in place of its MLP (0: a
+  /// dense MLP); `hp train --model moe`. Each expert is a GELU MLP of
+  /// 4 * d_model, `top_k` of them per token (hp/moe).
+  int64_t experts = 0;
+  int64_t top_k = 2;
+  double aux_coef = 0.01;        ///< the load-balancing loss's weight (0: none)
+  double capacity_factor = 0.0;  ///< 0: dropless (hp/moe DispatchOptions)
   torch::Dtype dtype = torch::kFloat32;
 
   /// Throws c10::Error saying what to change when the spec is inconsistent.
@@ -54,13 +65,27 @@ class Chunk : public torch::nn::Module {
   virtual torch::Tensor forward_with(const torch::Tensor& x, const BlockRunner& run_block) {
     return forward(x);
   }
+  /// The experts this chunk holds of its MoE layers (sharded over the
+  /// expert-parallel group: NOTE [Expert gradients] in hp/pipeline/pipeline.cpp).
+  virtual std::vector<torch::Tensor> expert_parameters() { return {}; }
+  /// The gradient each MoE layer's load-balancing loss (times aux_coef)
+  /// gets in the backward: the weight of one microbatch's loss (1 / the
+  /// microbatches it is averaged over). NOTE [The load-balancing loss of the
+  /// reference MoE] in models.cpp.
+  virtual void set_aux_scale(double scale) { (void)scale; }
+  /// Sum of the load-balancing losses (times aux_coef) of the last forward.
+  virtual double last_aux_loss() const { return 0.0; }
 };
 
 /// Builds chunk `index` of `num_chunks` (layers cut as evenly as possible,
 /// earlier chunks take the remainder). Throws when num_chunks exceeds the
 /// cuttable layers.
+/// A MoE gpt (spec.experts > 0) spreads its experts over `ep` (null: every
+/// expert local): rank r of ep holds experts [r * E / n, (r + 1) * E / n),
+/// with the values the unsharded model gives them.
 std::shared_ptr<Chunk> build_chunk(const ModelSpec& spec, int64_t index, int64_t num_chunks,
-                                   uint64_t seed);
+                                   uint64_t seed,
+                                   std::shared_ptr<distributed::Comm> ep = nullptr);
 
 /// The loss of the last chunk's output against the targets (mean over the
 /// microbatch): cross-entropy over tokens (gpt), mean squared error (mlp).

@@ -41,6 +41,11 @@ std::string report_json(const TrainConfig& c, const TrainResult& r) {
                  {"seed", c.seed},
                  {"recompute", c.recompute},
                  {"mode", c.graph ? "graph" : "pipeline"}};
+  if (c.model.experts > 0) {
+    j["config"]["experts"] = c.model.experts;
+    j["config"]["top_k"] = c.model.top_k;
+    j["config"]["ep"] = c.ep;
+  }
   if (!c.graph) {
     j["config"]["p2p"] = c.p2p;
     j["p2p_backend"] = r.p2p_backend;  // what rank 0's pipeline group used

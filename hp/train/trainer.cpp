@@ -261,8 +261,12 @@ TrainResult run_rank(const TrainConfig& config, std::shared_ptr<distributed::Com
   for (int st : sched.stages_of_rank(rank)) {
     const int c = sched.stage_chunk[st];
     if (chunks.count(c)) continue;
-    auto chunk = models::build_chunk(config.model, c, sched.num_chunks, config.seed);
+    // --ep: the copies of the pipeline hold different experts (hp/moe).
+    auto chunk = models::build_chunk(config.model, c, sched.num_chunks, config.seed,
+                                     config.ep > 1 ? distributed::for_device(dp_comm, device)
+                                                   : nullptr);
     chunk->to(device);  // initialised on the CPU: the same values on every device
+    chunk->set_aux_scale(1.0 / m);  // NOTE [The load-balancing loss of the reference MoE]
     chunks[c] = chunk;
     pipeline::ChunkModule mod;
     if (config.recompute) {
@@ -287,6 +291,7 @@ TrainResult run_rank(const TrainConfig& config, std::shared_ptr<distributed::Com
     // --fsdp: the stage's gradients are averaged by FsdpShards, not by the
     // Pipeline's reducer (NOTE [PP x FSDP in hp train]).
     if (config.fsdp) mod.dp_parameters = std::vector<torch::Tensor>{};
+    if (config.ep > 1) mod.expert_parameters = chunk->expert_parameters();
     modules[c] = std::move(mod);
   }
   models::Dataset data(config.model, config.data, config.microbatch_size, config.seed);
@@ -432,14 +437,25 @@ TrainResult run_rank(const TrainConfig& config, std::shared_ptr<distributed::Com
   if (fsdp) fsdp->gather();  // the final parameters, whole
 
   // Final parameters and a checksum that counts each model-wide name once.
-  double own_sum = 0.0;
+  // --ep: each copy holds other experts; theirs are summed over the copies.
+  std::set<const void*> experts;
+  for (const auto& [c, mod] : modules)
+    for (const auto& t : mod.expert_parameters)
+      experts.insert(t.unsafeGetTensorImpl());
+  double own_sum = 0.0, expert_sum = 0.0;
   for (auto& [name, tensors] : local_by_name) {
     result.parameters[name] = tensors[0].detach().to(torch::kCPU, /*non_blocking=*/false,
                                                      /*copy=*/true);
     if (*pipe.holders().at(name).begin() == rank)
-      own_sum += tensors[0].detach().to(torch::kFloat64).sum().item<double>();
+      (experts.count(tensors[0].unsafeGetTensorImpl()) ? expert_sum : own_sum) +=
+          tensors[0].detach().to(torch::kFloat64).sum().item<double>();
   }
-  auto cs = torch::tensor({own_sum}, torch::kFloat64);
+  if (config.ep > 1) {
+    auto es = torch::tensor({expert_sum}, torch::kFloat64);
+    dp_comm->all_reduce(es);
+    expert_sum = es.item<double>();
+  }
+  auto cs = torch::tensor({own_sum + expert_sum}, torch::kFloat64);
   comm->all_reduce(cs);
   result.checksum = cs.item<double>();
 
@@ -516,6 +532,7 @@ TrainResult train_reference(const TrainConfig& config) {
   if (!device.is_cpu()) on_device.reset_device(device);
   auto model = models::build_chunk(config.model, 0, 1, config.seed);
   model->to(device);
+  model->set_aux_scale(1.0 / config.microbatches);
   models::Dataset data(config.model, config.data, config.microbatch_size, config.seed);
   std::vector<torch::Tensor> params = model->parameters();
   auto optimizer = make_optimizer(config, params);

@@ -336,6 +336,44 @@ TEST(TrainEndToEnd, PipelineTimesDataParallelEqualsSingleProcessTraining) {
   fs::remove_all(dir);
 }
 
+// `hp train --model moe --pp 2 --ep 2`: four real rank processes, each
+// pipeline copy holding half the experts of every MoE layer (hp/moe); the
+// losses and the whole model's checksum equal one process training the
+// unsharded model on both copies' microbatches, on a split and a V schedule.
+std::string moe_flags(const TrainConfig& c) {
+  std::string f = train_flags(c);
+  return f.replace(f.find("--model gpt"), 11, "--model moe");
+}
+
+TEST(TrainEndToEnd, PipelineTimesExpertParallelEqualsSingleProcessTraining) {
+  for (const std::string schedule : {"zb-h1", "dualpipev"}) {
+    TrainConfig c = small(schedule, 2);
+    if (schedule == "dualpipev") c.microbatches = 6;
+    c.model.experts = 4;
+    c.model.top_k = 2;
+    auto dir = fresh_dir("ep" + schedule);
+    HpRun r = run_hp(moe_flags(c) + " --experts 4 --top-k 2 --ep 2 --report " +
+                     (dir / "report.json").string());
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("4 ranks (pp 2 x ep 2)"), std::string::npos) << r.output;
+    TrainConfig whole = c;
+    whole.microbatches = 2 * c.microbatches;
+    auto ref = hp::train::train_reference(whole);
+    auto report = read_json(dir / "report.json");
+    EXPECT_EQ(report["config"]["ep"], 2);
+    EXPECT_EQ(report["config"]["experts"], 4);
+    expect_report_matches(report, ref, /*checksum=*/true);
+    fs::remove_all(dir);
+  }
+  HpRun bad = run_hp(moe_flags(small("1f1b", 2)) + " --experts 3 --ep 2");
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.output.find("--experts 3 do not divide over --ep 2"), std::string::npos)
+      << bad.output;
+  HpRun dense = run_hp(train_flags(small("1f1b", 2)) + " --ep 2");
+  EXPECT_NE(dense.output.find("--ep applies only to --model moe"), std::string::npos)
+      << dense.output;
+}
+
 // `hp train --pp 2 --dp D --fsdp` (NOTE [PP x FSDP in hp train]): the stages
 // sharded over the copies between steps train exactly as one process on all
 // copies' microbatches. zb-h1 over 2 copies; zbv (two chunks a rank) over 3,

@@ -28,6 +28,7 @@ namespace {
 struct TrainArgs {
   train::TrainConfig config;
   std::string dtype = "float32";
+  std::string model = "gpt";  // --model: gpt, moe or mlp
   int64_t batch = 0;  // global batch rows; 0 = microbatches * microbatch_size
   std::string seed = "0";
   CLI::App* app = nullptr;  // to ask which options were given
@@ -68,6 +69,9 @@ void refuse_options_that_do_not_apply(const TrainArgs& a) {
           "interleaved-bfs, interleaved-zb); '" +
           c.schedule + "' places its own stages; drop -v/--chunks");
   }
+  if (a.model != "moe")
+    for (const char* o : {"--experts", "--top-k", "--ep", "--capacity-factor", "--aux-coef"})
+      if (given(o)) refuse(std::string(o) + " applies only to --model moe; drop it");
   if (c.model.kind == "mlp") {
     for (const char* o : {"--heads", "--seq-len", "--untied", "--data", "--recompute"})
       if (given(o))
@@ -103,7 +107,13 @@ uint64_t parse_seed(const std::string& text) {
 
 void finish_config(TrainArgs& a) {
   auto& c = a.config;
+  // --model moe: the gpt whose blocks hold MoE layers (hp/moe).
+  c.model.kind = a.model == "moe" ? "gpt" : a.model;
+  if (a.model == "moe" && a.app->count("--experts") == 0) c.model.experts = 8;
   refuse_options_that_do_not_apply(a);
+  // --ep E: the experts over the data-parallel copies (NOTE [Expert
+  // gradients] in hp/pipeline/pipeline.cpp); --dp defaults to E.
+  if (c.ep > 1 && a.app->count("--dp") == 0) c.dp = c.ep;
   if (!c.schedule_file.empty()) c.schedule = "file:" + c.schedule_file;  // its name in reports
   c.seed = parse_seed(a.seed);
   if (a.app->count("--batch") > 0 && a.batch < 1)
@@ -182,11 +192,15 @@ int run_launcher(const TrainArgs& a) {
     start_step = plan.step;
   }
   const std::string ranks = c.dp > 1 ? std::to_string(c.nproc * c.dp) + " ranks (pp " +
-                                           std::to_string(c.nproc) + " x dp " +
+                                           std::to_string(c.nproc) + (c.ep > 1 ? " x ep " : " x dp ") +
                                            std::to_string(c.dp) + ")"
                                      : std::to_string(c.nproc) + " ranks";
   std::fprintf(stderr, "hp train: %s, %s, %s, %d microbatches of %lld, %d steps\n",
-               c.model.kind.c_str(), ranks.c_str(),
+               (c.model.experts > 0 ? "moe (" + std::to_string(c.model.experts) + " experts, top " +
+                                          std::to_string(c.model.top_k) + ")"
+                                    : c.model.kind)
+                   .c_str(),
+               ranks.c_str(),
                c.graph ? "graph mode" : ("schedule " + c.schedule).c_str(), c.microbatches,
                (long long)c.microbatch_size, c.steps);
   launch::LaunchOptions lo;
@@ -215,7 +229,18 @@ void add_train_command(CLI::App& app) {
   auto a = std::make_shared<TrainArgs>();
   auto& c = a->config;
   auto* t = app.add_subcommand("train", "train a model with pipeline parallelism on local ranks");
-  t->add_option("--model", c.model.kind, "gpt or mlp")->check(CLI::IsMember({"gpt", "mlp"}));
+  t->add_option("--model", a->model, "gpt, moe (the gpt with MoE layers) or mlp")
+      ->check(CLI::IsMember({"gpt", "moe", "mlp"}));
+  t->add_option("--experts", c.model.experts, "--model moe: routed experts per layer (default 8)");
+  t->add_option("--top-k", c.model.top_k, "--model moe: experts per token");
+  t->add_option("--ep", c.ep,
+                "--model moe: spread the experts over E ranks, the data-parallel copies "
+                "(--pp x E processes; --dp, when given, must be E)");
+  t->add_option("--capacity-factor", c.model.capacity_factor,
+                "--model moe: rows an expert takes per rank, as a multiple of an even share "
+                "(0: dropless)");
+  t->add_option("--aux-coef", c.model.aux_coef,
+                "--model moe: weight of the load-balancing loss");
   t->add_option("--layers", c.model.layers, "transformer blocks (gpt) or hidden layers (mlp)");
   t->add_option("--d-model", c.model.d_model, "width");
   t->add_option("--heads", c.model.heads, "attention heads");
