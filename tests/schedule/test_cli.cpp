@@ -2,15 +2,26 @@
 // table leads with step time and idle, tune and recommend write a CSV that
 // show reads back, and bad input is refused with the file, the line or the
 // bound.
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 #include <string>
 #include <vector>
+
+extern char** environ;
 
 namespace {
 
@@ -40,6 +51,73 @@ std::string temp(const std::string& name) {
 void write(const std::string& path, const std::string& text) {
   std::ofstream out(path, std::ios::binary);
   out << text;
+}
+
+// `hp args...` with its standard output on `out_fd` and its standard error
+// read back; SIGPIPE ignored in the child when `ignore_sigpipe` (a shell's
+// default otherwise). status: the exit code, or -signal when killed.
+struct Spawned {
+  int status = -999;
+  std::string err;
+};
+Spawned spawn_hp(const std::vector<std::string>& args, int out_fd, bool ignore_sigpipe) {
+  Spawned res;
+  int errp[2];
+  if (::pipe(errp) != 0) return res;
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_adddup2(&fa, out_fd, 1);
+  posix_spawn_file_actions_adddup2(&fa, errp[1], 2);
+  posix_spawn_file_actions_addclose(&fa, errp[0]);
+  posix_spawnattr_t at;
+  posix_spawnattr_init(&at);
+  sigset_t def;
+  sigemptyset(&def);
+  sigaddset(&def, SIGPIPE);
+  posix_spawnattr_setsigdefault(&at, &def);
+  if (!ignore_sigpipe) posix_spawnattr_setflags(&at, POSIX_SPAWN_SETSIGDEF);
+  std::vector<std::string> argv_s = {HP_BIN};
+  argv_s.insert(argv_s.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (auto& a : argv_s)
+    argv.push_back(a.data());
+  argv.push_back(nullptr);
+  // An ignored signal stays ignored across exec: ignore it around the spawn.
+  struct sigaction old {}, ign {};
+  ign.sa_handler = SIG_IGN;
+  if (ignore_sigpipe) ::sigaction(SIGPIPE, &ign, &old);
+  pid_t pid = -1;
+  const int rc = ::posix_spawn(&pid, HP_BIN, &fa, &at, argv.data(), environ);
+  if (ignore_sigpipe) ::sigaction(SIGPIPE, &old, nullptr);
+  posix_spawn_file_actions_destroy(&fa);
+  posix_spawnattr_destroy(&at);
+  ::close(errp[1]);
+  if (rc != 0) {
+    ::close(errp[0]);
+    return res;
+  }
+  char buf[4096];
+  ssize_t n;
+  while ((n = ::read(errp[0], buf, sizeof buf)) > 0)
+    res.err.append(buf, static_cast<size_t>(n));
+  ::close(errp[0]);
+  int st = 0;
+  ::waitpid(pid, &st, 0);
+  res.status = WIFEXITED(st) ? WEXITSTATUS(st) : WIFSIGNALED(st) ? -WTERMSIG(st) : -999;
+  return res;
+}
+
+// A folder of the test's own with the full device (char 1,7) in it, made by
+// mknod; empty when this process may not make device nodes.
+std::string own_full_device(const std::string& dir) {
+  ::mkdir(dir.c_str(), 0755);
+  const std::string dev = dir + "/full";
+  ::unlink(dev.c_str());
+  if (::mknod(dev.c_str(), S_IFCHR | 0666, makedev(1, 7)) != 0) return "";
+  const int fd = ::open(dev.c_str(), O_WRONLY);
+  if (fd < 0) return "";
+  ::close(fd);
+  return dev;
 }
 
 }  // namespace
@@ -194,6 +272,102 @@ TEST(Cli, SizesAndCostsBeyondTheRulesAreRefusedAtOnce) {
   // A CSV that cannot be written (its folder is missing) fails, naming it.
   CliRun csv = hp("schedule show 1f1b -p 2 -m 4 --csv /nonexistent-hp-folder/s.csv");
   EXPECT_EQ(csv.status, 1) << csv.out;
-  EXPECT_NE(csv.out.find("cannot write '/nonexistent-hp-folder/s.csv'"), std::string::npos)
+  EXPECT_NE(csv.out.find("cannot write '/nonexistent-hp-folder/s.csv' (--csv): the folder "
+                         "'/nonexistent-hp-folder' does not exist"),
+            std::string::npos)
       << csv.out;
+}
+
+// Issue 46: every output option is checked before any work: a search that
+// would take seconds is refused at once when its output cannot be written.
+TEST(Cli, OutputPathsAreRefusedBeforeAnyWork) {
+  const auto t0 = std::chrono::steady_clock::now();
+  for (const std::string& args :
+       {std::string("schedule show zb-auto -p 1024 -m 45 --svg /nonexistent-hp-folder/s.svg"),
+        std::string("schedule show zb-auto -p 1024 -m 45 --trace /nonexistent-hp-folder/t.json"),
+        std::string("schedule compare -p 64 -m 128 --svg /nonexistent-hp-folder/c.svg")}) {
+    CliRun r = hp(args);
+    EXPECT_EQ(r.status, 1) << args << "\n" << r.out;
+    EXPECT_NE(r.out.find("does not exist; create it"), std::string::npos) << r.out;
+  }
+  const std::string costs = temp("out_costs.json");
+  write(costs, R"({"stages": [{"f": 1, "i": 1, "w": 1}, {"f": 1, "i": 1, "w": 1}]})");
+  const std::string folder = temp("out_folder");
+  ::mkdir(folder.c_str(), 0755);
+  for (const std::string& cmd : {std::string("tune"), std::string("recommend")}) {
+    CliRun r = hp("schedule " + cmd + " --costs " + costs + " -m 4 -o " + folder);
+    EXPECT_EQ(r.status, 1) << cmd << "\n" << r.out;
+    EXPECT_NE(r.out.find("(-o): it is a folder; give a file name"), std::string::npos) << r.out;
+  }
+  std::remove(costs.c_str());
+  ::rmdir(folder.c_str());
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 5.0);
+}
+
+// Issue 46: --csv to a device node of the test's own (the full device) fails
+// and leaves the node a device; --csv to a symlink writes its target.
+TEST(Cli, CsvToADeviceOrALinkLeavesThemWhatTheyAre) {
+  const std::string dir = temp("devdir");
+  const std::string full = own_full_device(dir);
+  if (full.empty()) {
+    GTEST_SKIP() << "\n\n*** SKIPPED: cannot make and open a device node in " << dir
+                 << " (not root, or a nodev mount) ***\n";
+  }
+  CliRun r = hp("schedule show zb-h1 -p 2 -m 4 --csv " + full);
+  EXPECT_EQ(r.status, 1) << r.out;
+  EXPECT_NE(r.out.find("cannot write '" + full + "': write: No space left on device"),
+            std::string::npos)
+      << r.out;
+  struct stat st {};
+  ASSERT_EQ(::lstat(full.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISCHR(st.st_mode)) << "the device node was replaced";
+  const std::string target = dir + "/target.csv", link = dir + "/link.csv";
+  ::unlink(target.c_str());
+  ::unlink(link.c_str());
+  ASSERT_EQ(::symlink("target.csv", link.c_str()), 0);
+  CliRun ok = hp("schedule show zb-h1 -p 2 -m 4 --csv " + link);
+  EXPECT_EQ(ok.status, 0) << ok.out;
+  ASSERT_EQ(::lstat(link.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISLNK(st.st_mode)) << "the link was replaced";
+  std::ifstream in(target);
+  std::string first;
+  std::getline(in, first);
+  EXPECT_EQ(first, "# hp-schedule,1");
+  std::system(("rm -rf '" + dir + "'").c_str());
+}
+
+// Issue 46: standard output on a full device (the test's own node) or on a
+// pipe whose reader is gone is an error, never exit 0 (as coreutils).
+TEST(Cli, StandardOutputThatCannotBeWrittenIsAnError) {
+  const std::string dir = temp("stdoutdir");
+  const std::string full = own_full_device(dir);
+  if (full.empty()) {
+    ADD_FAILURE() << "cannot make and open a device node in " << dir;
+  } else {
+    const int fd = ::open(full.c_str(), O_WRONLY);
+    ASSERT_GE(fd, 0);
+    for (const std::vector<std::string>& args :
+         {std::vector<std::string>{"schedule", "show", "zb-h1", "-p", "2", "-m", "4"},
+          std::vector<std::string>{"schedule", "list"},
+          std::vector<std::string>{"schedule", "compare", "-p", "4", "-m", "8", "--json"}}) {
+      Spawned r = spawn_hp(args, fd, false);
+      EXPECT_EQ(r.status, 1) << args[1] << ": " << r.err;
+      EXPECT_NE(r.err.find("hp: error: cannot write the standard output"), std::string::npos)
+          << r.err;
+    }
+    ::close(fd);
+  }
+  // A pipe whose reader closed: with SIGPIPE ignored, exit 1 and the message;
+  // with the default, the signal ends it (a shell's 141), not exit 0.
+  int p[2];
+  ASSERT_EQ(::pipe(p), 0);
+  ::close(p[0]);
+  Spawned ign = spawn_hp({"schedule", "show", "zb-h1", "-p", "2", "-m", "4"}, p[1], true);
+  EXPECT_EQ(ign.status, 1) << ign.err;
+  EXPECT_NE(ign.err.find("hp: error: cannot write the standard output"), std::string::npos)
+      << ign.err;
+  Spawned dfl = spawn_hp({"schedule", "show", "zb-h1", "-p", "2", "-m", "4"}, p[1], false);
+  EXPECT_EQ(dfl.status, -SIGPIPE) << dfl.err;
+  ::close(p[1]);
+  std::system(("rm -rf '" + dir + "'").c_str());
 }

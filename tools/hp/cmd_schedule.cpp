@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
+#include <initializer_list>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -102,6 +103,13 @@ void write_file(const std::string& path, const std::string& text) {
   hs::write_text_file(path, text);  // NOTE [Output files are whole]
 }
 
+// Every output option refused before any work when its path cannot be
+// written (NOTE [Output files are whole]); empty ones are not given.
+void check_outputs(std::initializer_list<std::pair<const char*, const std::string*>> outputs) {
+  for (const auto& [option, path] : outputs)
+    if (!path->empty()) hs::check_output_path(*path, option);
+}
+
 std::string pct(double v) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%.2f%%", 100 * v);
@@ -121,6 +129,7 @@ struct ShowArgs {
 };
 
 void run_show(const ShowArgs& a) {
+  check_outputs({{"--csv", &a.csv}, {"--svg", &a.svg}, {"--trace", &a.trace}});
   hs::Schedule s;
   if (!a.from.empty()) {
     s = hs::from_csv(hs::read_input_file(a.from), a.from);
@@ -175,6 +184,7 @@ struct CompareArgs {
 };
 
 void run_compare(const CompareArgs& a) {
+  check_outputs({{"--svg", &a.svg}});
   hs::BuildOptions bo = options_of(a.c);
   hs::CostModel costs = costs_of(a.c);
   const double limit = mem_limit_of(a.c);
@@ -294,6 +304,7 @@ struct TuneArgs {
 // as a schedule CSV, beside the fixed schedules on the same p-stage cut.
 void run_tune(const TuneArgs& a) {
   if (a.out.empty()) throw std::invalid_argument("hp schedule tune: give -o OUT.csv");
+  check_outputs({{"-o", &a.out}});
   const auto [costs, p] = costs_and_ranks("tune", a.costs, a.p);
   check_microbatches("tune", p, a.m);
   const double limit = parse_mem_limit(a.mem_limit, p * costs.mem_b);
@@ -351,6 +362,7 @@ struct RecommendArgs {
 // first, by step time; the top one written as CSV for `hp train
 // --schedule-file`.
 void run_recommend(const RecommendArgs& a) {
+  check_outputs({{"-o", &a.out}});
   const auto [costs, p] = costs_and_ranks("recommend", a.costs, a.p);
   const int m = a.m > 0 ? a.m : 4 * p;
   check_microbatches("recommend", p, m);

@@ -1,7 +1,11 @@
 // Entry point of the `hp` command line tool: builds the CLI11 app from the
-// registered subcommands and turns library errors into a clean exit code.
+// registered subcommands and turns library errors, and a standard output that
+// could not be written, into a clean exit code.
 #include <unistd.h>
 
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
 #include <exception>
 #include <iostream>
 #include <stdexcept>
@@ -28,6 +32,30 @@ std::vector<std::string>& command_line() {
 }
 }  // namespace hp::cli
 
+namespace {
+
+// NOTE [Standard output is checked]
+// `hp schedule show ... > /dev/full` printed into a full device and exited 0:
+// std::cout and printf buffer their output and report a failed write only in
+// the stream's error state, which nobody read. As coreutils do, main flushes
+// standard output at the end and checks both the flush and every earlier
+// write (the stream's error flag); a failure is "hp: error: ..." on stderr
+// and exit status 1, whatever the command did. (A reader that closed its pipe
+// ends the process with SIGPIPE first, as for coreutils: not exit 0 either.)
+bool stdout_written() {
+  std::cout.flush();
+  errno = 0;
+  const bool flushed = std::fflush(stdout) == 0;
+  const int err = errno;
+  if (flushed && !std::ferror(stdout) && std::cout.good()) return true;
+  std::cerr << "hp: error: cannot write the standard output: "
+            << (err ? std::strerror(err) : "a write failed")
+            << "; the output is incomplete (a full device or a closed pipe?)\n";
+  return false;
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   CLI::App app{"hyperparallel: pipeline parallelism at close to zero bubble", "hp"};
   app.require_subcommand(1);
@@ -37,14 +65,16 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    const int code = app.exit(e);
+    return stdout_written() ? code : 1;
   } catch (const std::exception& e) {
     // LibTorch's errors append a C++ backtrace that says nothing to a user.
     std::string msg = e.what();
     auto cut = msg.find("\nException raised from");
     if (cut != std::string::npos) msg.resize(cut);
     std::cerr << "hp: error: " << msg << "\n";
+    stdout_written();
     return 1;
   }
-  return 0;
+  return stdout_written() ? 0 : 1;
 }
