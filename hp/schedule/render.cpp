@@ -105,11 +105,16 @@ std::string render_ascii(const Timeline& t, const AsciiOptions& opts) {
   const int width = std::max(1, static_cast<int>(std::ceil(span / unit * cpu - 1e-9)));
   auto col = [&](double time) { return static_cast<int>(std::lround(time / unit * cpu)); };
   const int label_w = static_cast<int>(std::to_string(std::max(t.num_ranks - 1, 0)).size());
+  // Each rank's events, found once (a scan of every event per rank took 4 s
+  // at 4096 ranks).
+  std::vector<std::vector<const Event*>> by_rank(std::max(t.num_ranks, 0));
+  for (const auto& e : t.events)
+    if (e.rank >= 0 && e.rank < t.num_ranks) by_rank[e.rank].push_back(&e);
   for (int r = 0; r < t.num_ranks; ++r) {
     std::vector<char> cells(width, '.');
     std::vector<signed char> kind(width, -1);
-    for (const auto& e : t.events) {
-      if (e.rank != r) continue;
+    for (const Event* ep : by_rank[r]) {
+      const auto& e = *ep;
       for (const auto& s : segments(e)) {
         int a = std::clamp(col(s.start), 0, width), b = std::clamp(col(s.end), 0, width);
         if (b <= a) {

@@ -10,6 +10,8 @@
 #include <limits>
 #include <stdexcept>
 
+#include "hp/schedule/time_order.h"
+
 namespace hp::schedule {
 
 // NOTE [V-shape building blocks]
@@ -117,6 +119,85 @@ int peak_of(const std::vector<int>& occ, bool explicit_w) {
   return res;
 }
 
+// One slot of peak_of's scan: `cur` (memory) and `pending` (I's whose W has
+// not run) after slot type `t`.
+inline void peak_step(int t, bool explicit_w, int& cur, int& pending) {
+  if (t == 0 || t == 1) {
+    ++cur;
+  } else if (t == 2 || t == 3) {
+    ++pending;
+  } else if (t == 4) {
+    --cur;
+  } else if (!explicit_w && pending > 0) {
+    --cur;
+    --pending;
+  }
+}
+
+// NOTE [Squeeze without rescans]
+// The squeeze tries, for every op, the free slots before it from the earliest
+// its inputs allow, and keeps the first that leaves the rank's peak memory
+// within the block's; it used to scan the whole row (peak_of) per slot tried:
+// at p = 4096 rows are 16 thousand slots long and v-zb took 50 s. Moving an op
+// from slot `from` to an earlier `cand` changes nothing before `cand`, and
+// after `from` the scan's state (memory, pending W's) meets the old one again
+// within a few slots, from where the row is what it was. The row's state after
+// every slot is kept, so a try scans only from `cand` until the states meet
+// (failing as soon as memory passes the peak: the row before `cand` and after
+// the meeting point is within it already), and an accepted move updates the
+// kept states over the same stretch. The same moves are accepted as before.
+class RowScan {
+ public:
+  RowScan(const std::vector<int>& occ, bool explicit_w) : explicit_w_(explicit_w) {
+    cur_.resize(occ.size());
+    pend_.resize(occ.size());
+    int cur = 0, pending = 0;
+    for (size_t i = 0; i < occ.size(); ++i) {
+      peak_step(occ[i], explicit_w_, cur, pending);
+      cur_[i] = cur;
+      pend_[i] = pending;
+    }
+  }
+
+  /// Memory after slot `i`.
+  int memory_after(int i) const { return cur_[i]; }
+
+  /// Whether moving the op of `occ` at slot `from` to the free slot `cand`
+  /// (cand < from) keeps the row's memory within `peak` (the row is within it
+  /// now).
+  bool fits(const std::vector<int>& occ, int cand, int from, int peak) const {
+    return rescan(occ, cand, from, peak, nullptr);
+  }
+  /// Records that move (before the caller makes it in `occ`).
+  void move(const std::vector<int>& occ, int cand, int from) {
+    rescan(occ, cand, from, std::numeric_limits<int>::max(), this);
+  }
+
+ private:
+  // The scan of the moved row from `cand` until its state meets the kept one
+  // past `from` (or the row ends); false once memory passes `peak`. With
+  // `into`, writes the new states there.
+  bool rescan(const std::vector<int>& occ, int cand, int from, int peak, RowScan* into) const {
+    int cur = cand > 0 ? cur_[cand - 1] : 0, pending = cand > 0 ? pend_[cand - 1] : 0;
+    const int n = static_cast<int>(occ.size());
+    for (int i = cand; i < n; ++i) {
+      const int t = i == cand ? occ[from] : i == from ? -1 : occ[i];
+      peak_step(t, explicit_w_, cur, pending);
+      if (cur > peak) return false;
+      const bool met = i >= from && cur == cur_[i] && pending == pend_[i];
+      if (into) {
+        into->cur_[i] = cur;
+        into->pend_[i] = pending;
+      }
+      if (met) return true;
+    }
+    return true;
+  }
+
+  bool explicit_w_;
+  std::vector<int> cur_, pend_;
+};
+
 // W's in the free slots, in the order of the I's (up stage's first when
 // `split`, as the paper's code places them at the end).
 std::vector<int> place_w(const std::array<std::vector<int>, kTypes>& ops, bool split,
@@ -201,6 +282,10 @@ void squeeze(Slots& s, bool with_w) {
     if (a.t != b.t) return a.t < b.t;
     return a.k < b.k;
   });
+  std::vector<RowScan> scans;
+  scans.reserve(p);
+  for (int r = 0; r < p; ++r)
+    scans.emplace_back(occ[r], with_w);
   int phase = 0;
   std::vector<int> b_sorted;
   for (const Item& it : items) {
@@ -227,16 +312,29 @@ void squeeze(Slots& s, bool with_w) {
     if (k > 0) dep = std::max(dep, slot_ref(r, t, k - 1));
     int& cur = slot_ref(r, t, k);
     const int from = cur;
-    for (int cand = dep + 1; cand < from; ++cand) {
-      if (occ[r][cand] >= 0) continue;
-      occ[r][from] = -1;
-      occ[r][cand] = t;
-      if (peak_of(occ[r], with_w) <= peak) {
-        cur = cand;
-        break;
+    // NOTE [Squeeze without rescans]
+    int to = -1;
+    if (with_w) {
+      // Explicit W's: memory between `to` and `from` goes up by one for an F,
+      // stays for an I, goes down for a W; the earliest free slot that keeps
+      // it within the peak, found in one pass back from `from`.
+      int most = std::numeric_limits<int>::min();
+      for (int cand = from - 1; cand > dep; --cand) {
+        if (t == 0 || t == 1) {
+          most = std::max(most, scans[r].memory_after(cand));
+          if (most + 1 > peak) break;
+        }
+        if (occ[r][cand] < 0) to = cand;
       }
-      occ[r][cand] = -1;
-      occ[r][from] = t;
+    } else {
+      for (int cand = dep + 1; cand < from && to < 0; ++cand)
+        if (occ[r][cand] < 0 && scans[r].fits(occ[r], cand, from, peak)) to = cand;
+    }
+    if (to >= 0) {
+      scans[r].move(occ[r], to, from);
+      occ[r][from] = -1;
+      occ[r][to] = t;
+      cur = to;
     }
   }
 }
@@ -405,16 +503,18 @@ Schedule greedy_v(int p, int m, const CostModel& costs, const VGreedyParams& vp)
   for (int k = 0; k < m; ++k)
     f_arr[0][k] = 0.0;
   std::vector<int> nf(S, 0), ni(S, 0);
-  std::vector<double> t(p, 0.0), mem(p, 0.0);
+  std::vector<double> mem(p, 0.0);
   std::vector<std::deque<std::pair<int, int>>> pend(p);
   std::vector<int> done(p, 0);  // W's run
-  int unfinished = p;
+  // NOTE [Greedy heuristic and time order] (zb_auto.cpp)
+  detail::RankClocks clocks(p, min_cost + min_hop);
   long long waits = 0;  // consecutive decisions to wait: all ranks blocked means stuck
-  while (unfinished > 0) {
-    int r = -1;
-    for (int q = 0; q < p; ++q)
-      if (done[q] < 2 * m && (r < 0 || t[q] < t[r])) r = q;
-    const double T = t[r];
+  for (int r = clocks.next(); r >= 0; r = clocks.next()) {
+    const double T = clocks.clock(r);
+    if (!(T < kInf))
+      throw std::invalid_argument("greedy V: stuck on rank " + std::to_string(r) +
+                                  " under memory limit " + std::to_string(vp.mem_limit) +
+                                  "; raise --mem-limit");
     const int dn = r, up = S - 1 - r;
     const bool up_room = mem[r] + mb[up] <= vp.mem_limit + slack;
     const bool up_f = nf[up] < nf[dn] && f_arr[up][nf[up]] <= T + kEps && up_room;
@@ -468,15 +568,7 @@ Schedule greedy_v(int p, int m, const CostModel& costs, const VGreedyParams& vp)
       if (ni[up] < nf[up]) next = std::min(next, g_arr[up][ni[up]]);
       if (ni[dn] < ni[up]) next = std::min(next, g_arr[dn][ni[dn]]);
       if (next <= T + kEps) next = kInf;  // known but blocked (memory): wait for others
-      double bound = kInf;
-      for (int q = 0; q < p; ++q)
-        if (q != r && done[q] < 2 * m) bound = std::min(bound, t[q] + min_cost + min_hop);
-      const double target = std::min(next, bound);
-      if (!(target < kInf))
-        throw std::invalid_argument("greedy V: stuck on rank " + std::to_string(r) +
-                                    " under memory limit " + std::to_string(vp.mem_limit) +
-                                    "; raise --mem-limit");
-      t[r] = std::max(target, T + kEps);
+      clocks.waited(r, next);
       continue;
     }
     waits = 0;
@@ -487,14 +579,16 @@ Schedule greedy_v(int p, int m, const CostModel& costs, const VGreedyParams& vp)
       mem[r] += mb[dn];
       s.actions[r].push_back(Action::make(Op::F, dn, k));
       f_arr[dn + 1][k] = end + hop[dn];  // dn + 1 is on rank r + 1, or the turn (free)
+      if (r + 1 < p) clocks.delivered(r + 1, end + hop[dn]);
     } else if (op == 1) {
       const int k = nf[up]++;
       end = T + fc[up];
       mem[r] += mb[up];
       s.actions[r].push_back(Action::make(Op::F, up, k));
-      if (up + 1 < S)
+      if (up + 1 < S) {
         f_arr[up + 1][k] = end + hop[up];
-      else
+        clocks.delivered(r - 1, end + hop[up]);  // stage up + 1 is on rank r - 1
+      } else
         g_arr[up][k] = end;  // the loss: the last stage's own gradient
     } else if (op == 2 || op == 3) {
       const int st = op == 2 ? up : dn;
@@ -503,16 +597,20 @@ Schedule greedy_v(int p, int m, const CostModel& costs, const VGreedyParams& vp)
       mem[r] += mw[st] - mb[st];
       s.actions[r].push_back(Action::make(Op::I, st, k));
       pend[r].emplace_back(st, k);
-      if (st > 0) g_arr[st - 1][k] = end + hop[st - 1];
+      if (st > 0) {
+        g_arr[st - 1][k] = end + hop[st - 1];
+        if (st != p) clocks.delivered(st - 1 < p ? st - 1 : S - st, end + hop[st - 1]);
+      }
     } else {
       const auto [st, k] = pend[r].front();
       pend[r].pop_front();
       end = T + wc[st];
       mem[r] -= mw[st];
       s.actions[r].push_back(Action::make(Op::W, st, k));
-      if (++done[r] == 2 * m) --unfinished;
+      ++done[r];
     }
-    t[r] = end;
+    clocks.acted(r, end);
+    if (done[r] == 2 * m) clocks.finished(r);
   }
   return s;
 }

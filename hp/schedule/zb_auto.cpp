@@ -10,6 +10,7 @@
 
 #include "hp/schedule/generators.h"
 #include "hp/schedule/refine.h"
+#include "hp/schedule/time_order.h"
 
 namespace hp::schedule {
 
@@ -22,9 +23,23 @@ constexpr double kEps = 1e-9;
 // Ranks are advanced in order of their current time: the rank with the
 // smallest clock T decides next. Every op not yet placed starts at or after T,
 // so every input arriving at or before T is already known when the rank
-// decides. A rank with nothing to do jumps to its next known arrival or to the
-// earliest moment another rank could deliver something (its clock + the
-// cheapest op + comm), which is always later than T: the loop terminates.
+// decides. Inputs come only from the neighbours (r - 1 and r + 1, on the loop
+// and on the V alike), so a rank with nothing to do decides again at its next
+// known arrival or at the earliest a neighbour could deliver something: the
+// earliest that neighbour can act (the end of its op; while it waits, its own
+// next known arrival) plus the cheapest op and transfer; a neighbour that
+// could act sooner, or an input that arrives, pulls it in again; with nothing
+// known it sleeps until then (detail::RankClocks, time_order.h). When every
+// rank left sleeps, the heuristic is stuck and says so. Three faults of the
+// earlier form, which bounded a waiting rank by every other rank's clock:
+// `tune`, `recommend` and `memory-table` never finished when costs spanned
+// about 1e15 (F 1e12 on one stage, 1e-3 on the others), as idle ranks
+// leapfrogged one another in steps of the cheapest op across a 1e12 wait,
+// about 1e15 decisions; the step "at least T + 1e-9" is no step at all once T
+// is past about 1e7 (a double's spacing there is larger), so a rank could
+// wait at the same T forever (now: at least the next double after T); and at
+// p = 4096 ranks every rank waited once per rank ahead of it in the fill, p^2
+// waits of O(p) each (now: a few waits per op, each O(log p)).
 Schedule greedy_zero_bubble(int p, int m, const CostModel& costs, const HeuristicParams& hp) {
   costs.check(p);
   if (static_cast<int>(hp.warmup.size()) != p || static_cast<int>(hp.max_inflight.size()) != p)
@@ -54,23 +69,22 @@ Schedule greedy_zero_bubble(int p, int m, const CostModel& costs, const Heuristi
   std::vector<std::vector<double>> g_arr(p, std::vector<double>(m, kInf));
   for (int k = 0; k < m; ++k)
     f_arr[0][k] = 0.0;
-  std::vector<double> t(p, 0.0), mem(p, 0.0);
+  std::vector<double> mem(p, 0.0);
   std::vector<int> nf(p, 0), ni(p, 0), nw(p, 0);
-  int unfinished = p;
-  auto finished = [&](int r) { return nw[r] == m; };
+  detail::RankClocks clocks(p, min_cost + (p > 1 ? min_comm : 0.0));
 
-  while (unfinished > 0) {
-    int r = -1;
-    for (int q = 0; q < p; ++q)
-      if (!finished(q) && (r < 0 || t[q] < t[r])) r = q;
-    const double T = t[r];
+  for (int r = clocks.next(); r >= 0; r = clocks.next()) {
+    const double T = clocks.clock(r);
+    if (!(T < kInf))
+      throw std::invalid_argument("zero-bubble heuristic is stuck on rank " + std::to_string(r) +
+                                  " (memory limit " + std::to_string(hp.mem_limit) +
+                                  " too small to make progress)");
     const bool f_mem_ok =
         nf[r] < m && mem[r] + mb[r] <= hp.mem_limit + kEps && nf[r] - nw[r] < hp.max_inflight[r];
     const bool f_ok = f_mem_ok && f_arr[r][nf[r]] <= T + kEps;
     const bool i_ok = ni[r] < nf[r] && g_arr[r][ni[r]] <= T + kEps;
     const bool w_ok = nw[r] < ni[r];
-    Op choice;
-    bool act = true;
+    Op choice = Op::W;
     if (f_ok && nf[r] - ni[r] < hp.warmup[r]) {
       choice = Op::F;
     } else if (i_ok) {
@@ -83,30 +97,11 @@ Schedule greedy_zero_bubble(int p, int m, const CostModel& costs, const Heuristi
       double next = kInf;
       if (f_mem_ok && f_arr[r][nf[r]] > T) next = std::min(next, f_arr[r][nf[r]]);
       if (ni[r] < nf[r] && g_arr[r][ni[r]] > T) next = std::min(next, g_arr[r][ni[r]]);
-      if (w_ok && !(next - T < hp.w_wait * wc[r])) {
-        choice = Op::W;
-      } else {
-        act = false;
-        double bound = kInf;
-        for (int q = 0; q < p; ++q)
-          if (q != r && !finished(q))
-            bound = std::min(bound, t[q] + min_cost + (p > 1 ? min_comm : 0.0));
-        double target = std::min(next, bound);
-        if (!(target < kInf)) {
-          if (w_ok) {
-            choice = Op::W;
-            act = true;
-          } else {
-            throw std::invalid_argument(
-                "zero-bubble heuristic is stuck on rank " + std::to_string(r) + " (memory limit " +
-                std::to_string(hp.mem_limit) + " too small to make progress)");
-          }
-        } else {
-          t[r] = std::max(target, T + kEps);
-        }
+      if (!w_ok || next - T < hp.w_wait * wc[r]) {
+        clocks.waited(r, next);
+        continue;
       }
     }
-    if (!act) continue;
     double end = 0.0;
     switch (choice) {
       case Op::F: {
@@ -114,10 +109,12 @@ Schedule greedy_zero_bubble(int p, int m, const CostModel& costs, const Heuristi
         end = T + fc[r];
         mem[r] += mb[r];
         s.actions[r].push_back(Action::make(Op::F, r, k));
-        if (r + 1 < p)
+        if (r + 1 < p) {
           f_arr[r + 1][k] = end + comm[r];
-        else
+          clocks.delivered(r + 1, end + comm[r]);
+        } else {
           g_arr[r][k] = end;
+        }
         break;
       }
       case Op::I: {
@@ -125,7 +122,10 @@ Schedule greedy_zero_bubble(int p, int m, const CostModel& costs, const Heuristi
         end = T + ic[r];
         mem[r] -= mb[r] - mw[r];
         s.actions[r].push_back(Action::make(Op::I, r, k));
-        if (r > 0) g_arr[r - 1][k] = end + comm[r - 1];
+        if (r > 0) {
+          g_arr[r - 1][k] = end + comm[r - 1];
+          clocks.delivered(r - 1, end + comm[r - 1]);
+        }
         break;
       }
       default: {
@@ -133,11 +133,11 @@ Schedule greedy_zero_bubble(int p, int m, const CostModel& costs, const Heuristi
         end = T + wc[r];
         mem[r] -= mw[r];
         s.actions[r].push_back(Action::make(Op::W, r, k));
-        if (nw[r] == m) --unfinished;
         break;
       }
     }
-    t[r] = end;
+    clocks.acted(r, end);
+    if (nw[r] == m) clocks.finished(r);
   }
   return s;
 }
