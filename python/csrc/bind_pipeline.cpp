@@ -293,6 +293,16 @@ class Runtime {
     return d;
   }
 
+  /// Tells the peers that this rank will not take part in the step they may
+  /// be waiting in: the failure of a step that never started (its arguments
+  /// refused on this rank alone), through the same rings and store a failed
+  /// step uses (NOTE [A failed step reaches the peers] in
+  /// hp/distributed/comm.h). Final: the peers' steps fail naming `why`.
+  void abandon(const std::string& why) {
+    py::gil_scoped_release release;
+    pipe_->comm().abandon(why);
+  }
+
   int rank() const { return pipe_->rank(); }
   std::string backend() const { return pipe_->backend(); }
   /// Why p2p="auto" left the rings out; empty when it did not.
@@ -354,6 +364,8 @@ void bind_pipeline(py::module_& m) {
            py::arg("chunk_expert_parameters") = std::map<int, std::vector<torch::Tensor>>{})
       .def("step", &Runtime::step, py::arg("inputs"),
            "Runs one step of this rank's actions; returns the loss and timings.")
+      .def("abandon", &Runtime::abandon, py::arg("why"),
+           "Tells the peers that this rank will not take part in the running step (final).")
       .def_property_readonly("rank", &Runtime::rank)
       .def_property_readonly("backend", &Runtime::backend)
       .def_property_readonly("p2p_note", &Runtime::p2p_note);

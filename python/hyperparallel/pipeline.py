@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import hashlib
 import inspect
 import math
 import pickle
@@ -193,6 +194,81 @@ def _accepted_kwargs(fn) -> Optional[frozenset]:
         if prm.kind in (prm.POSITIONAL_OR_KEYWORD, prm.KEYWORD_ONLY):
             names.add(prm.name)
     return frozenset(names)
+
+
+# NOTE [Arguments of a step]
+# Every rank calls step() with its own arguments, and a rank's checks of
+# them (a batch that does not divide, targets missing, a keyword argument no
+# stage takes) used to fail on that rank alone: its peers, already in the
+# step, waited for it until the process exited (a notebook's never does) or
+# Gloo's own 30 minutes. And keyword arguments were never compared: a mask
+# given to one rank only trained another model without a word. Now:
+#  - A key that no chunk of the pipeline takes, on any rank (the ranks
+#    exchange their chunks' keyword arguments when the Pipeline is made), is
+#    an error on the rank given it, before any communication: a misspelt
+#    attn_mask= for attention_mask= is no longer dropped.
+#  - The ranks agree on the step's keyword arguments: a fingerprint of their
+#    keys, tensors' shapes and dtypes and constants' values (plain numbers,
+#    strings and tuples of them; other objects by type) goes through one
+#    all-reduce (MAX) of every rank's fingerprint and error flag; ranks that
+#    differ are one ValueError on every rank, naming each rank's arguments,
+#    before any rank runs the step. Tensors' values are not compared (nor
+#    are the inputs'). With shapes found (no activation_shape) the step has
+#    that all-reduce anyway (NOTE [Shapes found, not declared]), and the
+#    flags ride in it: every step is checked for free. With a declared shape
+#    the agreement runs on the first step and on a step whose fingerprint
+#    differs from this rank's previous one, so a steady loop pays nothing;
+#    the cost is that a change on one rank alone, after the first step, waits
+#    in the agreement until the timeout (its peers are in the step).
+#  - A rank whose own checks fail while its peers take part in the agreement
+#    sends its error flag there: every rank raises (the failed rank its
+#    error, the others naming it) and the Pipeline stays usable. Otherwise
+#    (a declared shape, nothing changed) its peers may already wait in the
+#    step: it tells them through the runtime's abandon (the rings and store
+#    of NOTE [A failed step reaches the peers] in hp/distributed/comm.h), so
+#    they fail within a fraction of a second naming it, and the Pipeline is
+#    done on every rank, as after a failed step.
+#  - Every collective of the Python side (the agreement, the shape probes,
+#    the shared parameters' sums, FSDP2's loss) waits at most the Pipeline's
+#    timeout.
+_PLAIN = (type(None), bool, int, float, complex, str, bytes)
+
+
+def _kwargs_signature(kwargs) -> tuple:
+    """What the ranks compare of a step's keyword arguments (NOTE [Arguments
+    of a step]): per key, a tensor's shape and dtype, a plain value's repr
+    (tuples and lists of them too), another object's type."""
+
+    def plain(v) -> bool:
+        return isinstance(v, _PLAIN) or (isinstance(v, (tuple, list)) and len(v) <= 64
+                                         and all(isinstance(x, _PLAIN) for x in v))
+
+    out = []
+    for key in sorted(kwargs):
+        v = kwargs[key]
+        if isinstance(v, torch.Tensor):
+            out.append((key, "tensor", tuple(v.shape), str(v.dtype).replace("torch.", "")))
+        elif plain(v):
+            text = repr(v)
+            out.append((key, type(v).__name__, text if len(text) <= 100 else
+                        text[:100] + f"... ({len(text)} characters)"))
+        else:
+            out.append((key, type(v).__name__))
+    return tuple(out)
+
+
+def _describe_kwargs(signature) -> str:
+    if not signature:
+        return "no keyword arguments"
+    parts = []
+    for item in signature:
+        if item[1] == "tensor":
+            parts.append(f"{item[0]}=tensor{list(item[2])} {item[3]}")
+        elif len(item) == 3:
+            parts.append(f"{item[0]}={item[2]}")
+        else:
+            parts.append(f"{item[0]}=<{item[1]}>")
+    return ", ".join(parts)
 
 
 class _StageForward:
@@ -406,6 +482,7 @@ class _ShapeFinder:
         self.known: Dict[tuple, Dict[Tuple[int, int], object]] = {}
         self.outputs: Dict[Tuple[int, int], object] = {}  # (stage, mb) -> shape or _Packing
         self.probes = 0  # probes run (for tests and the curious)
+        self.timeout = 300.0  # the Pipeline's
 
     def shape_of(self, stage: int, mb: int) -> Tuple[int, ...]:
         out = self.outputs[(stage, mb)]
@@ -425,19 +502,13 @@ class _ShapeFinder:
         prev = self.schedule.prev_stage(stage, mb)
         return self.packing(prev, mb) if prev >= 0 else None
 
-    def _allreduce_max(self, t: torch.Tensor) -> torch.Tensor:
-        t = t.to(self.comm_device)
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.MAX
-        self.group.allreduce([t], opts).wait()
-        return t.cpu()
-
     def _broadcast(self, t: torch.Tensor, root: int) -> torch.Tensor:
         t = t.to(self.comm_device)
         opts = dist.BroadcastOptions()
         opts.rootRank = root
         opts.rootTensor = 0
-        self.group.broadcast([t], opts).wait()
+        _wait(self.group.broadcast([t], opts), self.timeout,
+              f"rank {self.rank}: the probe of the stages' output shapes")
         return t.cpu()
 
     def _broadcast_object(self, obj, root: int):
@@ -449,8 +520,10 @@ class _ShapeFinder:
             buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         return pickle.loads(self._broadcast(buf, root).numpy().tobytes())
 
-    def prepare(self, ins: List[torch.Tensor], kwargs: "_StepKwargs") -> None:
-        """Before a step: agree on its input shapes, probe them if new."""
+    def rows(self, ins: List[torch.Tensor]) -> torch.Tensor:
+        """This rank's row of the step's input shapes (-1 where it has no
+        inputs), for the all-reduce that step() runs (NOTE [Arguments of a
+        step]); a ValueError for inputs the finder cannot describe."""
         m = self.schedule.num_microbatches
         rows = torch.full((m, _MAX_DIMS + 2), -1, dtype=torch.int64)
         for mb, x in enumerate(ins):
@@ -460,7 +533,12 @@ class _ShapeFinder:
             rows[mb, 0] = _DTYPES.index(x.dtype) if x.dtype in _DTYPES else -2
             rows[mb, 1] = x.dim()
             rows[mb, 2:2 + x.dim()] = torch.tensor(x.shape, dtype=torch.int64)
-        rows = self._allreduce_max(rows)
+        return rows
+
+    def prepare(self, rows: torch.Tensor, kwargs: "_StepKwargs") -> None:
+        """Before a step, with the input shapes every rank agreed on (the
+        all-reduce of `rows` over the group): probe them if new."""
+        m = self.schedule.num_microbatches
         if (rows[:, 1] < 0).any():
             raise ValueError("step(): the inputs' shapes are not known on any rank (no rank "
                              "that runs a first stage was given inputs)")
@@ -845,18 +923,105 @@ class _Fsdp2Stages:
 _AGREE_ROUNDS = 4
 
 
+def _wait(work, timeout: float, what: str) -> None:
+    """Waits for a collective of the Pipeline with its timeout; a
+    RuntimeError naming `what` when it does not end in time."""
+    try:
+        work.wait(datetime.timedelta(seconds=timeout))
+    except RuntimeError as e:
+        raise RuntimeError(f"{what}: not every rank took part within {timeout} s (timeout=) "
+                           f"({e})") from e
+
+
+def _allreduce_max(group, t: torch.Tensor, device: torch.device, timeout: float,
+                   what: str) -> torch.Tensor:
+    t = t.to(device if device.type == "cuda" else torch.device("cpu"))
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MAX
+    _wait(group.allreduce([t], opts), timeout, what)
+    return t.cpu()
+
+
+def _all_gather_bytes(group, data: bytes, device: torch.device, timeout: float,
+                      what: str) -> List[bytes]:
+    """Every rank's `data` on every rank of `group`, in group rank order: two
+    all-reduces (SUM) of a tensor each rank fills its own row of."""
+    p, me = group.size(), group.rank()
+    dev = device if device.type == "cuda" else torch.device("cpu")
+    lengths = torch.zeros(p, dtype=torch.int64, device=dev)
+    lengths[me] = len(data)
+    _wait(group.allreduce([lengths]), timeout, what)
+    lengths = lengths.cpu().tolist()
+    rows = torch.zeros((p, max(max(lengths), 1)), dtype=torch.uint8)
+    if data:
+        rows[me, :len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    rows = rows.to(dev)
+    _wait(group.allreduce([rows]), timeout, what)
+    rows = rows.cpu()
+    return [rows[r, :n].numpy().tobytes() for r, n in enumerate(lengths)]
+
+
+# NOTE [Ranks agree on their compositions]
+# Building a Pipeline is collective: each rank checks what it can see alone
+# (its chunks' FSDP2 meshes, DTensor meshes, dp_group against the pipeline's
+# group), and then every rank must stop with the same error before the
+# runtime's construction waits on all of them. The ranks meet over
+# torch.distributed's world, which every other group is a part of: one
+# exchange (_all_gather_bytes) of each rank's error and of the groups its
+# Pipeline uses, named by what they are for. A rank's error then stops every
+# rank, each naming it; and a group that one rank uses while another of its
+# members does not (FSDP2 applied on one data-parallel copy only, dp_group
+# given on some copies) is the same error everywhere, at once. Before, the
+# ranks met over each group they used, in turn: a rank that used a group its
+# peer did not waited in it for the whole timeout and then asked whether a
+# rank had failed. The world exchange needs every rank of the world to build
+# its Pipeline (one at a time, in the same order), as every rank of a
+# torchrun job does. A pipeline over a group torch.distributed did not make
+# (no world) agrees over its groups in turn, as before.
 def _agree(groups, error: Optional[str], device: torch.device, timeout: float) -> None:
-    """Raises on every rank of `groups` when any rank has an `error`, before
-    any of them starts the runtime (whose construction waits on every rank):
-    the rank with the error raises it, the others name the lowest such rank.
-    Flags go through each group's all-reduce (MAX), in one order of the
-    groups on every rank (sorted by their ranks: no two ranks wait on each
-    other in a cycle), _AGREE_ROUNDS times whatever the groups (every member
-    of a group calls it as often), so they cross products of up to that many
-    groups (pp x dp x tp, HSDP's two dp dimensions). A group that shares
-    more than one rank with `pp` (the first group) is left out: that is the
-    misplaced mesh an error names, which the others may not hold."""
+    """Raises on every rank when any rank has an `error`, or when a rank uses
+    a group (`groups`: [(what it is for, group)], the pipeline's group first)
+    that one of its members does not (NOTE [Ranks agree on their
+    compositions])."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        me = dist.get_rank()
+        listed = []
+        for what, g in groups:
+            if g is not None and g.size() > 1 and (what, _group_ranks(g)) not in listed:
+                listed.append((what, _group_ranks(g)))
+        try:
+            got = _all_gather_bytes(dist.group.WORLD, pickle.dumps((error, listed)), device,
+                                    timeout, "the Pipeline's check of its compositions")
+        except RuntimeError as e:
+            raise RuntimeError(
+                f"rank {me}: the ranks of torch.distributed's world did not all reach the "
+                f"Pipeline's check of its compositions within {timeout} s (timeout=): every "
+                "rank builds its Pipeline at the same point of its script; did a rank fail "
+                f"before building its Pipeline? ({e})") from e
+        views = [pickle.loads(b) for b in got]
+        if error:
+            raise ValueError(error)
+        for r, (err, _) in enumerate(views):
+            if err:
+                raise ValueError(f"rank {r} refused this Pipeline: {err} (every rank stops "
+                                 "with it, before the first step)")
+        for r, (_, used) in enumerate(views):
+            for what, ranks in used:
+                if ranks[0] < 0:
+                    continue  # a group torch.distributed does not know
+                for q in ranks:
+                    if 0 <= q < len(views) and not any(rk == ranks for _, rk in views[q][1]):
+                        theirs = ", ".join(f"{w} {list(rk)}" for w, rk in views[q][1]) or "none"
+                        raise ValueError(
+                            f"rank {r}'s Pipeline uses {what} over ranks {list(ranks)}, but "
+                            f"rank {q}, one of them, builds its Pipeline without a group of "
+                            f"those ranks (its groups: {theirs}): the ranks of a group must "
+                            "all use it. The copies of a pipeline are built alike: "
+                            "fully_shard the chunks of every data-parallel copy or of none, "
+                            "and give every copy the same dp_group and tensor-parallel layers")
+        return
     uniq = {}
+    groups = [g for _, g in groups]
     pp = set(_group_ranks(groups[0])) if groups and groups[0] is not None else set()
     for k, g in enumerate(groups):
         if g is None or g.size() < 2:
@@ -869,9 +1034,7 @@ def _agree(groups, error: Optional[str], device: torch.device, timeout: float) -
         if error:
             raise ValueError(error)
         return
-    me, world = dist.get_rank(), dist.get_world_size()
-    flag = torch.tensor([1.0 if error else 0.0, float(world - me) if error else 0.0],
-                        dtype=torch.float64,
+    flag = torch.tensor([1.0 if error else 0.0], dtype=torch.float64,
                         device=device if device.type == "cuda" else torch.device("cpu"))
     order = [uniq[k] for k in sorted(uniq)]
     opts = dist.AllreduceOptions()
@@ -882,16 +1045,16 @@ def _agree(groups, error: Optional[str], device: torch.device, timeout: float) -
                 g.allreduce([flag], opts).wait(datetime.timedelta(seconds=timeout))
             except RuntimeError as e:
                 raise RuntimeError(
-                    f"rank {me}: the ranks {list(_group_ranks(g))} did not all reach the "
-                    f"Pipeline's check of its compositions within {timeout} s (timeout=): did a "
-                    f"rank fail before building its Pipeline? ({e})"
+                    f"the ranks {list(_group_ranks(g))} did not all reach the Pipeline's check "
+                    f"of its compositions within {timeout} s (timeout=): did a rank fail "
+                    f"before building its Pipeline? ({e})"
                 ) from e
     if error:
         raise ValueError(error)
     if flag[0].item() > 0:
         raise ValueError(
-            f"rank {world - int(flag[1].item())} refused this Pipeline (its error says why); "
-            "every rank of the pipeline's groups stops with it, before the first step")
+            "a rank of the pipeline's groups refused this Pipeline (its error says why); "
+            "every rank stops with it, before the first step")
 
 
 def _is_compiled(fn) -> bool:
@@ -1009,6 +1172,46 @@ def _expert_parallel_check(params: Dict[int, List[torch.Tensor]], dp_group) -> O
                 f"{list(ep_ranks)}: give the expert-parallel group as dp_group (a data-parallel "
                 "group larger than the expert-parallel one, with experts replicated over it, is "
                 "not supported yet)")
+    return None
+
+
+def _placement_check(chunks, params: Dict[int, List[torch.Tensor]], group,
+                     dp_group) -> Optional[str]:
+    """Why this rank's chunks or groups cannot make a pipeline, or None:
+    parameters on the meta device, a dp_group that holds other ranks of the
+    pipeline's group, a DTensor (tensor-parallel) parameter sharded over them."""
+    for c, ps in params.items():
+        if any(q.is_meta for q in ps):
+            return (f"chunk {c}'s parameters are on the meta device (no data): materialize "
+                    "the model before the Pipeline (model.to_empty(device=...) and its "
+                    "initialization, or build it on a real device)")
+    pp = _group_ranks(group)
+    known = pp[0] >= 0
+    if dp_group is not None and known:
+        dp = _group_ranks(dp_group)
+        if dp[0] >= 0 and len(set(dp) & set(pp)) > 1:
+            return (f"dp_group has ranks {list(dp)}, which holds other ranks of the pipeline's "
+                    f"group {list(pp)}: their stages' gradients would be averaged together. "
+                    "dp_group joins this rank with the ranks that run the same stages in the "
+                    "other copies of the pipeline (e.g. mesh['dp'] of init_device_mesh(..., "
+                    "mesh_dim_names=('dp', 'pp')), with mesh['pp'] as group); without copies, "
+                    "give no dp_group")
+    if not known:
+        return None
+    for c, ps in params.items():
+        for q in ps:
+            mesh = getattr(q, "device_mesh", None)
+            if mesh is None:
+                continue
+            for d in range(mesh.ndim):
+                ranks = _group_ranks(mesh.get_group(d))
+                if ranks[0] >= 0 and len(set(ranks) & set(pp)) > 1:
+                    return (f"chunk {c} has a DTensor parameter sharded over mesh dimension {d} "
+                            f"(ranks {list(ranks)}), which holds other ranks of the pipeline's "
+                            f"group {list(pp)}: its collectives would run across pipeline "
+                            "stages. Shard tensor-parallel layers over a dimension of their "
+                            "own (e.g. mesh['tp'] of init_device_mesh(..., mesh_dim_names="
+                            "('pp', 'tp'))) and give the Pipeline the 'pp' group")
     return None
 
 
@@ -1210,14 +1413,18 @@ class Pipeline:
 
         if error is None:
             error = _expert_parallel_check(params, dp_group)
-        agree_on = [group, dp_group]
-        for pg in fsdp.groups:
-            agree_on.extend(fsdp.mesh_groups(pg))
-        for ps in params.values():
+        if error is None:
+            error = _placement_check(chunks, params, group, dp_group)
+        agree_on = [("the pipeline's group", group), ("dp_group", dp_group)]
+        for c, groups in fsdp.chunk_groups.items():
+            agree_on.extend((f"FSDP2's mesh of chunk {c}", g)
+                            for pg in groups for g in fsdp.mesh_groups(pg))
+        for c, ps in params.items():
             for q in ps:
                 mesh = getattr(q, "device_mesh", None)
                 if mesh is not None:
-                    agree_on.extend(mesh.get_group(d) for d in range(mesh.ndim))
+                    agree_on.extend((f"the DTensor mesh of chunk {c}'s parameters",
+                                     mesh.get_group(d)) for d in range(mesh.ndim))
         compiled = sorted(c for c, fn in chunks.items() if _is_compiled(fn))
         # The whole step, forwards and backwards: AOTAutograd compiles a
         # region's backward lazily, at its first run.
@@ -1301,6 +1508,7 @@ class Pipeline:
             self._finder = _ShapeFinder(
                 schedule, group, {c: f.probe for c, f in forward.items()}, dtype, device,
                 self._loss_device, group.rank())
+            self._finder.timeout = float(timeout)
             shape = self._finder.shape_of
             for f in forward.values():  # NOTE [Pytrees between stages]
                 f.finder, f.dtype = self._finder, dtype
@@ -1336,7 +1544,7 @@ class Pipeline:
         # Parameters that chunks of several ranks share (tied embeddings):
         # summed over their holders after each step (NOTE [Parameters shared
         # by chunks] in split_model.py).
-        self._shared = _SharedGradients(chunks, schedule, group)
+        self._shared = _SharedGradients(chunks, schedule, group, float(timeout))
         self._runtime = _C.pipeline.Runtime(
             schedule,
             group,
@@ -1360,6 +1568,21 @@ class Pipeline:
         )
         self.rank = self._runtime.rank
         self._loss.rank = self.rank
+        self._group, self._timeout = group, float(timeout)
+        self._broken: Optional[str] = None  # why this rank left a step (NOTE [Arguments of a step])
+        self._kw_fp: Optional[int] = None  # the last agreed step's keyword arguments
+        # The keyword arguments some chunk of the pipeline takes, on any rank
+        # (None: one takes any): a step's key outside them is a mistake.
+        accepts = [_accepted_kwargs(chunks[c]) for c in chunks]
+        mine = None if any(a is None for a in accepts) else sorted(set().union(*accepts))
+        if group.size() > 1:
+            every = [pickle.loads(b) for b in _all_gather_bytes(
+                group, pickle.dumps(mine), self._loss_device, self._timeout,
+                f"rank {self.rank}: the Pipeline's exchange of its stages' keyword arguments")]
+        else:
+            every = [mine]
+        self._known_kwargs = (None if any(e is None for e in every)
+                              else frozenset().union(*map(frozenset, every)))
         #: The point-to-point in use on this rank: "shm" (rings beside the group
         #: to the ranks of its host that it exchanges with) or "group".
         self.p2p = "shm" if self._runtime.backend.endswith("+shm") else "group"
@@ -1390,21 +1613,8 @@ class Pipeline:
                 raise TypeError(f"{what}[{k}] is a {type(t).__name__}, not a tensor")
         return parts
 
-    def step(self, inputs=None, targets=None, **kwargs) -> float:
-        """Runs one step: forward and backward of every microbatch of this
-        rank's stages, weight gradients accumulated into ``.grad``. ``inputs``
-        (needed on the ranks running a route's first stage) and ``targets``
-        (on those running a last stage) are a batch tensor split into the
-        schedule's microbatches along dim 0, or a list of one tensor per
-        microbatch. Keyword arguments go to every stage whose forward takes
-        them (NOTE [Keyword arguments of every stage]): a tensor is split
-        into the microbatches along dim 0 (``attention_mask``,
-        ``position_ids``), anything else is handed on unchanged. Returns the
-        mean loss over the microbatches, on every rank; ``last_stats`` has
-        the step's timings and ``aux_loss`` (NOTE [Auxiliary losses])."""
-        m = self.schedule.num_microbatches
-        ins = self._split(inputs, m, "inputs")
-        tgts = self._split(targets, m, "targets")
+    def _split_kwargs(self, kwargs, m: int):
+        """The step's keyword arguments: per microbatch (tensors) and constant."""
         per_mb: List[Dict[str, object]] = []
         constant: Dict[str, object] = {}
         for key, value in kwargs.items():
@@ -1425,17 +1635,124 @@ class Pipeline:
                     per_mb[k][key] = parts[k]
             else:
                 constant[key] = value
+        return per_mb, constant
+
+    def _agree_on_step(self, fingerprint: int, signature, error, rows):
+        """The ranks' agreement before a step (NOTE [Arguments of a step]):
+        one all-reduce (MAX) of each rank's keyword-argument fingerprint and
+        error flag, beside the input shapes when they are found. Raises on
+        every rank when a rank's arguments were refused or the keyword
+        arguments differ; returns the reduced shape rows."""
+        p, me = self._group.size(), self._group.rank()
+        flags = torch.full((2 * p,), -1, dtype=torch.int64)
+        flags[me], flags[p + me] = fingerprint, 1 if error is not None else 0
+        n = 0 if rows is None else rows.numel()
+        if self._finder is not None and rows is None:  # this rank's arguments were refused
+            rows = self._finder.rows([])
+            n = rows.numel()
+        both = flags if rows is None else torch.cat([rows.reshape(-1), flags])
+        what = ("the check of step()'s arguments (a rank whose keyword arguments changed "
+                "from its previous step checks them with the others; did theirs not change?)")
+        if self._finder is not None:
+            what = "the step's agreement on its input shapes and arguments"
+        reduced = _allreduce_max(self._group, both, self._loss_device, self._timeout,
+                                 f"rank {self.rank}: {what}")
+        flags = reduced[n:]
+        failed = [r for r in range(p) if flags[p + r] == 1]
+        if failed:
+            msgs = self._gather_text("" if error is None else str(error),
+                                     "the exchange of refused step() arguments")
+            if error is not None:
+                raise error
+            raise ValueError(
+                f"rank {failed[0]}'s step() refused its arguments: {msgs[failed[0]]} (no rank "
+                "ran this step; the Pipeline stays usable)")
+        if any(flags[r] != flags[0] for r in range(p)):
+            texts = self._gather_text(_describe_kwargs(signature),
+                                      "the exchange of step()'s keyword arguments")
+            raise ValueError(
+                "step()'s keyword arguments differ across the pipeline's ranks: "
+                + "; ".join(f"rank {r}: {t}" for r, t in enumerate(texts))
+                + ". Every rank's step() is given the same keyword arguments (the same keys, "
+                "shapes, dtypes and constant values): each stage takes its own from them, "
+                "and a rank given others trains another model (no rank ran this step)")
+        return None if rows is None else reduced[:n].reshape(rows.shape)
+
+    def _gather_text(self, text: str, what: str) -> List[str]:
+        return [b.decode() for b in _all_gather_bytes(
+            self._group, text.encode(), self._loss_device, self._timeout,
+            f"rank {self.rank}: {what}")]
+
+    def step(self, inputs=None, targets=None, **kwargs) -> float:
+        """Runs one step: forward and backward of every microbatch of this
+        rank's stages, weight gradients accumulated into ``.grad``. ``inputs``
+        (needed on the ranks running a route's first stage) and ``targets``
+        (on those running a last stage) are a batch tensor split into the
+        schedule's microbatches along dim 0, or a list of one tensor per
+        microbatch. Keyword arguments go to every stage whose forward takes
+        them (NOTE [Keyword arguments of every stage]): a tensor is split
+        into the microbatches along dim 0 (``attention_mask``,
+        ``position_ids``), anything else is handed on unchanged. Returns the
+        mean loss over the microbatches, on every rank; ``last_stats`` has
+        the step's timings and ``aux_loss`` (NOTE [Auxiliary losses])."""
+        if self._broken is not None:
+            raise RuntimeError(
+                f"a previous step failed on this rank ({self._broken}); its peers' steps "
+                "failed with it: make a new Pipeline")
+        m = self.schedule.num_microbatches
+        signature = _kwargs_signature(kwargs)
+        fingerprint = int.from_bytes(
+            hashlib.blake2b(repr(signature).encode(), digest_size=8).digest(), "little") >> 2
+        ins: List[torch.Tensor] = []
+        tgts: List[torch.Tensor] = []
+        per_mb: List[Dict[str, object]] = []
+        constant: Dict[str, object] = {}
+        rows = None
+        error: Optional[Exception] = None
+        try:  # NOTE [Arguments of a step]: this rank's own checks, no communication
+            if self._known_kwargs is not None:
+                unknown = sorted(k for k in kwargs if k not in self._known_kwargs)
+                if unknown:
+                    raise ValueError(
+                        f"step(): keyword argument(s) {unknown} are taken by no stage of the "
+                        f"pipeline (their forwards take {sorted(self._known_kwargs)}): a "
+                        "misspelt name would be dropped without a word; pass only what a "
+                        "stage's forward takes")
+            ins = self._split(inputs, m, "inputs")
+            tgts = self._split(targets, m, "targets")
+            per_mb, constant = self._split_kwargs(kwargs, m)
+            if not ins and self.schedule.needs_inputs(self.rank):
+                raise ValueError(
+                    f"rank {self.rank} runs a route's first stage: give step() the inputs")
+            if not tgts and self.schedule.needs_targets(self.rank):
+                raise ValueError(
+                    f"rank {self.rank} runs a route's last stage: give step() the targets")
+            if self._finder is not None:
+                rows = self._finder.rows(ins)
+        except Exception as e:  # noqa: BLE001 - raised below, after the peers are told
+            error = e
+        # The agreement: always with shapes found; with a declared shape on
+        # the first step, and on a later one whose keyword arguments changed
+        # on this rank (a rank whose own checks failed then tells its peers
+        # by abandoning instead: they may already wait in the step).
+        if self._group.size() > 1 and (self._finder is not None or self._kw_fp is None or (
+                error is None and fingerprint != self._kw_fp)):
+            rows = self._agree_on_step(fingerprint, signature, error, rows)
+        elif error is not None:
+            if self._group.size() > 1:
+                # The peers may already wait in this step for this rank.
+                why = f"rank {self.rank}'s step() refused its arguments: {error}"
+                self._broken = why
+                self._runtime.abandon(why)
+            raise error
+        self._kw_fp = fingerprint
         self._kwargs.per_microbatch, self._kwargs.constant = per_mb, constant
         if self._finder is not None:
             try:
-                self._finder.prepare(ins, self._kwargs)
+                self._finder.prepare(rows, self._kwargs)
             except BaseException:
                 self._kwargs.per_microbatch, self._kwargs.constant = [], {}
                 raise
-        if not ins and self.schedule.needs_inputs(self.rank):
-            raise ValueError(f"rank {self.rank} runs a route's first stage: give step() the inputs")
-        if not tgts and self.schedule.needs_targets(self.rank):
-            raise ValueError(f"rank {self.rank} runs a route's last stage: give step() the targets")
         self._loss.targets = tgts
         ok = False
         if self._fsdp is not None:
@@ -1477,7 +1794,8 @@ class Pipeline:
             sums = torch.tensor([stats["loss"], stats["extra"]], dtype=torch.float64,
                                 device=self._loss_device)
             for g in self._loss_groups:
-                g.allreduce([sums]).wait()
+                _wait(g.allreduce([sums]), self._timeout,
+                      f"rank {self.rank}: the step's loss over FSDP2's data-parallel ranks")
                 sums /= g.size()
             stats["loss"], stats["extra"] = sums.tolist()
         # NOTE [Auxiliary losses]: their mean over microbatches, every rank's.

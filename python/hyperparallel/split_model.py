@@ -505,8 +505,8 @@ class _SharedGradients:
     ``shared_parameters`` (split_model's ModelChunk), no communication until
     ``sum()`` after each step."""
 
-    def __init__(self, chunks, schedule, group):
-        self.group = group
+    def __init__(self, chunks, schedule, group, timeout: float = 300.0):
+        self.group, self.timeout = group, timeout
         ranks_of = _chunk_ranks(schedule)
         found: Dict[str, Tuple[List[int], List[torch.Tensor]]] = {}
         for mod in chunks.values():
@@ -529,10 +529,23 @@ class _SharedGradients:
     def sum(self) -> None:
         """Every holder's gradient becomes the sum over the holders, added in
         rank order by the lowest and sent back (the same bits everywhere)."""
+        import datetime
+
         import torch.distributed as dist
 
         me = self.group.rank()
-        for _, ranks, local in self.work:
+        limit = datetime.timedelta(seconds=self.timeout)
+
+        def wait(work, name, peer):
+            try:
+                work.wait(limit)
+            except RuntimeError as e:
+                raise RuntimeError(
+                    f"rank {me}: the sum of the shared parameter {name}'s gradient with rank "
+                    f"{peer} did not end within {self.timeout} s (the Pipeline's timeout): {e}"
+                ) from e
+
+        for name, ranks, local in self.work:
             grads = [q.grad if q.grad is not None else torch.zeros_like(q) for q in local]
             g = grads[0] if len(grads) == 1 else torch.stack(grads).sum(0)
             g = g.contiguous()
@@ -540,14 +553,14 @@ class _SharedGradients:
                 total = g
                 for r in ranks[1:]:
                     buf = torch.empty_like(g)
-                    dist.recv(buf, group=self.group, group_src=r)
+                    wait(dist.irecv(buf, group=self.group, group_src=r), name, r)
                     total = total + buf
                 for r in ranks[1:]:
-                    dist.send(total, group=self.group, group_dst=r)
+                    wait(dist.isend(total, group=self.group, group_dst=r), name, r)
             else:
-                dist.send(g, group=self.group, group_dst=ranks[0])
+                wait(dist.isend(g, group=self.group, group_dst=ranks[0]), name, ranks[0])
                 total = torch.empty_like(g)
-                dist.recv(total, group=self.group, group_src=ranks[0])
+                wait(dist.irecv(total, group=self.group, group_src=ranks[0]), name, ranks[0])
             for q in local:
                 q.grad = total if len(local) == 1 else total.clone()
 

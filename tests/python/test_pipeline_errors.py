@@ -177,8 +177,9 @@ class _Scaled(torch.nn.Module):
 
 def test_keyword_arguments_reach_the_stage_split_per_microbatch(one_rank_group):
     # NOTE [Keyword arguments of every stage]: a tensor kwarg is split along
-    # dim 0 like the inputs, a number goes unchanged, one the forward does not
-    # take is left out; the loss equals the same model run by hand.
+    # dim 0 like the inputs, a number goes unchanged; the loss equals the same
+    # model run by hand. A key no stage takes (a misspelt name) is refused
+    # (NOTE [Arguments of a step]), and the runtime stays usable.
     torch.manual_seed(0)
     chunk = _Scaled()
     sched = hp.pipeline.schedule("1f1b", ranks=1, microbatches=2)
@@ -186,7 +187,9 @@ def test_keyword_arguments_reach_the_stage_split_per_microbatch(one_rank_group):
                                 group=one_rank_group)
     x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
     w = torch.linspace(0.5, 2.0, 6, dtype=torch.float64)
-    loss = pipe.step(x, y, row_weight=w, shift=0.25, unused="ignored")
+    with pytest.raises(ValueError, match=r"\['row_wieght'\] are taken by no stage.*'row_weight'"):
+        pipe.step(x, y, row_wieght=w, shift=0.25)
+    loss = pipe.step(x, y, row_weight=w, shift=0.25)
     with torch.no_grad():
         want = sum(mse(chunk(xm, row_weight=wm, shift=0.25), ym).item()
                    for xm, ym, wm in zip(x.chunk(2), y.chunk(2), w.chunk(2))) / 2
