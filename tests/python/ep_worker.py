@@ -3,7 +3,7 @@ processes. Ranks 2e and 2e + 1 form pipeline copy e; ranks {0, 2} and
 {1, 3} are the expert-parallel groups (each holds half the experts of its
 stage's MoE layers), which are also the data-parallel groups. A tiny float64
 transformers MoE model (Mixtral, Qwen3-MoE, DeepSeek-V3) is converted with
-hyperparallel.moe.expert_parallel, cut by split_model and trained for STEPS
+hyperparallel.moe.expert_parallel (Qwen2-MoE too), cut by split_model and trained for STEPS
 SGD steps on each schedule; copy e reads its half of every global batch;
 the second step on has longer sequences and padding. Saves losses, the
 auxiliary losses and the parameters by the model's names (an expert weight:
@@ -47,6 +47,11 @@ def make_model(kind):
                                    num_experts_per_tok=2, head_dim=8, decoder_sparse_step=1,
                                    mlp_only_layers=[], **common)
         cls = tf.Qwen3MoeForCausalLM
+    elif kind == "qwen2_moe":
+        config = tf.Qwen2MoeConfig(intermediate_size=16, moe_intermediate_size=8, num_experts=4,
+                                   num_experts_per_tok=2, shared_expert_intermediate_size=8,
+                                   decoder_sparse_step=1, mlp_only_layers=[], **common)
+        cls = tf.Qwen2MoeForCausalLM
     elif kind == "deepseek_v3":
         config = tf.DeepseekV3Config(intermediate_size=16, moe_intermediate_size=8,
                                      n_routed_experts=4, num_experts_per_tok=2, n_group=2,

@@ -1,7 +1,7 @@
 """Expert parallelism (hyperparallel.moe): the conversion of a model's own
 experts, its refusals, and pp 2 x ep 2 on 4 processes equal to one process
 in float64 (losses, auxiliary losses, every parameter after 3 SGD steps)
-for transformers' Mixtral, Qwen3-MoE and DeepSeek-V3 on fused, split, V and
+for transformers' Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3 on fused, split, V and
 DualPipe schedules, with a sequence length that changes and padding; in the
 same launch, torchtitan's MoE layer over each EP group."""
 
@@ -15,11 +15,13 @@ import ranks as ranks_
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-# Every model on zb-h1 and dualpipev; Mixtral on 1f1b and zbv too; the first
+# Mixtral on 1f1b, zb-h1, zbv and dualpipev; Qwen3-MoE and DeepSeek-V3 on
+# two schedules each, Qwen2-MoE (a gated shared expert) on zbv; the first
 # step of mixtral-one-expert sends every token to expert 0 (rank 0 of each EP
 # group) and none to the other three.
 CASES = ["mixtral:1f1b", "mixtral:zb-h1", "mixtral:zbv", "mixtral:dualpipev",
-         "qwen3_moe:zb-h1", "qwen3_moe:dualpipev", "deepseek_v3:zb-h1", "deepseek_v3:zbv",
+         "qwen3_moe:zb-h1", "qwen3_moe:dualpipev", "qwen2_moe:zbv", "deepseek_v3:zb-h1",
+         "deepseek_v3:zbv",
          "mixtral-one-expert:1f1b"]
 
 
