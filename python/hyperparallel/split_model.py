@@ -342,6 +342,12 @@ def split_model(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if isinstance(getattr(model, "_orig_mod", None), nn.Module) and \
+            type(model).__name__ == "OptimizedModule":
+        raise TypeError(
+            "split_model was given torch.compile(model): cut the model itself "
+            "(split_model(model, ...), or the compiled one's ._orig_mod), then compile "
+            "each chunk if you like (torch.compile(chunk))")
     k = getattr(schedule, "num_chunks", None)
     if not isinstance(k, int) or not callable(getattr(schedule, "chunks_of_rank", None)):
         raise TypeError(f"schedule must be a PipelineSchedule, got {type(schedule).__name__}")
@@ -372,6 +378,17 @@ def split_model(
                 "tail= (module names run last)"
             )
     else:
+        try:  # a transformers decoder that its own forward can cut
+            cut_by_forward = _hf_units(model) is not None
+        except ValueError:
+            cut_by_forward = False  # the probe's refusal leaves the names to the caller
+        if cut_by_forward:
+            raise ValueError(
+                f"{type(model).__name__} is a transformers model: its decoder layers take more "
+                "than the hidden states (position embeddings, masks), which a cut by names "
+                "(embed=, blocks=, tail=) does not hand them. Give none of those: split_model "
+                "cuts a transformers decoder by its own forward (modules= or "
+                "layers_per_chunk= choose the cut)")
         units = [(n, _module(model, n, "embed"), "embed") for n in (embed or [])]
         units += [(n, m, "block") for n, m in _block_names(model, blocks)]
         units += [(n, _module(model, n, "tail"), "tail") for n in (tail or [])]
@@ -382,6 +399,10 @@ def split_model(
             seen.add(n)
     index = {n: i for i, (n, _, _) in enumerate(units)}
     block_pos = [i for i, (_, _, kind) in enumerate(units) if kind in ("block", "decoder")]
+    if not block_pos:
+        raise ValueError(
+            f"{type(model).__name__} has no blocks (0 layers) to cut into the schedule's {k} "
+            "chunks: build it with at least one layer per chunk")
     container = units[block_pos[0]][0].rsplit(".", 1)[0]
     nb = len(block_pos)
     heads = block_pos[0]  # units before the first block

@@ -226,6 +226,10 @@ def probe(model: nn.Module) -> HfPlan:
             _refuse(model, "its base model is not a direct submodule")
         prefix = names[0] + "."
     n = getattr(config, "num_hidden_layers", None)
+    if n == 0:
+        raise ValueError(f"{type(model).__name__} has no blocks (0 layers, "
+                         "config.num_hidden_layers) to cut into chunks: build it with at least "
+                         "one layer per chunk")
     lists = [(nm, m) for nm, m in base.named_children()
              if isinstance(m, (nn.ModuleList, nn.Sequential)) and isinstance(n, int) and len(m) == n]
     if len(lists) != 1:

@@ -196,7 +196,18 @@ class GraphTrainer:
             cfg.setdefault("lr", 1e-3)
             return make(params, **cfg)
         if callable(make):
-            return make(params)
+            opt = make(params)
+            if not isinstance(opt, torch.optim.Optimizer):
+                raise TypeError(f"GraphTrainer: optimizer_config optimizer returned a "
+                                f"{type(opt).__name__}, not a torch.optim.Optimizer")
+            held = {id(q) for g in opt.param_groups for q in g["params"]}
+            if params and not any(id(q) in held for q in params):
+                raise ValueError(
+                    f"GraphTrainer: the optimizer that optimizer_config's optimizer made holds "
+                    f"none of the model's {len(params)} trainable parameters, so training would "
+                    "never move them: build it from the parameters it is given "
+                    "(optimizer=lambda params: torch.optim.SGD(params, lr=...))")
+            return opt
         raise ValueError(f"GraphTrainer: optimizer_config optimizer is {make!r}; give a "
                          "torch.optim.Optimizer class or a callable params -> optimizer")
 
