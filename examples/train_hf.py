@@ -59,9 +59,9 @@ def check_args(ap, a, world):
     if a.min_seq_len > a.seq_len:
         ap.error(f"--min-seq-len {a.min_seq_len} is more than --seq-len {a.seq_len}")
     sched = check_pipeline_arguments(ap, a, world)
-    if sched.num_chunks > a.layers + 2:
+    if sched.num_chunks > a.layers:  # split_model's cut: at least one layer per chunk
         ap.error(f"--schedule {a.schedule} on {world} ranks cuts the model into {sched.num_chunks} "
-                 f"chunks; use --layers {sched.num_chunks - 2} or more")
+                 f"chunks of at least one layer each; use --layers {sched.num_chunks} or more")
     return sched
 
 

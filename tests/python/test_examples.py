@@ -259,3 +259,18 @@ def test_progress_bar_only_on_a_terminal():
     quiet = Terminal()
     train_utils.Progress(2, stream=quiet, enabled=False).update(0, 1.0, 1.0)
     assert quiet.getvalue() == ""
+
+
+def test_train_hf_asks_for_as_many_layers_as_the_schedule_has_chunks(monkeypatch, capsys):
+    # ZB-V on two ranks cuts the model into 4 chunks of at least one layer:
+    # the advice names 4 layers (it named 2, which split_model then refused).
+    spec = importlib.util.spec_from_file_location(
+        "train_hf", os.path.join(os.path.dirname(EXAMPLE), "train_hf.py"))
+    train_hf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_hf)
+    for k, v in {"RANK": "0", "WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(SystemExit) as stop:
+        train_hf.main(["--schedule", "zbv", "--layers", "3"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "use --layers 4 or more" in err, err
