@@ -35,6 +35,19 @@ namespace hp::schedule {
 // million actions, keeps every search at p <= 16, m <= 8p under a second on
 // this machine (tested: BudgetSearch.UnderItsTimeBudget); the search stops
 // at its budget and returns the best found so far.
+// The budget once gated only the heuristics, after every fixed schedule had
+// been built: at the sizes the one size rule admits with many ranks (p =
+// 4096, m = 1 to 22; p = 1024, m = 2 to 45) building V-ZB's block alone took
+// 50 s and `hp schedule show auto`, `tune` and `recommend` ran for minutes.
+// Now every candidate is tried only while its estimated work
+// (estimated_work(), v_block_work(): the squeeze of a V block grows with p m
+// times its row of about 12 p + 6 m slots) fits what is left, zb-auto and zbv
+// inside the search get what is left as their own bound (SearchOptions), and
+// recommend() gives its generators one budget in the same units. Naive and
+// the V's naive, the two smallest-memory schedules, are always tried, so a
+// limit that any schedule meets is met. What the bound left out is named
+// (BudgetStats::left_out; the CLI prints it), as the promise "never slower
+// than a fitting fixed schedule" holds only for a search that ran whole.
 
 namespace {
 
@@ -220,6 +233,29 @@ double smallest_feasible_memory(int p, int m, const CostModel& costs) {
   return best;
 }
 
+long long estimated_work(const std::string& n, int p, int m, int chunks) {
+  const long long loop = 2 * 3LL * p * m, vee = 2 * 6LL * p * m;  // built and simulated
+  if (n == "zb-auto" || n == "zbv") {
+    const SearchOptions d;
+    return d.candidate_work + d.refine_work;
+  }
+  if (n == "auto") return BudgetOptions{}.max_work + 2 * vee;
+  if (n == "v-min") return v_block_work(v_block_offsets(VBlock::Min, p), p, m);
+  if (n == "v-half") return v_block_work(v_block_offsets(VBlock::Half, p), p, m);
+  if (n == "v-zb") return v_block_work(v_block_offsets(VBlock::ZB, p), p, m);
+  if (n.rfind("interleaved", 0) == 0) return loop * std::max(1, chunks);
+  if (n == "dualpipe" || n == "dualpipev") return vee;
+  if (n == "zb-h1" || n == "zb-h2") return 2 * loop;  // the list scheduler: O(log p) a decision
+  return loop;
+}
+
+namespace {
+// zbv_handmade's work: at least 2p - 1 microbatches' loop on every rank.
+long long handmade_v_work(int p, int m) {
+  return 2 * 6LL * p * m + 6LL * p * std::max(2 * p - 1, m) / 64;
+}
+}  // namespace
+
 Schedule budget_search(int p, int m, const CostModel& given, double mem_limit,
                        const BudgetOptions& options, BudgetStats* stats_out) {
   if (p < 1 || m < 1)
@@ -251,39 +287,69 @@ Schedule budget_search(int p, int m, const CostModel& given, double mem_limit,
   const long long budget = std::max<long long>(options.max_work, 1);
   const long long per_schedule = 3LL * p * m;  // actions of one F/I/W schedule
 
-  // 1. Every fixed schedule (cheap; they set the bar the search must meet).
+  // A candidate whose estimated work no longer fits is left out and named
+  // (NOTE [Budget of the memory search]); what was spent on the fixed ones
+  // beyond their simulation (a V block's squeeze) counts too.
+  long long extra = 0;
+  auto afford = [&](long long est, const std::string& name) {
+    if (pool.work() + extra + est <= budget) return true;
+    stats.left_out.push_back(name);
+    return false;
+  };
+
+  // 1. Every fixed schedule (they set the bar the search must meet).
   for (const std::string& n : names()) {
     if (n == "zb-auto" || n == "zbv" || n == "auto") continue;
+    const long long est = estimated_work(n, p, m);
+    if (n != "naive" && !afford(est, n)) continue;
     try {
       pool.consider(build(n, p, m), n);
+      extra += std::max(0LL, est - 2 * 3LL * p * m);
     } catch (const std::invalid_argument&) {
       // its constraints are not met at this p, m
     }
   }
-  pool.consider(zbv_handmade(p, m), "zbv (hand-made)");
+  if (afford(handmade_v_work(p, m), "zbv (hand-made)")) {
+    pool.consider(zbv_handmade(p, m), "zbv (hand-made)");
+    extra += handmade_v_work(p, m) - 2 * 6LL * p * m;
+  }
   pool.consider(v_naive(p, m), "v-naive");
+  auto left = [&] { return std::max(0LL, budget - pool.work() - extra); };
 
   // 2. The heuristics that take the limit: the Zero Bubble paper's (loop), the
   // V sweep, the memory-capped V list scheduler.
   SearchOptions no_refine;
   no_refine.refine_work = 0;
-  if (pool.work() < budget) {
+  std::string cut;
+  no_refine.cut_note = &cut;
+  if (pool.work() + extra < budget) {
+    no_refine.candidate_work = left();
     try {
       pool.consider(zb_auto(p, m, loop_costs, limit, no_refine), "zb-auto");
     } catch (const std::invalid_argument&) {
     }
-    pool.add_work(50 * per_schedule);  // its 8 sweeps, 36 greedy runs and 3 hand-made
+    pool.add_work(std::min(50 * per_schedule, std::max(left(), 2 * per_schedule)));
+  } else {
+    stats.left_out.push_back("zb-auto");
   }
-  if (pool.work() < budget) {
+  if (pool.work() + extra < budget) {
+    no_refine.candidate_work = left();
     try {
       pool.consider(zbv_auto(p, m, v_costs, limit, no_refine), "zbv");
     } catch (const std::invalid_argument&) {
     }
-    pool.add_work(9 * 2 * per_schedule);
+    pool.add_work(std::min(9 * 2 * per_schedule, std::max(left(), 2 * per_schedule)));
+  } else {
+    stats.left_out.push_back("zbv");
   }
+  if (!cut.empty()) stats.left_out.push_back("part of " + cut);
+  int skipped_runs = 0;
   for (double a : {0.25, 1.0 / 3, 0.5, 2.0 / 3, 0.75, 1.0}) {
     for (int b : {0, 1}) {
-      if (pool.work() >= budget) break;
+      if (pool.work() + extra >= budget) {
+        ++skipped_runs;
+        continue;
+      }
       VGreedyParams vp;
       vp.mem_limit = limit;
       for (int r = 0; r < p; ++r)
@@ -293,9 +359,10 @@ Schedule budget_search(int p, int m, const CostModel& given, double mem_limit,
         pool.consider(greedy_v(p, m, v_costs, vp), "v-greedy");
       } catch (const std::invalid_argument&) {
       }
-      pool.add_work(p * 2 * per_schedule);  // the time order visits every rank per decision
+      pool.add_work(4 * per_schedule);  // built (O(log p) a decision) and simulated
     }
   }
+  if (skipped_runs) stats.left_out.push_back(std::to_string(skipped_runs) + " x v-greedy");
   // More blocks of the family between V-Min's lifespan and V-ZB's (each a
   // full-throughput steady state at its own memory), and V-Min's block
   // stretched to longer periods for limits below V-Min's (NOTE [Stretched
@@ -307,13 +374,14 @@ Schedule budget_search(int p, int m, const CostModel& given, double mem_limit,
        {Shape{1, 1, 2, 6}, Shape{2, 2, 2, 6}, Shape{3, 3, 1, 6}, Shape{4, 1, 2, 6},
         Shape{1, 1, 1, 7}, Shape{1, 1, 1, 8}, Shape{1, 1, 1, 9}, Shape{1, 1, 1, 10},
         Shape{1, 1, 1, 12}, Shape{1, 1, 1, 15}, Shape{1, 1, 1, 18}, Shape{1, 1, 1, 24}}) {
-    if (pool.work() >= budget) break;
     const std::string name = "v-block " + std::to_string(sh.a) + "," + std::to_string(sh.b) + "," +
                              std::to_string(sh.u) + "/" + std::to_string(sh.period);
     try {
-      pool.consider(schedule_from_v_block(v_block_family(p, sh.a, sh.b, sh.u, sh.period), p, m,
-                                          name, sh.period),
-                    name);
+      const auto block = v_block_family(p, sh.a, sh.b, sh.u, sh.period);
+      const long long est = v_block_work(block, p, m, sh.period);
+      if (!afford(est, name)) continue;
+      pool.consider(schedule_from_v_block(block, p, m, name, sh.period), name);
+      extra += std::max(0LL, est - 2 * per_schedule);
     } catch (const std::invalid_argument&) {
     }
     pool.add_work(2 * per_schedule);
@@ -327,7 +395,10 @@ Schedule budget_search(int p, int m, const CostModel& given, double mem_limit,
   for (const Prio& pr : {Prio{VBlock::Min, 1 << 30}, Prio{VBlock::Half, 1 << 30},
                          Prio{VBlock::ZB, 1 << 30}, Prio{VBlock::Min, 6}, Prio{VBlock::Min, 12},
                          Prio{VBlock::Half, 6}, Prio{VBlock::Half, 12}}) {
-    if (pool.work() >= budget) break;
+    if (pool.work() + extra >= budget) {
+      stats.left_out.push_back("capped v-block priority run");
+      continue;
+    }
     VGreedyParams vp;
     vp.mem_limit = limit;
     vp.priority = v_block_offsets(pr.kind, p);
@@ -337,7 +408,7 @@ Schedule budget_search(int p, int m, const CostModel& given, double mem_limit,
     } catch (const std::invalid_argument&) {
       // a window that blocks every rank under this limit: no candidate
     }
-    pool.add_work(p * 2 * per_schedule);
+    pool.add_work(4 * per_schedule);
   }
   if (!pool.loop_.have && !pool.vee_.have && !pool.other_.have)
     throw std::invalid_argument("schedule 'auto': no schedule found within memory limit " +
@@ -345,7 +416,7 @@ Schedule budget_search(int p, int m, const CostModel& given, double mem_limit,
                                 num(floor) + "); raise --mem-limit");
 
   // 3. Local search on the best of each placement, with what is left.
-  const long long left = std::max(budget - pool.work(), budget / 4);
+  const long long refine_left = std::max(budget - pool.work() - extra, budget / 4);
   std::string winner;
   Schedule best;
   Key best_key;
@@ -379,8 +450,8 @@ Schedule budget_search(int p, int m, const CostModel& given, double mem_limit,
     }
   };
   const bool both = pool.loop_.have && pool.vee_.have;
-  take(pool.loop_, both ? left / 2 : left);
-  take(pool.vee_, both ? left - left / 2 : left);
+  take(pool.loop_, both ? refine_left / 2 : refine_left);
+  take(pool.vee_, both ? refine_left - refine_left / 2 : refine_left);
   take(pool.other_, 0);
   stats.work += pool.work();
   stats.winner = winner;
@@ -390,7 +461,8 @@ Schedule budget_search(int p, int m, const CostModel& given, double mem_limit,
 }
 
 std::vector<Recommendation> recommend(int p, int m, const CostModel& given, double mem_limit,
-                                      std::vector<std::pair<std::string, std::string>>* skipped) {
+                                      std::vector<std::pair<std::string, std::string>>* skipped,
+                                      long long max_work) {
   const CostModel costs = costs_per_rank(given, p);
   const Schedule loop_layout = make_loop_layout(p, p, m);
   double one_f1b = 0;
@@ -399,11 +471,34 @@ std::vector<Recommendation> recommend(int p, int m, const CostModel& given, doub
     one_f1b = std::max(one_f1b, loop_costs.stage_mem_b_of(loop_layout, r));
   const double limit = mem_limit > 0 ? mem_limit : p * one_f1b;
   std::vector<Recommendation> rows;
+  // One budget for every generator (NOTE [Budget of the memory search]): the
+  // fixed ones first as listed, each while its estimate fits; the searches
+  // get at most their defaults, at least a share of what is left.
+  long long left = std::max<long long>(max_work, 1);
   for (const std::string& n : names()) {
+    const bool search = n == "zb-auto" || n == "zbv" || n == "auto";
+    long long est = estimated_work(n, p, m, 2);
+    long long search_work = 0;
+    if (search) {
+      const long long floor = 2 * 6LL * p * m;  // one candidate, built and simulated
+      search_work = std::min(est, std::max(left / 3, floor));
+      est = search_work + (n == "auto" ? 2 * floor : 0);
+    }
+    if (n != "naive" && est > left) {
+      if (skipped)
+        skipped->emplace_back(n, "left out: building it at p=" + std::to_string(p) +
+                                     " m=" + std::to_string(m) + " would pass recommend's work "
+                                     "bound (NOTE [Budget of the memory search])");
+      continue;
+    }
+    left -= est;
     try {
       BuildOptions o;
       o.chunks = 2;
       o.mem_limit = limit;
+      o.search_work = search_work;
+      std::string cut;
+      o.search_note = &cut;
       o.costs = n == "zbv" ? costs_for_cut(costs, make_v_layout(p, m)) : loop_costs;
       if (n == "auto") o.costs = costs;
       Recommendation row;
@@ -414,6 +509,9 @@ std::vector<Recommendation> recommend(int p, int m, const CostModel& given, doub
       row.result = simulate(row.schedule, costs_for_cut(costs, row.schedule), quiet);
       row.fits = row.result.max_peak_memory <= limit + kTol * std::max(1.0, limit);
       rows.push_back(std::move(row));
+      if (!cut.empty() && skipped)
+        skipped->emplace_back(n, "ranked, but its search was cut short by the work bound (" + cut +
+                                     ")");
     } catch (const std::invalid_argument& e) {
       if (skipped) skipped->emplace_back(n, e.what());
     }

@@ -27,6 +27,9 @@ struct BudgetStats {
   long long work = 0;      ///< simulated actions spent
   double span_before = 0;  ///< the winner's longest span before the local search
   double span_after = 0;   ///< ... and after it
+  /// Candidates the work budget left out (empty: the search ran whole; then
+  /// the result is never slower than a fitting fixed schedule).
+  std::vector<std::string> left_out;
 };
 
 /// Per-stage costs of a cut into q p stages (q >= 1, every vector of the same
@@ -64,7 +67,11 @@ double smallest_feasible_memory(int ranks, int microbatches, const CostModel& co
 /// then local search (refine()) on the best of one stage per rank and the
 /// best on the V. Never slower than a fitting fixed schedule under the same
 /// costs. `costs` describe a p-stage cut, or one folded into it
-/// (costs_per_rank); the result's costs are costs_for_cut(costs, result). Throws
+/// (costs_per_rank); the result's costs are costs_for_cut(costs, result). Each
+/// candidate is tried only while its estimated work fits what is left of
+/// `options.max_work` (naive and the V's naive, the floors, always are), so the
+/// search ends in seconds at every size the one size rule admits; what the
+/// bound left out is named in `stats->left_out`. Throws
 /// std::invalid_argument naming smallest_feasible_memory() when the limit is below it.
 Schedule budget_search(int ranks, int microbatches, const CostModel& costs, double mem_limit = 0,
                        const BudgetOptions& options = {}, BudgetStats* stats = nullptr);
@@ -81,9 +88,17 @@ struct Recommendation {
 /// p ranks and m microbatches, simulated under `costs` (a p-stage cut), sorted
 /// fitting first, then by step time (makespan), then by the longest span.
 /// Generators whose constraints are not met are left out and named in
-/// `skipped` (name: reason). `mem_limit` 0 means p mem_b.
+/// `skipped` (name: reason), and so are those whose estimated work no longer
+/// fits `max_work` (simulated actions; the searches get what is left), the
+/// reason saying so. `mem_limit` 0 means p mem_b.
 std::vector<Recommendation> recommend(int ranks, int microbatches, const CostModel& costs,
                                       double mem_limit,
-                                      std::vector<std::pair<std::string, std::string>>* skipped);
+                                      std::vector<std::pair<std::string, std::string>>* skipped,
+                                      long long max_work = 40'000'000);
+
+/// The estimated work of build(name, p, m) and of simulating its result, in
+/// simulated actions (NOTE [Budget of the memory search]); for the searches
+/// (zb-auto, zbv, auto), their bounds.
+long long estimated_work(const std::string& name, int ranks, int microbatches, int chunks = 2);
 
 }  // namespace hp::schedule

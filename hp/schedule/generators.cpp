@@ -190,7 +190,15 @@ Schedule zbv_handmade(int p, int m) {
   const int n = std::max(2 * p - 1, m);  // generate at least 2p-1, drop the extra ones
   for (int r = 0; r < p; ++r) {
     const int s0 = r, s1 = 2 * p - 1 - r;
-    std::vector<Action> ops;
+    // Only microbatches below m are kept, and the loop stops once nothing
+    // more would be (at p = 4096 the 2p - 1 took 200 million actions for m = 1).
+    struct Kept {
+      std::vector<Action>* out;
+      int m;
+      void push_back(const Action& a) {
+        if (a.microbatch < m) out->push_back(a);
+      }
+    } ops{&s.actions[r], m};
     int f0 = 0, f1 = 0, b0 = 0, b1 = 0;
     for (int i = 0; i < 2 * (p - r) - 1; ++i)
       ops.push_back(A(Op::F, s0, f0++));
@@ -203,7 +211,12 @@ Schedule zbv_handmade(int p, int m) {
       ops.push_back(A(Op::I, s1, b1));
       ops.push_back(A(Op::W, s1, b1++));
     }
+    bool rest_unkept = false;  // every counter at m: all that follows is dropped
     while (f1 < f0 || f0 < n) {
+      if (f0 >= m && f1 >= m && b0 >= m && b1 >= m) {
+        rest_unkept = true;
+        break;
+      }
       if (f0 < n) ops.push_back(A(Op::F, s0, f0++));
       ops.push_back(A(Op::I, s0, b0));
       ops.push_back(A(Op::W, s0, b0++));
@@ -211,6 +224,7 @@ Schedule zbv_handmade(int p, int m) {
       ops.push_back(A(Op::I, s1, b1));
       ops.push_back(A(Op::W, s1, b1++));
     }
+    if (rest_unkept) continue;
     int w0 = b0, w1 = b1;
     for (int i = 0; i < r; ++i) {
       ops.push_back(A(Op::I, s0, b0++));
@@ -224,8 +238,6 @@ Schedule zbv_handmade(int p, int m) {
       ops.push_back(A(Op::W, s1, w1++));
     while (w0 < b0)
       ops.push_back(A(Op::W, s0, w0++));
-    for (const auto& a : ops)
-      if (a.microbatch < m) s.actions[r].push_back(a);
   }
   return s;
 }
@@ -412,6 +424,20 @@ std::string describe(const std::string& name) {
   return "";
 }
 
+namespace {
+// A search's options from build()'s: its work bound split between the
+// candidates and the local search.
+SearchOptions search_options(const BuildOptions& o) {
+  SearchOptions so;
+  if (o.search_work > 0) {
+    so.candidate_work = o.search_work / 2;
+    so.refine_work = o.search_work - so.candidate_work;
+  }
+  so.cut_note = o.search_note;
+  return so;
+}
+}  // namespace
+
 Schedule build(const std::string& name, int ranks, int microbatches, const BuildOptions& o) {
   check_basic(name, ranks, microbatches);
   // NOTE [One size rule]: the interleaved ones take o.chunks stages per rank,
@@ -441,13 +467,13 @@ Schedule build(const std::string& name, int ranks, int microbatches, const Build
   } else if (name == "zb-h2") {
     s = zb_h2(ranks, microbatches);
   } else if (name == "zbv") {
-    s = zbv_auto(ranks, microbatches, o.costs, o.mem_limit);
+    s = zbv_auto(ranks, microbatches, o.costs, o.mem_limit, search_options(o));
   } else if (name == "dualpipe") {
     s = dualpipe(ranks, microbatches);
   } else if (name == "dualpipev") {
     s = dualpipev(ranks, microbatches);
   } else if (name == "zb-auto") {
-    s = zb_auto(ranks, microbatches, o.costs, o.mem_limit);
+    s = zb_auto(ranks, microbatches, o.costs, o.mem_limit, search_options(o));
   } else if (name == "v-min") {
     s = v_block_schedule(VBlock::Min, ranks, microbatches);
   } else if (name == "v-half") {
@@ -455,7 +481,27 @@ Schedule build(const std::string& name, int ranks, int microbatches, const Build
   } else if (name == "v-zb") {
     s = v_block_schedule(VBlock::ZB, ranks, microbatches);
   } else if (name == "auto") {
-    s = budget_search(ranks, microbatches, o.costs, o.mem_limit);
+    BudgetOptions bo;
+    if (o.search_work > 0) bo.max_work = o.search_work;
+    BudgetStats st;
+    s = budget_search(ranks, microbatches, o.costs, o.mem_limit, bo, &st);
+    if (o.search_note && !st.left_out.empty()) {
+      std::string left;  // runs of one kind counted: "9 x v-block"
+      auto kind_of = [](const std::string& n) {
+        return n.rfind("v-block ", 0) == 0 ? std::string("v-block") : n;
+      };
+      for (size_t i = 0; i < st.left_out.size();) {
+        const std::string kind = kind_of(st.left_out[i]);
+        size_t j = i;
+        while (j < st.left_out.size() && kind_of(st.left_out[j]) == kind)
+          ++j;
+        left += (left.empty() ? "" : ", ") +
+                (j - i > 1 ? std::to_string(j - i) + " x " + kind : st.left_out[i]);
+        i = j;
+      }
+      *o.search_note += (o.search_note->empty() ? "" : "; ") +
+                        std::string("auto: the work bound left out ") + left;
+    }
   } else {
     std::string known;
     for (const auto& n : names())

@@ -18,6 +18,12 @@ struct BuildOptions {
   /// generator's default (zb-auto: 2 p mem_b, the paper's ZB-2p; zbv and
   /// auto: p mem_b, 1F1B's).
   double mem_limit = 0;
+  /// zb-auto, zbv, auto: the search's work bound in simulated actions (0: its
+  /// default; NOTE [Budget of the memory search] in budget.cpp).
+  long long search_work = 0;
+  /// zb-auto, zbv, auto: when set and the work bound cut the search short, a
+  /// line saying what it left out is appended here.
+  std::string* search_note = nullptr;
 };
 
 /// Every generator name build() accepts, in a stable order.

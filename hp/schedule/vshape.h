@@ -50,6 +50,13 @@ std::vector<BlockOffsets> v_block_family(int ranks, int a, int b, int u, int per
 Schedule schedule_from_v_block(const std::vector<BlockOffsets>& block, int ranks, int microbatches,
                                const std::string& name, int period = 6);
 
+/// An upper bound on the work of schedule_from_v_block(block, p, m, .., period)
+/// and of simulating its result, in simulated-action units (NOTE [Budget of
+/// the memory search] in budget.cpp): the squeeze moves each of a rank's 5 m
+/// ops at most once across its row of slots.
+long long v_block_work(const std::vector<BlockOffsets>& block, int ranks, int microbatches,
+                       int period = 6);
+
 /// V-Min ("v-min"), V-Half ("v-half") or V-ZB ("v-zb") for p ranks and m
 /// microbatches (schedule_from_v_block of v_block_offsets).
 Schedule v_block_schedule(VBlock kind, int ranks, int microbatches);

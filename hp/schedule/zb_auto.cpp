@@ -318,6 +318,37 @@ class Sweep {
   std::vector<double> clock_, mem_, idle_, f_end_, i_end_;
 };
 
+// A search's candidate budget (NOTE [Budget of the memory search] in
+// budget.cpp): take() says whether one more candidate of `each` units fits;
+// the first always does. Counts what it refused, for the note.
+class Budget {
+ public:
+  Budget(long long total, long long each) : left_(total), each_(std::max(each, 1LL)) {}
+  bool take() {
+    if (taken_ > 0 && left_ < each_) {
+      ++refused_;
+      return false;
+    }
+    left_ -= each_;
+    ++taken_;
+    return true;
+  }
+  std::string why_short() const {
+    return refused_ ? " (the search's work bound left candidates out: NOTE [Budget of the memory "
+                      "search])"
+                    : "";
+  }
+  void note(const std::string& who, std::string* out) const {
+    if (!refused_ || !out) return;
+    *out += (out->empty() ? "" : "; ") + who + ": " + std::to_string(taken_) + " of " +
+            std::to_string(taken_ + refused_) + "+ candidates within the work bound";
+  }
+
+ private:
+  long long left_, each_;
+  int taken_ = 0, refused_ = 0;
+};
+
 // Keeps the candidate with the smallest longest-rank span within the memory
 // limit (ties: smaller peak memory); the first one wins exact ties.
 class Best {
@@ -582,9 +613,11 @@ class VSweep {
 };
 
 // The V sweep with both W switches, each run twice (NOTE [V sweep]).
-void consider_v_sweeps(int p, int m, const CostModel& costs, double limit, Best& best) {
+void consider_v_sweeps(int p, int m, const CostModel& costs, double limit, Best& best,
+                       Budget& work) {
   for (bool fill_b : {true, false}) {
     for (bool fill_f : {true, false}) {
+      if (!work.take() || !work.take()) return;  // two runs
       try {
         VSweep v(p, m, costs, limit, fill_f, fill_b);
         std::vector<double> idle, idle2;
@@ -677,8 +710,12 @@ Schedule zb_auto(int p, int m, const CostModel& costs, double mem_limit,
                                 " is below one microbatch's activations (mem_b " +
                                 std::to_string(one) + "); raise --mem-limit");
   Best best(costs, limit);
+  // NOTE [Budget of the memory search] (budget.cpp): each candidate is built
+  // and simulated, about twice its actions; the first always runs.
+  Budget work(options.candidate_work, 2LL * 3 * p * m);
   // The paper's heuristic over its switches; then the hand-made schedules.
   for (int bits = 0; bits < 8; ++bits) {
+    if (!work.take()) break;
     SweepParams sp;
     sp.mem_limit = limit;
     sp.warmup_overrun = bits & 1;
@@ -691,13 +728,14 @@ Schedule zb_auto(int p, int m, const CostModel& costs, double mem_limit,
     }
   }
   for (const char* n : {"zb-h1", "zb-h2", "1f1b"})
-    best.consider(build(n, p, m));
+    if (work.take()) best.consider(build(n, p, m));
   // The time-ordered heuristic over warmup depths (a * (p - r) + b, capped by
   // memory) and W policies.
   const int mem_cap = static_cast<int>(std::floor(limit / std::max(one, 1e-12) + kEps));
   for (double a : {1.0, 1.5, 2.0, 3.0}) {
     for (int b : {-1, 0, 1}) {
       for (double w_wait : {0.0, 0.5, 1.0}) {
+        if (!work.take()) break;
         HeuristicParams hp;
         hp.mem_limit = limit;
         hp.w_wait = w_wait;
@@ -718,7 +756,8 @@ Schedule zb_auto(int p, int m, const CostModel& costs, double mem_limit,
   if (!best.have())
     throw std::invalid_argument("schedule 'zb-auto': no schedule found within memory limit " +
                                 std::to_string(limit) + "; raise --mem-limit (1F1B needs " +
-                                std::to_string(p * one) + ")");
+                                std::to_string(p * one) + ")" + work.why_short());
+  work.note("zb-auto", options.cut_note);
   Schedule out = best.schedule();
   if (options.refine_work > 0) {
     RefineOptions ro;
@@ -740,14 +779,17 @@ Schedule zbv_auto(int p, int m, const CostModel& costs, double mem_limit,
   const double one = max_stage_mem_b(layout, costs);
   const double limit = mem_limit > 0 ? mem_limit : 2.0 * p * one;
   Best best(costs, limit);
+  Budget work(options.candidate_work, 2LL * 6 * p * m);
+  work.take();  // the hand-made order: at least 2p - 1 microbatches' loop per rank
   best.consider(zbv_handmade(p, m));
-  consider_v_sweeps(p, m, costs, limit, best);
+  consider_v_sweeps(p, m, costs, limit, best, work);
   if (!best.have())
     throw std::invalid_argument("schedule 'zbv': no V schedule found within memory limit " +
                                 std::to_string(limit) +
                                 "; raise --mem-limit (the hand-made "
                                 "ZB-V needs about " +
-                                std::to_string(2.0 * p * one) + ")");
+                                std::to_string(2.0 * p * one) + ")" + work.why_short());
+  work.note("zbv", options.cut_note);
   Schedule out = best.schedule();
   if (options.refine_work > 0) {
     RefineOptions ro;

@@ -3,6 +3,7 @@
 // them: zb-auto (loop placement) and the cost-aware ZB-V.
 #pragma once
 
+#include <string>
 #include <vector>
 
 #include "hp/schedule/schedule.h"
@@ -63,6 +64,14 @@ struct SearchOptions {
   /// Work budget of the local search (refine.h) in simulated actions; 0 turns
   /// the local search off. Deterministic (NOTE [Deterministic search]).
   long long refine_work = 20'000'000;
+  /// Work budget of the candidates (heuristic runs, each built and simulated)
+  /// in simulated actions: at every size the one size rule admits the search
+  /// ends in seconds (NOTE [Budget of the memory search] in budget.cpp). The
+  /// first candidate always runs.
+  long long candidate_work = 20'000'000;
+  /// When set and the budget left candidates out, a line saying so is
+  /// appended here (for the CLI's output).
+  std::string* cut_note = nullptr;
 };
 
 /// zb-auto: the smallest-span schedule (the Zero Bubble paper's cost: the

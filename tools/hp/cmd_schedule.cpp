@@ -99,6 +99,13 @@ hs::BuildOptions options_of(const Common& o) {
   return b;
 }
 
+// The line printed when a search's work bound cut it short (NOTE [Budget of
+// the memory search]): the result is valid, the search did not see everything.
+std::string cut_line(const std::string& note) {
+  return "search cut short by its work bound (" + note +
+         "); the result is valid but may not be the best (NOTE [Budget of the memory search])";
+}
+
 void write_file(const std::string& path, const std::string& text) {
   hs::write_text_file(path, text);  // NOTE [Output files are whole]
 }
@@ -131,11 +138,14 @@ struct ShowArgs {
 void run_show(const ShowArgs& a) {
   check_outputs({{"--csv", &a.csv}, {"--svg", &a.svg}, {"--trace", &a.trace}});
   hs::Schedule s;
+  std::string cut;
   if (!a.from.empty()) {
     s = hs::from_csv(hs::read_input_file(a.from), a.from);
   } else {
     if (a.name.empty()) throw std::invalid_argument("hp schedule show: give a NAME or --from FILE");
-    s = hs::build(a.name, a.c.p, a.c.m, options_of(a.c));
+    hs::BuildOptions bo = options_of(a.c);
+    bo.search_note = &cut;
+    s = hs::build(a.name, a.c.p, a.c.m, bo);
   }
   hs::validate(s);
   hs::Schedule low = s.lowered ? s : hs::lower(s);
@@ -160,6 +170,7 @@ void run_show(const ShowArgs& a) {
                           {"bubble", cf.bubble},
                           {"bubble_rate", cf.bubble_rate},
                           {"matches_simulator", cf.matches_simulator}};
+    if (!cut.empty()) j["search_cut_short"] = cut;
     std::cout << j.dump(2) << "\n";
     return;
   }
@@ -170,6 +181,7 @@ void run_show(const ShowArgs& a) {
   if (cf.known)
     std::cout << "closed form    " << cf.formula << " = " << num(cf.bubble) << " (bubble rate "
               << pct(cf.bubble_rate) << (cf.matches_simulator ? "" : ", reference only") << ")\n";
+  if (!cut.empty()) std::cout << cut_line(cut) << "\n";
   if (a.lowered) {
     std::cout << "\nlowered action lists:\n";
     for (int rk = 0; rk < shown.num_ranks; ++rk)
@@ -308,7 +320,10 @@ void run_tune(const TuneArgs& a) {
   const auto [costs, p] = costs_and_ranks("tune", a.costs, a.p);
   check_microbatches("tune", p, a.m);
   const double limit = parse_mem_limit(a.mem_limit, p * costs.mem_b);
-  hs::Schedule tuned = hs::zb_auto(p, a.m, costs, limit);
+  std::string cut;
+  hs::SearchOptions so;
+  so.cut_note = &cut;
+  hs::Schedule tuned = hs::zb_auto(p, a.m, costs, limit, so);
   tuned.name = "tuned";
   hs::validate(hs::lower(tuned));
   write_file(a.out, hs::to_csv(tuned));
@@ -326,13 +341,13 @@ void run_tune(const TuneArgs& a) {
     nlohmann::json j = nlohmann::json::array();
     for (const auto& row : rows)
       j.push_back(nlohmann::json::parse(hs::summary_json(row.r, row.name)));
-    std::cout << nlohmann::json{{"ranks", p},
-                                {"microbatches", a.m},
-                                {"mem_limit", used_limit},
-                                {"csv", a.out},
-                                {"schedules", j}}
-                     .dump(2)
-              << "\n";
+    nlohmann::json out{{"ranks", p},
+                       {"microbatches", a.m},
+                       {"mem_limit", used_limit},
+                       {"csv", a.out},
+                       {"schedules", j}};
+    if (!cut.empty()) out["search_cut_short"] = cut;
+    std::cout << out.dump(2) << "\n";
     return;
   }
   std::printf("tuned p=%d m=%d from %s, memory limit %s; wrote %s\n\n", p, a.m, a.costs.c_str(),
@@ -349,6 +364,7 @@ void run_tune(const TuneArgs& a) {
       "makespan, idle the wall-clock share, bubble the Zero Bubble paper's rate.\n"
       "run it: hp schedule show --from %s\n",
       p, a.out.c_str());
+  if (!cut.empty()) std::printf("%s\n", cut_line(cut).c_str());
 }
 
 struct RecommendArgs {
@@ -436,7 +452,7 @@ void run_recommend(const RecommendArgs& a) {
     std::printf("wrote %s (%s); run it: hp train --schedule-file %s ...\n", a.out.c_str(),
                 top.name.c_str(), a.out.c_str());
   if (!skipped.empty()) {
-    std::printf("\nnot applicable for p=%d m=%d:\n", p, m);
+    std::printf("\nnot applicable or left out for p=%d m=%d:\n", p, m);
     for (const auto& [n, why] : skipped)
       std::printf("  %-16s %s\n", n.c_str(), why.c_str());
   }
