@@ -476,13 +476,25 @@ std::vector<Recommendation> recommend(int p, int m, const CostModel& given, doub
   // get at most their defaults, at least a share of what is left.
   long long left = std::max<long long>(max_work, 1);
   for (const std::string& n : names()) {
-    const bool search = n == "zb-auto" || n == "zbv" || n == "auto";
     long long est = estimated_work(n, p, m, 2);
-    long long search_work = 0;
-    if (search) {
-      const long long floor = 2 * 6LL * p * m;  // one candidate, built and simulated
-      search_work = std::min(est, std::max(left / 3, floor));
-      est = search_work + (n == "auto" ? 2 * floor : 0);
+    long long search_work = 0;  // 0: the search's own defaults, as `hp schedule show` runs it
+    const long long vee = 2 * 6LL * p * m;  // one V candidate, built and simulated
+    if (n == "zb-auto" || n == "zbv") {
+      // Where all its candidates fit its own bound and what is left, the
+      // search runs as it would alone; else it gets half of what is left (at
+      // least one candidate), split with its local search.
+      const long long whole = n == "zb-auto" ? 47 * 2 * 3LL * p * m : 9 * vee;
+      if (whole <= SearchOptions{}.candidate_work && whole <= left) {
+        est = whole;
+      } else {
+        est = std::max(left / 2, vee);
+        search_work = 2 * est;
+      }
+    } else if (n == "auto") {
+      if (est > left) {
+        search_work = std::max(left - 2 * vee, vee);
+        est = search_work + 2 * vee;
+      }
     }
     if (n != "naive" && est > left) {
       if (skipped)

@@ -94,7 +94,7 @@ struct Recommendation {
 std::vector<Recommendation> recommend(int ranks, int microbatches, const CostModel& costs,
                                       double mem_limit,
                                       std::vector<std::pair<std::string, std::string>>* skipped,
-                                      long long max_work = 40'000'000);
+                                      long long max_work = 60'000'000);
 
 /// The estimated work of build(name, p, m) and of simulating its result, in
 /// simulated actions (NOTE [Budget of the memory search]); for the searches
