@@ -432,6 +432,12 @@ PipelineStep Pipeline::step() {
     std::string why = e.what();
     if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e))
       why = c10_error->what_without_backtrace();
+    // The data-parallel copies (and expert-parallel peers, waiting in an
+    // all-to-all over the same group) learn of it as the pipeline's do.
+    if (options_.dp)
+      options_.dp->abandon("rank " + std::to_string(options_.dp->rank()) + " of the data-parallel "
+                           "group (pipeline rank " + std::to_string(rank_) + ") failed its step: " +
+                           why.substr(0, 300));
     broken_reason_ = why.size() > 200 ? why.substr(0, 200) + "..." : why;
     if (broken_reason_.empty()) broken_reason_ = "unknown error";
     throw;

@@ -1,5 +1,7 @@
 // hyperparallel._C.moe: the C++ router, and token dispatch and combine over
 // a torch.distributed group (hp/moe), for python/hyperparallel/moe.
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+
 #include <chrono>
 #include <memory>
 
@@ -9,6 +11,34 @@
 #include "hp/moe/router.h"
 
 namespace hp::python {
+
+// NOTE [A failure reaches the expert-parallel peers]
+// A rank whose step fails while its process lives on (a notebook, a
+// try/except) sends nothing more, and its expert-parallel peers would wait
+// inside an all-to-all until the timeout. So a TokenDispatcher's Comm and a
+// Pipeline's data-parallel Comm (the same group) both go through
+// with_failure_store over the group's own store, under one prefix per group
+// name: a Pipeline whose step failed abandons its dp Comm too (hp/pipeline/
+// pipeline.cpp), which leaves the reason there, and a peer waiting in a
+// dispatch or combine over that group sees it within about 0.3 s and fails
+// naming the rank (NOTE [A failed step reaches the peers] in
+// hp/distributed/comm.h). A failure is final for the group: a later Pipeline
+// or dispatcher over it fails at once.
+c10::intrusive_ptr<c10d::Store> group_failure_store(const py::object& store,
+                                                   const c10d::ProcessGroup& group) {
+  if (store.is_none()) return {};
+  c10d::Store* s = nullptr;
+  try {
+    s = store.cast<c10d::Store*>();
+  } catch (const py::cast_error&) {
+    throw py::type_error("failure_store must be a torch.distributed.Store or None, got " +
+                         std::string(py::str(py::type::of(store))));
+  }
+  if (s == nullptr) return {};
+  return c10::make_intrusive<c10d::PrefixStore>(
+      "hyperparallel/group/" + group.getGroupName(),
+      c10::intrusive_ptr<c10d::Store>::reclaim_copy(s));
+}
 
 void bind_moe(py::module_& parent) {
   auto m = parent.def_submodule("moe", "Expert parallelism: routing, dispatch and combine");
@@ -28,19 +58,22 @@ void bind_moe(py::module_& parent) {
       "Moves tokens to the ranks of an expert-parallel group that hold their experts and back "
       "(NOTE [Dispatch and combine] in hp/moe/dispatch.cpp). group=None: every expert local.")
       .def(py::init([](const py::object& group, int64_t num_experts, double capacity_factor,
-                       double timeout_s) {
+                       double timeout_s, const py::object& failure_store) {
              std::shared_ptr<distributed::Comm> comm;
              if (!group.is_none()) {
                distributed::CommOptions o;
                o.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
-               comm = distributed::Comm::from_process_group(process_group_of(group), o);
+               auto pg = process_group_of(group);
+               comm = distributed::with_failure_store(
+                   distributed::Comm::from_process_group(pg, o),
+                   group_failure_store(failure_store, *pg));
              }
              moe::DispatchOptions d;
              d.capacity_factor = capacity_factor;
              return std::make_shared<moe::TokenDispatcher>(comm, num_experts, d);
            }),
            py::arg("group"), py::arg("num_experts"), py::arg("capacity_factor") = 0.0,
-           py::arg("timeout") = 300.0)
+           py::arg("timeout") = 300.0, py::arg("failure_store") = py::none())
       .def("dispatch", &moe::TokenDispatcher::dispatch, py::arg("x"), py::arg("experts"),
            py::call_guard<py::gil_scoped_release>(),
            "x [tokens, hidden], experts [tokens, top_k] (int64): collective over the group")

@@ -129,7 +129,8 @@ class Runtime {
           const std::map<int, std::vector<torch::Tensor>>& chunk_dp_parameters = {},
           bool recompute_sessions = false, py::object extra_sum = py::none(),
           const py::object& failure_store = py::none(), py::object gradient_numel = py::none(),
-          const std::map<int, std::vector<torch::Tensor>>& chunk_expert_parameters = {}) {
+          const std::map<int, std::vector<torch::Tensor>>& chunk_expert_parameters = {},
+          const py::object& dp_failure_store = py::none()) {
     distributed::CommOptions options;
     options.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
     auto pg = process_group_of(group);
@@ -140,8 +141,13 @@ class Runtime {
     po.device = device.is_none() ? torch::Device(torch::kCPU) : device.cast<torch::Device>();
     po.dtype = dtype.cast<c10::ScalarType>();
     po.p2p = p2p;
-    if (!dp_group.is_none())
-      po.dp = distributed::Comm::from_process_group(process_group_of(dp_group), options);
+    if (!dp_group.is_none()) {
+      // NOTE [A failure reaches the expert-parallel peers] in bind_moe.cpp.
+      auto dp_pg = process_group_of(dp_group);
+      po.dp = distributed::with_failure_store(
+          distributed::Comm::from_process_group(dp_pg, options),
+          group_failure_store(dp_failure_store, *dp_pg));
+    }
     po.recompute_sessions = recompute_sessions;
     po.receive_lookahead = receive_lookahead;
     po.cache_cpu_memory = cache_cpu_memory;
@@ -343,12 +349,14 @@ void bind_pipeline(py::module_& m) {
                        const std::map<int, std::vector<torch::Tensor>>& dp_parameters,
                        bool recompute_sessions, py::object extra_sum,
                        const py::object& failure_store, py::object gradient_numel,
-                       const std::map<int, std::vector<torch::Tensor>>& expert_parameters) {
+                       const std::map<int, std::vector<torch::Tensor>>& expert_parameters,
+                       const py::object& dp_failure_store) {
              try {
                return std::make_unique<Runtime>(
                    sched, group, forward, parameters, loss, shape, dtype, device, timeout_s,
                    dp_group, receive_lookahead, p2p, cache_cpu_memory, dp_parameters,
-                   recompute_sessions, extra_sum, failure_store, gradient_numel, expert_parameters);
+                   recompute_sessions, extra_sum, failure_store, gradient_numel, expert_parameters,
+                   dp_failure_store);
              } catch (const std::invalid_argument& e) {
                throw py::value_error(e.what());
              }
@@ -361,7 +369,8 @@ void bind_pipeline(py::module_& m) {
            py::arg("chunk_dp_parameters") = std::map<int, std::vector<torch::Tensor>>{},
            py::arg("recompute_sessions") = false, py::arg("extra_sum") = py::none(),
            py::arg("failure_store") = py::none(), py::arg("gradient_numel") = py::none(),
-           py::arg("chunk_expert_parameters") = std::map<int, std::vector<torch::Tensor>>{})
+           py::arg("chunk_expert_parameters") = std::map<int, std::vector<torch::Tensor>>{},
+           py::arg("dp_failure_store") = py::none())
       .def("step", &Runtime::step, py::arg("inputs"),
            "Runs one step of this rank's actions; returns the loss and timings.")
       .def("abandon", &Runtime::abandon, py::arg("why"),

@@ -30,6 +30,14 @@ void bind_compile(py::module_& m);
 /// copied); TypeError for anything else (bind_pipeline.cpp).
 c10::intrusive_ptr<c10d::ProcessGroup> process_group_of(const py::object& group);
 
+/// The store through which the ranks of an expert-parallel (or data-
+/// parallel) group tell each other of a failed step: `store` (a
+/// torch.distributed Store, or None for none) under a prefix of the group's
+/// name, the same for a Pipeline's dp_group and a TokenDispatcher's group
+/// (NOTE [A failure reaches the expert-parallel peers] in bind_moe.cpp).
+c10::intrusive_ptr<c10d::Store> group_failure_store(const py::object& store,
+                                                   const c10d::ProcessGroup& group);
+
 /// Registers every part in `m`.
 inline void bind_all(py::module_& m) {
   bind_autograd(m);

@@ -1565,6 +1565,8 @@ class Pipeline:
             failure_store=dist.distributed_c10d._world.pg_map.get(group, (None, None))[1],
             gradient_numel=None if self._finder is None else self._finder.gradient_numel,
             chunk_expert_parameters={c: [q for q in ps if _is_expert(q)] for c, ps in params.items()},
+            dp_failure_store=None if dp_group is None else
+            dist.distributed_c10d._world.pg_map.get(dp_group, (None, None))[1],
         )
         self.rank = self._runtime.rank
         self._loss.rank = self.rank

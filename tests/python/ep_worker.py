@@ -213,8 +213,45 @@ def main():
     results["titan"] = {"out": out, "dx": dx, "grads": grads,
                         "experts": sorted(k for k, q in layer.named_parameters()
                                           if hp.moe.is_expert_parameter(q))}
+    results["failure"] = fail_in_a_step(hp, copy, stage_rank, pp_group, ep_group)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    # The groups saw a failure: leave without tearing them down.
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def fail_in_a_step(hp, copy, stage_rank, pp_group, ep_group):
+    """Rank 3 (copy 1, stage 1) raises inside its second step's forward and
+    lives on: every rank's step must fail soon, naming what happened, its EP
+    peer (rank 1) through the expert-parallel group's store. Returns
+    (error text, seconds from the step's start) or None."""
+    import time
+
+    sched = hp.pipeline.schedule("zb-h1", ranks=PP, microbatches=microbatches("zb-h1"))
+    model = make_model("mixtral")
+    chunks = hp.pipeline.split_model(model, sched, stage_rank)
+    hp.moe.expert_parallel(model, ep_group)
+    pipe = hp.pipeline.Pipeline(chunks, sched, loss_fn=loss_fn, group=pp_group,
+                                dp_group=ep_group, timeout=60)
+    armed = [False]
+
+    def fail(module, args):
+        if armed[0]:
+            raise RuntimeError("injected failure in rank 3's forward")
+
+    if copy == 1 and stage_rank == 1:
+        model.model.layers[2].register_forward_pre_hook(fail)
+    m, rows = sched.num_microbatches, slice(copy * microbatches("zb-h1") * MB,
+                                            (copy + 1) * microbatches("zb-h1") * MB)
+    for step in range(2):
+        x, y, _ = batch(0, m)
+        armed[0] = step == 1
+        t0 = time.perf_counter()
+        try:
+            pipe.step(x[rows], y[rows])
+        except Exception as e:  # noqa: BLE001 - what the test checks
+            return str(e), time.perf_counter() - t0
+    return None
 
 
 if __name__ == "__main__":

@@ -73,6 +73,20 @@ def test_pp2_ep2_equals_one_process(tmp_path):
             assert torch.allclose(g, want, rtol=0, atol=1e-12), (r, k)
 
 
+    # Rank 3 raised inside a step and lived on: every rank's step failed
+    # within seconds (the timeout is 60 s), its EP peer and its pipeline
+    # peer naming it, and the last rank naming the rank that told it.
+    for r, res in enumerate(results):
+        assert res["failure"] is not None, f"rank {r}'s step did not fail"
+        text, seconds = res["failure"]
+        assert seconds < 5, (r, seconds, text)
+        if r == 3:
+            assert "injected failure" in text, text
+        if r in (1, 2):
+            assert "rank 1 of the data-parallel group" in text or "rank 1's step failed" in text \
+                or "injected failure" in text, (r, text)
+
+
 def test_conversion_keeps_the_models_values_and_refuses_what_it_cannot_take():
     import ep_worker as w
 

@@ -149,8 +149,11 @@ def expert_parallel(model: nn.Module, ep_group: Optional[dist.ProcessGroup],
                 f"the {size} ranks of the expert-parallel group: use a group size that divides "
                 f"{m.num_experts}")
     for name, m in found:
+        # NOTE [A failure reaches the expert-parallel peers] in python/csrc/bind_moe.cpp.
+        store = (None if ep_group is None else
+                 dist.distributed_c10d._world.pg_map.get(ep_group, (None, None))[1])
         dispatcher = _C.moe.TokenDispatcher(ep_group, m.num_experts, float(capacity_factor),
-                                     float(timeout))
+                                            float(timeout), failure_store=store)
         # The same Parameter objects keep this rank's rows: whatever holds
         # them already (split_model's chunks and their names, an optimizer)
         # sees the slice.
