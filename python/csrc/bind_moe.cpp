@@ -26,18 +26,9 @@ namespace hp::python {
 // or dispatcher over it fails at once.
 c10::intrusive_ptr<c10d::Store> group_failure_store(const py::object& store,
                                                    const c10d::ProcessGroup& group) {
-  if (store.is_none()) return {};
-  c10d::Store* s = nullptr;
-  try {
-    s = store.cast<c10d::Store*>();
-  } catch (const py::cast_error&) {
-    throw py::type_error("failure_store must be a torch.distributed.Store or None, got " +
-                         std::string(py::str(py::type::of(store))));
-  }
-  if (s == nullptr) return {};
-  return c10::make_intrusive<c10d::PrefixStore>(
-      "hyperparallel/group/" + group.getGroupName(),
-      c10::intrusive_ptr<c10d::Store>::reclaim_copy(s));
+  auto s = store_of(store);
+  if (!s) return {};
+  return c10::make_intrusive<c10d::PrefixStore>("hyperparallel/group/" + group.getGroupName(), s);
 }
 
 void bind_moe(py::module_& parent) {

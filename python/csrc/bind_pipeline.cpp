@@ -33,6 +33,19 @@ c10::intrusive_ptr<c10d::ProcessGroup> process_group_of(const py::object& group)
   return c10::intrusive_ptr<c10d::ProcessGroup>::reclaim_copy(pg);
 }
 
+c10::intrusive_ptr<c10d::Store> store_of(const py::object& store) {
+  if (store.is_none()) return {};
+  c10d::Store* s = nullptr;
+  try {
+    s = store.cast<c10d::Store*>();
+  } catch (const py::cast_error&) {
+    throw py::type_error("failure_store must be a torch.distributed.Store or None, got " +
+                         std::string(py::str(py::type::of(store))));
+  }
+  if (s == nullptr) return {};
+  return c10::intrusive_ptr<c10d::Store>::reclaim_copy(s);
+}
+
 namespace {
 
 // NOTE [Python stages on the C++ executor]
@@ -81,15 +94,8 @@ torch::Tensor call_python(const py::object& fn, const char* what, Args&&... args
 // Pipeline: one key per failed rank is all it needs.)
 c10::intrusive_ptr<c10d::Store> failure_store_of(const py::object& store,
                                                  const c10d::ProcessGroup& group) {
-  if (store.is_none()) return {};
-  c10d::Store* s = nullptr;
-  try {
-    s = store.cast<c10d::Store*>();
-  } catch (const py::cast_error&) {
-    throw py::type_error("failure_store must be a torch.distributed.Store or None, got " +
-                         std::string(py::str(py::type::of(store))));
-  }
-  if (s == nullptr) return {};
+  auto s = store_of(store);
+  if (!s) return {};
   static std::mutex mu;
   static std::map<std::string, int> made;
   const std::string name = group.getGroupName();
@@ -99,8 +105,7 @@ c10::intrusive_ptr<c10d::Store> failure_store_of(const py::object& store,
     n = made[name]++;
   }
   return c10::make_intrusive<c10d::PrefixStore>(
-      "hyperparallel/pipeline/" + name + "/" + std::to_string(n),
-      c10::intrusive_ptr<c10d::Store>::reclaim_copy(s));
+      "hyperparallel/pipeline/" + name + "/" + std::to_string(n), s);
 }
 
 /// A Python object that C++ copies freely without the GIL (only the

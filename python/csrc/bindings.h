@@ -30,6 +30,10 @@ void bind_compile(py::module_& m);
 /// copied); TypeError for anything else (bind_pipeline.cpp).
 c10::intrusive_ptr<c10d::ProcessGroup> process_group_of(const py::object& group);
 
+/// The c10d store behind a torch.distributed Store; null for None;
+/// TypeError for anything else (bind_pipeline.cpp).
+c10::intrusive_ptr<c10d::Store> store_of(const py::object& store);
+
 /// The store through which the ranks of an expert-parallel (or data-
 /// parallel) group tell each other of a failed step: `store` (a
 /// torch.distributed Store, or None for none) under a prefix of the group's
