@@ -19,6 +19,8 @@ void bind_schedule(py::module_& m);
 void bind_pipeline(py::module_& m);
 /// Expert parallelism's dispatch and combine: _C.moe (bind_moe.cpp).
 void bind_moe(py::module_& m);
+/// Output files written as hp writes them: _C.text (bind_text.cpp).
+void bind_text(py::module_& m);
 /// Measured costs and predicted schedules: _C.profile (bind_profile.cpp).
 void bind_profile(py::module_& m);
 #ifdef HP_BIND_COMPILE
@@ -49,6 +51,7 @@ inline void bind_all(py::module_& m) {
   bind_schedule(m);
   bind_pipeline(m);
   bind_moe(m);
+  bind_text(m);
   bind_profile(m);
 #ifdef HP_BIND_COMPILE
   bind_compile(m);

@@ -102,11 +102,17 @@ def check_pipeline_arguments(ap, a, world: int):
                  f"{', '.join(EXAMPLE_SCHEDULES)}")
     if not 0 <= a.seed < 2**64:
         ap.error(f"--seed must be in [0, 2**64), got {a.seed}")
-    for flag, path in (("--report", a.report), ("--trace", a.trace)):
-        folder = os.path.dirname(os.path.abspath(path)) if path else ""
-        if path and not os.path.isdir(folder):
-            ap.error(f"{flag}: the folder '{folder}' does not exist")
-    from . import pipeline
+    from . import _C, pipeline
+
+    # Before any training: a folder that is missing, read-only or full of
+    # the wrong kind of thing fails now, not after the run.
+    for flag, path in (("--report", a.report), ("--trace", a.trace),
+                       ("--trace", a.trace + ".svg" if a.trace else "")):
+        if path:
+            try:
+                _C.text.check_output_path(path, flag)
+            except ValueError as e:
+                ap.error(str(e))
 
     try:
         return pipeline.schedule(a.schedule, ranks=world, microbatches=a.microbatches,
@@ -196,13 +202,13 @@ def step_summary(per_rank: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
 
 
 def write_report(path: str | os.PathLike, report: Mapping[str, Any]) -> None:
-    """Writes ``report`` as indented JSON; a reader never sees half a file."""
-    path = os.fspath(path)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(report, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
+    """Writes ``report`` as indented JSON as hp writes its files: a reader
+    never sees half a file, a failed write leaves no temporary and the old
+    file as it was, and a device, FIFO or symlink at the path stays what it
+    is (NOTE [Output files are whole] in hp/schedule/text.cpp)."""
+    from . import _C
+
+    _C.text.write_text_file(os.fspath(path), json.dumps(report, indent=1) + "\n")
 
 
 def finish_run(pipe, chunks: Mapping[int, Any], *, what: str, losses: Sequence[float],
@@ -255,8 +261,8 @@ def finish_run(pipe, chunks: Mapping[int, Any], *, what: str, losses: Sequence[f
         in_ms = [{**s, "events": [(act, 1e3 * b, 1e3 * e) for act, b, e in s["events"]]}
                  for s in per_rank]  # the renderers read one time unit as one millisecond
         timeline = measured_timeline(in_ms, f"{report.get('schedule', '')} (measured, last step)")
-        with open(trace_path, "w") as f:
-            f.write(hs.render_chrome_trace(timeline))
-        with open(trace_path + ".svg", "w") as f:
-            f.write(hs.render_svg(timeline))
+        from . import _C
+
+        _C.text.write_text_file(trace_path, hs.render_chrome_trace(timeline))
+        _C.text.write_text_file(trace_path + ".svg", hs.render_svg(timeline))
         print(f"  trace: {trace_path} (chrome://tracing, ui.perfetto.dev) and {trace_path}.svg")

@@ -125,6 +125,39 @@ def test_bad_arguments_are_one_clear_error(args, env, message, monkeypatch, caps
     assert message in err, err
 
 
+def test_an_output_path_that_cannot_be_written_stops_the_script_before_training(
+        tmp_path, monkeypatch, capsys):
+    # A folder given as the report, and a trace whose folder is missing.
+    for args, message in ((["--report", str(tmp_path)], "is a folder"),
+                          (["--trace", str(tmp_path / "no" / "t.json")], "does not exist")):
+        code, err = run_example(args, {"RANK": "0", "WORLD_SIZE": "2"}, monkeypatch, capsys)
+        assert code == 2, err
+        assert message in err, err
+
+
+def test_reports_keep_what_is_at_the_path(tmp_path):
+    # A symlink stays a link and its target gets the report; a full device
+    # (made here, never the machine's own /dev/full) is an error, not replaced.
+    import stat
+
+    from hyperparallel.train_utils import write_report
+
+    (tmp_path / "real").mkdir()
+    link = tmp_path / "link.json"
+    link.symlink_to(tmp_path / "real" / "out.json")
+    write_report(link, {"loss": [1.0]})
+    assert link.is_symlink() and '"loss"' in (tmp_path / "real" / "out.json").read_text()
+    full = tmp_path / "full"
+    try:
+        os.mknod(full, 0o666 | stat.S_IFCHR, os.makedev(1, 7))
+    except PermissionError:
+        pytest.skip("NOT TESTED here: mknod of a full device needs root")
+    with pytest.raises(RuntimeError, match="No space left on device"):
+        write_report(full, {"loss": [1.0]})
+    assert stat.S_ISCHR(os.stat(full).st_mode)
+    assert not [p for p in os.listdir(tmp_path) if ".tmp" in p]
+
+
 def test_bad_arguments_on_other_ranks_stay_quiet(monkeypatch, capsys):
     code, err = run_example(["--steps", "0"], {"RANK": "1", "WORLD_SIZE": "2"}, monkeypatch, capsys)
     assert code == 2 and err == ""
