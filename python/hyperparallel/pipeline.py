@@ -367,9 +367,14 @@ _MAX_DIMS = 8
 # transfer, so the sender packs the tensor leaves into one flat tensor of the
 # pipeline's dtype (torch.cat: autograd splits the flat gradient back into
 # each leaf's), those that take a gradient first, and the receiving stage's
-# forward gets the structure back (split, viewed, integer and bool leaves
-# cast back: exact up to 2^53 in float64, 2^24 in float32) as its first
-# argument; a consecutive stage on the same rank, handed the flat tensor
+# forward gets the structure back (split and viewed) as its first argument.
+# A leaf that takes a gradient is cast to the pipeline's dtype and back; one
+# that takes none (a mask, ids, a table, any dtype: int64, bool, bfloat16,
+# complex) travels as its bytes, viewed as elements of the pipeline's dtype
+# (padded to whole elements), so it arrives bit for bit (an int64 of 2^40 +
+# 1 stays itself, where a cast to float32 rounded it above 2^24); nothing on
+# the way computes on those bytes (Gloo, the shared-memory rings and host
+# staging copy them). A complex leaf that takes a gradient is refused; a consecutive stage on the same rank, handed the flat tensor
 # locally, unpacks it the same way. A leaf takes a gradient when the probe's
 # forward (on fake tensors, with autograd on) made it require grad: masks,
 # ids and rotary tables do not, and the receiver detaches them. Only the
@@ -384,19 +389,25 @@ _MAX_DIMS = 8
 class _Packing:
     """The structure of one stage's output (NOTE [Pytrees between stages])."""
 
-    def __init__(self, spec_text: str, leaves: list):
+    def __init__(self, spec_text: str, leaves: list, itemsize: int):
         import torch.utils._pytree as pytree
 
         self.spec_text = spec_text
         self.spec = pytree.treespec_loads(spec_text)
         # ("t", shape, dtype name, takes a gradient) or ("v", value)
         self.leaves = leaves
+        self.itemsize = itemsize  # of the pipeline's dtype
         tensors = [i for i, m in enumerate(leaves) if m[0] == "t"]
         # The flat tensor's order: differentiable leaves first.
         self.order = [i for i in tensors if leaves[i][3]] + [i for i in tensors if not leaves[i][3]]
-        self.sizes = [math.prod(leaves[i][1]) for i in self.order]
+        self.sizes = [math.prod(leaves[i][1]) if leaves[i][3] else -(-self._bytes(i) // itemsize)
+                      for i in self.order]
         self.numel = sum(self.sizes)
         self.grad_numel = sum(math.prod(leaves[i][1]) for i in tensors if leaves[i][3])
+
+    def _bytes(self, i: int) -> int:
+        _, shape, dtype_name, _ = self.leaves[i]
+        return math.prod(shape) * torch.empty((), dtype=getattr(torch, dtype_name)).element_size()
 
     @staticmethod
     def _describe(leaves) -> list:
@@ -404,15 +415,23 @@ class _Packing:
                 if isinstance(x, torch.Tensor) else ("v", x) for x in leaves]
 
     @staticmethod
-    def of(out, autograd: bool) -> "_Packing":
-        """`out`'s structure; a tensor leaf takes a gradient if it requires
-        grad (`autograd`: the forward ran with it) or is of a floating dtype."""
+    def of(out, autograd: bool, dtype: torch.dtype) -> "_Packing":
+        """`out`'s structure, to travel in `dtype`; a tensor leaf takes a
+        gradient if it requires grad (`autograd`: the forward ran with it)
+        or is of a floating dtype."""
         import torch.utils._pytree as pytree
 
         leaves, spec = pytree.tree_flatten(out)
         meta = [m + ((x.requires_grad if autograd else x.is_floating_point()),) if m[0] == "t"
                 else m for m, x in zip(_Packing._describe(leaves), leaves)]
-        return _Packing(pytree.treespec_dumps(spec), meta)
+        for i, (m, x) in enumerate(zip(meta, leaves)):
+            if m[0] == "t" and m[3] and x.is_complex():
+                raise ValueError(
+                    f"output leaf {i} ({m[1]}, {m[2]}) is complex and takes a gradient: between "
+                    "stages a gradient travels in the pipeline's real dtype, which would drop its "
+                    "imaginary part; hand on its real and imaginary parts (torch.view_as_real)")
+        return _Packing(pytree.treespec_dumps(spec), meta,
+                        torch.empty((), dtype=dtype).element_size())
 
     def fake(self, mode, device):
         """The structure with fake tensors (the next stage's probe input),
@@ -447,7 +466,17 @@ class _Packing:
                     "it does not (the probe runs the forward on fake tensors with autograd on): "
                     "its gradient would be lost; make it require grad (or not) the same way "
                     "whenever the forward runs")
-        tensors = [leaves[i].reshape(-1).to(dtype) for i in self.order]
+        tensors, raw = [], []
+        for i, n in zip(self.order, self.sizes):
+            if self.leaves[i][3]:
+                tensors.append(leaves[i].reshape(-1).to(dtype))
+                continue
+            b = leaves[i].detach().contiguous().reshape(-1).view(torch.uint8)
+            raw.append(b)
+            if n * self.itemsize > b.numel():  # padded to whole elements
+                raw.append(b.new_zeros(n * self.itemsize - b.numel()))
+        if raw:  # one fresh buffer: aligned for the view
+            tensors.append(torch.cat(raw).view(dtype))
         return torch.cat(tensors) if tensors else torch.zeros(0, dtype=dtype)
 
     def unpack(self, flat: torch.Tensor):
@@ -456,17 +485,16 @@ class _Packing:
         leaves = [m[1] if m[0] != "t" else None for m in self.leaves]
         for i, part in zip(self.order, flat.split(self.sizes)):
             _, shape, dtype_name, grad = self.leaves[i]
-            t = part.view(shape)
-            if not grad:
-                t = t.detach()  # its gradient does not travel back
             dtype = getattr(torch, dtype_name)
-            if dtype == torch.bool:
-                t = t != 0
-            elif not dtype.is_floating_point and not dtype.is_complex:
-                t = t.round().to(dtype)
-            elif dtype != t.dtype:
-                t = t.to(dtype)
-            leaves[i] = t
+            if grad:
+                t = part.view(shape)
+                leaves[i] = t.to(dtype) if dtype != t.dtype else t
+            else:  # its bytes, bit for bit; its gradient does not travel back
+                raw = part.detach().contiguous().view(torch.uint8)[:self._bytes(i)]
+                size = torch.empty((), dtype=dtype).element_size()
+                if raw.storage_offset() % size:
+                    raw = raw.clone()  # aligned for the view
+                leaves[i] = raw.view(dtype).view(shape)
         return pytree.tree_unflatten(leaves, self.spec)
 
 
@@ -588,7 +616,7 @@ class _ShapeFinder:
 
         def describe(out, autograd: bool):
             return (tuple(out.shape) if isinstance(out, torch.Tensor)
-                    else _Packing.of(out, autograd))
+                    else _Packing.of(out, autograd, self.dtype))
 
         outer = getattr(_collecting, "sink", None)
         _collecting.sink = []  # add_loss inside the probe goes nowhere

@@ -40,7 +40,8 @@ def test_structures_between_stages_train_equal_to_single_process(p, tmp_path):
             # the ignored 2 * side, not the mask nor the table (NOTE [Pytrees
             # between stages]).
             for s, (numel, grad_numel) in got["numel"].items():
-                assert (numel, grad_numel) == (4 * rows * pm.D + rows, 3 * rows * pm.D), (
+                # The mask's rows bools travel as their bytes: rows / 8 float64s.
+                assert (numel, grad_numel) == (4 * rows * pm.D + -(-rows // 8), 3 * rows * pm.D), (
                     name, p, r, s, numel, grad_numel)
             for s, (a, b) in enumerate(zip(got["losses"], ref_losses, strict=True)):
                 assert abs(a - b) <= 1e-9 * max(1.0, abs(b)), (name, p, r, s, a, b)
@@ -64,7 +65,7 @@ def test_a_leaf_that_requires_grad_where_the_probe_found_none_is_refused():
 
     w = torch.ones(2, dtype=torch.float64, requires_grad=True)
     probe = (w * 2, torch.ones(2, dtype=torch.float64), 3)
-    packing = _Packing.of(probe, autograd=True)
+    packing = _Packing.of(probe, autograd=True, dtype=torch.float64)
     assert (packing.numel, packing.grad_numel) == (4, 2)
     flat = packing.pack((w * 3, torch.full((2,), 5.0, dtype=torch.float64), 3), torch.float64, 1, 0)
     assert flat.tolist() == [3.0, 3.0, 5.0, 5.0]  # the differentiable leaf first
@@ -72,3 +73,35 @@ def test_a_leaf_that_requires_grad_where_the_probe_found_none_is_refused():
     assert back[0].requires_grad and not back[1].requires_grad and back[2] == 3
     with pytest.raises(ValueError, match="stage 1 microbatch 0: output leaf 1 .* requires grad"):
         packing.pack((w * 3, w * 5, 3), torch.float64, 1, 0)
+
+
+@pytest.mark.parametrize("pipeline_dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_leaves_without_a_gradient_cross_bit_for_bit(pipeline_dtype):
+    # An int64 of 2^40 + 1 (rounded to 2^40 by a cast to float32), a
+    # bfloat16 table, a complex tensor, odd-sized bools and an int8 with an
+    # odd offset: each arrives as it was sent, beside a differentiable leaf.
+    from hyperparallel.pipeline import _Packing
+
+    w = torch.ones(3, dtype=pipeline_dtype, requires_grad=True)
+    big = torch.tensor([2**40 + 1, -(2**62) - 3, 7], dtype=torch.int64)
+    table = torch.tensor([1.0078125, -3.5, 1e-3], dtype=torch.bfloat16)
+    cplx = torch.tensor([1 + 2j, -3.25 - 0.5j], dtype=torch.complex64)
+    mask = torch.tensor([True, False, True, True, False])
+    small = torch.arange(9, dtype=torch.int8)[1:]  # a view with an odd storage offset
+    out = (w * 2, big, table, cplx, mask, small, "tag")
+    packing = _Packing.of(out, autograd=True, dtype=pipeline_dtype)
+    flat = packing.pack(out, pipeline_dtype, 0, 0)
+    assert flat.dtype == pipeline_dtype and flat.numel() == packing.numel
+    back = packing.unpack(flat.clone())
+    for got, sent in zip(back[1:6], (big, table, cplx, mask, small)):
+        assert got.dtype == sent.dtype and torch.equal(got, sent), (got, sent)
+    assert back[0].requires_grad and back[6] == "tag"
+    assert packing.grad_numel == 3
+
+
+def test_a_complex_leaf_that_takes_a_gradient_is_refused():
+    from hyperparallel.pipeline import _Packing
+
+    z = torch.ones(2, dtype=torch.complex128, requires_grad=True)
+    with pytest.raises(ValueError, match="is complex and takes a gradient"):
+        _Packing.of((z * 2,), autograd=True, dtype=torch.float64)
