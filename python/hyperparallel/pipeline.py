@@ -1441,6 +1441,16 @@ class Pipeline:
 
         if error is None:
             error = _expert_parallel_check(params, dp_group)
+        if error is None and fsdp and activation_shape is None:
+            # NOTE [FSDP2 stages need declared shapes]: finding shapes runs a
+            # stage's forward on fake tensors (or, where those fail, for real
+            # under no_grad); through FSDP2's hooks either left the unsharded
+            # parameters the steps then read garbage (NaN losses), so the
+            # composition is refused rather than run wrong.
+            error = ("FSDP2 (fully_shard) stages need declared activation shapes: give "
+                     "Pipeline(activation_shape=...) (a shape, or fn(stage, microbatch) -> "
+                     "shape); finding them runs the forward outside FSDP2's control, which left "
+                     "its unsharded parameters unset")
         if error is None:
             error = _placement_check(chunks, params, group, dp_group)
         agree_on = [("the pipeline's group", group), ("dp_group", dp_group)]

@@ -69,6 +69,8 @@ def test_bad_fsdp2_compositions_fail_on_every_rank_before_the_first_step(fsdp_ra
         assert err and "dp_group and FSDP2 would reduce the same parameters" in err, err
         err = res["dp-group-other-ranks"]["error"]
         assert err and "would average over different copies" in err, err
+        err = res["fsdp-shapes-found"]["error"]
+        assert err and "need declared activation shapes" in err, err
         err = res["replicated"]["error"]
         assert err and "held by several ranks of the schedule" in err, err
         # Only the pipelines' rank 0 (world ranks 0 and 2) sharded over "pp":
