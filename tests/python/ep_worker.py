@@ -10,7 +10,10 @@ auxiliary losses and the parameters by the model's names (an expert weight:
 this rank's rows). The models, the data and the one-process reference
 (every expert local, the whole global batch) are here too.
 
-    ep_worker.py OUT_DIR CASES   (CASES: model:schedule,... ; WORLD_SIZE 4)"""
+    ep_worker.py OUT_DIR CASES   (CASES: model:schedule,... ; WORLD_SIZE 4)
+
+A model name ending in "+fsdp2" also shards each layer's attention with
+FSDP2 over the EP dimension of an (ep, pp) DeviceMesh."""
 
 import os
 import sys
@@ -177,32 +180,56 @@ def main():
     pp_groups = [dist.new_group([e * PP + s for s in range(PP)]) for e in range(EP)]
     ep_groups = [dist.new_group([e * PP + s for e in range(EP)]) for s in range(PP)]
     pp_group, ep_group = pp_groups[copy], ep_groups[stage_rank]
+    mesh = None
     results = {}
     for kind, name in cases:
         m = microbatches(name)
         sched = hp.pipeline.schedule(name, ranks=PP, microbatches=m)
+        fsdp = kind.endswith("+fsdp2")
+        if fsdp and mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            # The same layout: rank 2e + s is copy e, stage rank s.
+            mesh = init_device_mesh("cpu", (EP, PP), mesh_dim_names=("ep", "pp"))
+        groups = (mesh.get_group("pp"), mesh.get_group("ep")) if fsdp else (pp_group, ep_group)
         # Cut first (split_model runs the model alone to find its layers'
         # inputs), then spread the experts of the chunks, which share the
         # model's modules.
-        model = make_model(kind)
+        model = make_model(kind.removesuffix("+fsdp2"))
         chunks = hp.pipeline.split_model(model, sched, stage_rank)
-        hp.moe.expert_parallel(model, ep_group)
-        pipe = hp.pipeline.Pipeline(chunks, sched, loss_fn=loss_fn, group=pp_group,
-                                    dp_group=ep_group, timeout=60)
+        hp.moe.expert_parallel(model, groups[1])
+        length = [T]  # this step's sequence length, for the declared shapes
+        extra = {}
+        if fsdp:
+            # FSDP2 over the EP dimension for the attention of every layer
+            # this rank holds; the experts (spread) and the rest (averaged by
+            # dp_group) stay plain. FSDP2 stages take declared shapes.
+            from torch.distributed.fsdp import fully_shard
+
+            held = {k for c in chunks.values() for k, _ in c.named_model_parameters()}
+            for i, layer in enumerate(model.model.layers):
+                if f"model.layers.{i}.self_attn.q_proj.weight" in held:
+                    fully_shard(layer.self_attn, mesh=mesh["ep"])
+            extra["activation_shape"] = lambda st, mb: (MB, length[0], model.config.hidden_size)
+        pipe = hp.pipeline.Pipeline(chunks, sched, loss_fn=loss_fn, group=groups[0],
+                                    dp_group=groups[1], timeout=60, **extra)
         opt = torch.optim.SGD([q for c in chunks.values() for q in c.parameters()], lr=LR)
         losses, aux, dropped = [], [], 0
         rows = slice(copy * m * MB, (copy + 1) * m * MB)
         for step in range(STEPS):
             x, y, mask = batch(step, m)
+            length[0] = x.shape[1]
             opt.zero_grad()
             kw = {} if mask is None else {"attention_mask": mask[rows]}
             losses.append(pipe.step(x[rows], y[rows], **kw))
             aux.append(pipe.last_stats["aux_loss"])
             opt.step()
+        full = {}
+        for mod in chunks.values():
+            for k, q in mod.named_model_parameters():  # FSDP2's whole (a collective)
+                full[k] = (q.full_tensor() if hasattr(q, "full_tensor") else q).detach().clone()
         results[f"{kind}:{name}"] = {
-            "losses": losses, "aux": aux,
-            "params": {k: q.detach().clone() for mod in chunks.values()
-                       for k, q in mod.named_model_parameters()},
+            "losses": losses, "aux": aux, "params": full,
             "experts": sorted(k for mod in chunks.values() for k, q in mod.named_model_parameters()
                               if hp.moe.is_expert_parameter(q)),
         }

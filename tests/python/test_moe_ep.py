@@ -2,8 +2,9 @@
 experts, its refusals, and pp 2 x ep 2 on 4 processes equal to one process
 in float64 (losses, auxiliary losses, every parameter after 3 SGD steps)
 for transformers' Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3 on fused, split, V and
-DualPipe schedules, with a sequence length that changes and padding; in the
-same launch, torchtitan's MoE layer over each EP group."""
+DualPipe schedules, with a sequence length that changes and padding, and
+pp 2 x ep 2 x FSDP2; in the same launch, torchtitan's MoE layer over each EP
+group and a rank that fails inside a step."""
 
 import os
 
@@ -18,11 +19,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # Mixtral on 1f1b, zb-h1, zbv and dualpipev; Qwen3-MoE and DeepSeek-V3 on
 # two schedules each, Qwen2-MoE (a gated shared expert) on zbv; the first
 # step of mixtral-one-expert sends every token to expert 0 (rank 0 of each EP
-# group) and none to the other three.
+# group) and none to the other three; "+fsdp2": pp 2 x ep 2 x FSDP2 (each
+# layer's attention fully_shard'ed over the EP dimension, shapes declared).
 CASES = ["mixtral:1f1b", "mixtral:zb-h1", "mixtral:zbv", "mixtral:dualpipev",
          "qwen3_moe:zb-h1", "qwen3_moe:dualpipev", "qwen2_moe:zbv", "deepseek_v3:zb-h1",
-         "deepseek_v3:zbv",
-         "mixtral-one-expert:1f1b"]
+         "deepseek_v3:zbv", "mixtral-one-expert:1f1b", "mixtral+fsdp2:zb-h1"]
 
 
 def test_pp2_ep2_equals_one_process(tmp_path):
@@ -33,6 +34,7 @@ def test_pp2_ep2_equals_one_process(tmp_path):
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
     for case in CASES:
         kind, name = case.split(":")
+        kind = kind.removesuffix("+fsdp2")
         ref_losses, ref_aux, ref_params = w.reference(kind, w.microbatches(name))
         if kind != "deepseek_v3":
             assert min(ref_aux) > 0.01, case  # the load-balancing term matters
