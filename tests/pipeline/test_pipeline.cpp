@@ -607,6 +607,54 @@ INSTANTIATE_TEST_SUITE_P(AllSchedules, DataParallelPipelines, ::testing::ValuesI
                            return n;
                          });
 
+// --model moe --ep 2 (hp/moe): the copies of the pipeline hold different
+// experts of every MoE layer, tokens cross between them in each layer's
+// all-to-alls, and the result equals one process with every expert local on
+// the global batch: losses, every parameter a rank holds (its experts among
+// them), the whole model's checksum.
+class ExpertParallelPipelines : public ::testing::TestWithParam<Case> {};
+
+TEST_P(ExpertParallelPipelines, EqualOneProcessWithEveryExpertLocal) {
+  const Case& k = GetParam();
+  TrainConfig c = tiny(k.schedule, k.p, k.m, "gpt");
+  c.model.experts = 4;
+  c.model.top_k = 2;
+  c.dp = c.ep = 2;
+  auto ranks = run_threads(c);
+  TrainConfig whole = c;
+  whole.dp = whole.ep = 1;
+  whole.microbatches = c.dp * c.microbatches;
+  TrainResult ref = hp::train::train_reference(whole);
+  for (int r = 0; r < c.nproc * c.dp; ++r) {
+    SCOPED_TRACE("world rank " + std::to_string(r));
+    ASSERT_EQ(ranks[r].losses.size(), ref.losses.size());
+    for (size_t s = 0; s < ref.losses.size(); ++s)
+      EXPECT_NEAR(ranks[r].losses[s], ref.losses[s], 1e-9 * std::max(1.0, std::abs(ref.losses[s])))
+          << "step " << s;
+    int experts = 0;
+    for (const auto& [name, p] : ranks[r].parameters) {
+      const auto& q = ref.parameters.at(name);
+      experts += name.find(".moe.expert") != std::string::npos;
+      EXPECT_LE((p - q).abs().max().item<double>(),
+                1e-9 * std::max(1.0, q.abs().max().item<double>()))
+          << name;
+    }
+    EXPECT_GT(experts, 0);
+  }
+  EXPECT_NEAR(ranks[0].checksum, ref.checksum, 1e-9 * std::max(1.0, std::abs(ref.checksum)));
+}
+
+INSTANTIATE_TEST_SUITE_P(Schedules, ExpertParallelPipelines,
+                         ::testing::Values(Case{"1f1b", 2, 4}, Case{"zb-h1", 2, 4},
+                                           Case{"zbv", 2, 4}, Case{"dualpipev", 2, 6},
+                                           Case{"interleaved-1f1b", 2, 4}),
+                         [](const ::testing::TestParamInfo<Case>& info) {
+                           std::string n = info.param.schedule + "_p2_ep2";
+                           for (char& ch : n)
+                             if (!isalnum(static_cast<unsigned char>(ch))) ch = '_';
+                           return n;
+                         });
+
 TEST(DataParallelPipelines, BadMeshesAreRefusedBeforeAnyWork) {
   TrainConfig c = tiny("1f1b", 2, 4, "gpt");
   c.dp = 0;

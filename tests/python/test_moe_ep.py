@@ -77,16 +77,17 @@ def test_pp2_ep2_equals_one_process(tmp_path):
 
     # Rank 3 raised inside a step and lived on: every rank's step failed
     # within seconds (the timeout is 60 s), its EP peer and its pipeline
-    # peer naming it, and the last rank naming the rank that told it.
+    # peer naming it (by its rank in the group they share: its reason from
+    # the store, or the transfer to it that failed when its peer's wait was
+    # aborted first), and the last rank naming the rank that told it.
     for r, res in enumerate(results):
         assert res["failure"] is not None, f"rank {r}'s step did not fail"
         text, seconds = res["failure"]
         assert seconds < 5, (r, seconds, text)
         if r == 3:
             assert "injected failure" in text, text
-        if r in (1, 2):
-            assert "rank 1 of the data-parallel group" in text or "rank 1's step failed" in text \
-                or "injected failure" in text, (r, text)
+        if r in (1, 2):  # rank 3 is rank 1 of their shared group (EP, pipeline)
+            assert "rank 1" in text, (r, text)
 
 
 def test_conversion_keeps_the_models_values_and_refuses_what_it_cannot_take():
