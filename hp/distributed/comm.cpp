@@ -296,7 +296,7 @@ Work Comm::all_reduce_async(const at::Tensor& tensor, ReduceOp op) {
 }
 
 Work Comm::all_to_all_async(const at::Tensor& out, const std::vector<int64_t>& out_rows,
-                             const at::Tensor& in_raw, const std::vector<int64_t>& in_rows) {
+                            const at::Tensor& in_raw, const std::vector<int64_t>& in_rows) {
   const int w = world_size(), me = rank();
   TORCH_CHECK(static_cast<int>(out_rows.size()) == w && static_cast<int>(in_rows.size()) == w,
               "all_to_all_async: give one row count per rank (", w, "), got ", in_rows.size(),

@@ -241,8 +241,8 @@ class Comm {
   Work all_to_all_async(const at::Tensor& out, const std::vector<int64_t>& out_rows,
                         const at::Tensor& in, const std::vector<int64_t>& in_rows);
   /// The blocking form of all_to_all_async.
-  void all_to_all(const at::Tensor& out, const std::vector<int64_t>& out_rows,
-                  const at::Tensor& in, const std::vector<int64_t>& in_rows) {
+  void all_to_all(const at::Tensor& out, const std::vector<int64_t>& out_rows, const at::Tensor& in,
+                  const std::vector<int64_t>& in_rows) {
     all_to_all_async(out, out_rows, in, in_rows).wait();
   }
 

@@ -86,7 +86,8 @@ struct BlockImpl : nn::Module {
       o.router.num_experts = s.experts;
       o.router.top_k = s.top_k;
       o.dispatch.capacity_factor = s.capacity_factor;
-      experts = register_module("moe", moe::MoELayer(o, std::move(ep), moe_seed, 0.02, residual_std));
+      experts =
+          register_module("moe", moe::MoELayer(o, std::move(ep), moe_seed, 0.02, residual_std));
       return;
     }
     fc = register_module("fc", nn::Linear(s.d_model, 4 * s.d_model));
@@ -276,10 +277,9 @@ void ModelSpec::check() const {
   // counted in double so that no product overflows.
   const double d = double(d_model), width = kind == "gpt" ? d : std::max(d, double(in_features));
   const double mlp_copies = experts > 0 ? double(experts) : 1.0;
-  const double params = kind == "gpt"
-                            ? double(layers) * (4.0 + 8.0 * mlp_copies) * d * d +
-                                  double(vocab + seq_len) * d * 2
-                            : double(layers + 1) * width * width;
+  const double params = kind == "gpt" ? double(layers) * (4.0 + 8.0 * mlp_copies) * d * d +
+                                            double(vocab + seq_len) * d * 2
+                                      : double(layers + 1) * width * width;
   const double bytes = params * double(c10::elementSize(dtype));
   const double memory = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGESIZE));
   TORCH_CHECK(memory <= 0 || bytes <= memory, "the ", kind, "'s weights alone (about ", params,

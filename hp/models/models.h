@@ -84,8 +84,7 @@ class Chunk : public torch::nn::Module {
 /// expert local): rank r of ep holds experts [r * E / n, (r + 1) * E / n),
 /// with the values the unsharded model gives them.
 std::shared_ptr<Chunk> build_chunk(const ModelSpec& spec, int64_t index, int64_t num_chunks,
-                                   uint64_t seed,
-                                   std::shared_ptr<distributed::Comm> ep = nullptr);
+                                   uint64_t seed, std::shared_ptr<distributed::Comm> ep = nullptr);
 
 /// The loss of the last chunk's output against the targets (mean over the
 /// microbatch): cross-entropy over tokens (gpt), mean squared error (mlp).

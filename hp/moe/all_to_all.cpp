@@ -55,8 +55,8 @@ torch::Tensor all_to_all(const std::shared_ptr<distributed::Comm>& group, const 
     out = exchange(*group, x.detach(), send_rows, recv_rows);
   }
   if (torch::GradMode::is_enabled() && x.requires_grad()) {
-    auto node = std::shared_ptr<AllToAllBackward>(new AllToAllBackward(),
-                                                  torch::autograd::deleteNode);
+    auto node =
+        std::shared_ptr<AllToAllBackward>(new AllToAllBackward(), torch::autograd::deleteNode);
     node->group = group;
     node->send_rows = send_rows;
     node->recv_rows = recv_rows;

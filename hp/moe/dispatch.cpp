@@ -55,18 +55,18 @@ Dispatched TokenDispatcher::dispatch(const torch::Tensor& x, const torch::Tensor
   const int64_t E = placement_.num_experts, L = placement_.local();
   const int ep = placement_.size;
   TORCH_CHECK(x.dim() == 2, "dispatch: tokens must be [tokens, hidden], got ", x.sizes());
-  TORCH_CHECK(experts.dim() == 2 && experts.size(0) == x.size(0) &&
-                  experts.scalar_type() == torch::kLong,
-              "dispatch: experts must be int64 [tokens, top_k] for ", x.size(0), " tokens, got ",
-              experts.sizes(), " ", experts.scalar_type());
+  TORCH_CHECK(
+      experts.dim() == 2 && experts.size(0) == x.size(0) && experts.scalar_type() == torch::kLong,
+      "dispatch: experts must be int64 [tokens, top_k] for ", x.size(0), " tokens, got ",
+      experts.sizes(), " ", experts.scalar_type());
   Dispatched d;
   d.num_tokens = x.size(0);
   d.top_k = experts.size(1);
   auto flat = experts.reshape({-1});
   if (flat.numel() > 0) {
     const int64_t lo = flat.min().item<int64_t>(), hi = flat.max().item<int64_t>();
-    TORCH_CHECK(lo >= 0 && hi < E, "dispatch: an expert id ", lo < 0 ? lo : hi,
-                " is outside [0, ", E, ")");
+    TORCH_CHECK(lo >= 0 && hi < E, "dispatch: an expert id ", lo < 0 ? lo : hi, " is outside [0, ",
+                E, ")");
   }
   // 1. Pairs by expert (stable), counts per expert, the capacity.
   torch::Tensor order =
@@ -77,7 +77,8 @@ Dispatched TokenDispatcher::dispatch(const torch::Tensor& x, const torch::Tensor
         std::ceil(options_.capacity_factor * double(flat.numel()) / double(E)));
     auto sorted_expert = flat.index_select(0, order);
     auto start = counts.cumsum(0) - counts;
-    auto position = torch::arange(flat.numel(), flat.options()) - start.index_select(0, sorted_expert);
+    auto position =
+        torch::arange(flat.numel(), flat.options()) - start.index_select(0, sorted_expert);
     auto keep = position < cap;
     d.dropped = flat.numel() - keep.sum().item<int64_t>();
     order = order.masked_select(keep);
@@ -135,8 +136,10 @@ Dispatched TokenDispatcher::dispatch(const torch::Tensor& x, const torch::Tensor
 
 torch::Tensor TokenDispatcher::combine(const torch::Tensor& y, const Dispatched& d,
                                        const torch::Tensor& weights) const {
-  TORCH_CHECK(y.dim() == 2 && y.size(0) == d.tokens.size(0), "combine: the experts' output must "
-              "have one row per dispatched row (", d.tokens.size(0), "), got ", y.sizes());
+  TORCH_CHECK(y.dim() == 2 && y.size(0) == d.tokens.size(0),
+              "combine: the experts' output must "
+              "have one row per dispatched row (",
+              d.tokens.size(0), "), got ", y.sizes());
   TORCH_CHECK(weights.dim() == 2 && weights.size(0) == d.num_tokens && weights.size(1) == d.top_k,
               "combine: weights must be [", d.num_tokens, ", ", d.top_k, "], got ",
               weights.sizes());

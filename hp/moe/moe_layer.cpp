@@ -36,21 +36,25 @@ MoELayerImpl::MoELayerImpl(const MoELayerOptions& options,
     // (index -1); the routed experts each from theirs.
     auto gen = expert_generator(seed, -1);
     torch::NoGradGuard g;
-    router_ = register_parameter("router", torch::empty({E, options_.d_model}).normal_(0, init_std, gen));
+    router_ =
+        register_parameter("router", torch::empty({E, options_.d_model}).normal_(0, init_std, gen));
     for (int64_t s = 0; s < options_.shared_experts; ++s) {
-      shared_up_.push_back(register_module("shared" + std::to_string(s) + "_fc",
-                                           linear(options_.d_model, options_.hidden, gen, init_std)));
-      shared_down_.push_back(register_module(
-          "shared" + std::to_string(s) + "_fc2", linear(options_.hidden, options_.d_model, gen, residual_std)));
+      shared_up_.push_back(
+          register_module("shared" + std::to_string(s) + "_fc",
+                          linear(options_.d_model, options_.hidden, gen, init_std)));
+      shared_down_.push_back(
+          register_module("shared" + std::to_string(s) + "_fc2",
+                          linear(options_.hidden, options_.d_model, gen, residual_std)));
     }
   }
   const auto& p = dispatcher_.placement();
   for (int64_t e = p.first(); e < p.first() + p.local(); ++e) {
     auto gen = expert_generator(seed, e);
     const std::string name = "expert" + std::to_string(e);
-    up_.push_back(register_module(name + "_fc", linear(options_.d_model, options_.hidden, gen, init_std)));
-    down_.push_back(
-        register_module(name + "_fc2", linear(options_.hidden, options_.d_model, gen, residual_std)));
+    up_.push_back(
+        register_module(name + "_fc", linear(options_.d_model, options_.hidden, gen, init_std)));
+    down_.push_back(register_module(name + "_fc2",
+                                    linear(options_.hidden, options_.d_model, gen, residual_std)));
   }
 }
 

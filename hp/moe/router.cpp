@@ -22,8 +22,8 @@ void RouterOptions::check() const {
 Routing route(const torch::Tensor& logits, const RouterOptions& o,
               const torch::Tensor& selection_bias) {
   o.check();
-  TORCH_CHECK(logits.dim() == 2 && logits.size(1) == o.num_experts, "router logits must be [tokens, ",
-              o.num_experts, "], got ", logits.sizes());
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) == o.num_experts,
+              "router logits must be [tokens, ", o.num_experts, "], got ", logits.sizes());
   Routing r;
   r.scores = o.scoring == "softmax" ? logits.softmax(-1) : logits.sigmoid();
   torch::Tensor choose = r.scores.detach();
@@ -55,8 +55,8 @@ Routing route(const torch::Tensor& logits, const RouterOptions& o,
 torch::Tensor load_balancing_loss(const Routing& routing, int64_t num_experts) {
   // [T, k, E] one-hot choices: their mean over tokens is f per slot.
   auto chosen = torch::one_hot(routing.experts, num_experts).to(routing.scores.dtype());
-  auto share = chosen.mean(0);                          // [k, E]
-  auto mean_score = routing.scores.mean(0);             // [E]
+  auto share = chosen.mean(0);               // [k, E]
+  auto mean_score = routing.scores.mean(0);  // [E]
   return (share * mean_score.unsqueeze(0)).sum() * double(num_experts);
 }
 

@@ -229,7 +229,8 @@ Pipeline::Pipeline(schedule::Schedule schedule, std::shared_ptr<distributed::Com
     if (options_.dp) {
       agree_on_the_pipeline(*distributed::for_device(options_.dp, on), schedule, options_.dtype, on,
                             options_.dp->rank(), !failed);
-      if (!failed) agree_on_the_copies(*distributed::for_device(options_.dp, on), on, rank_, chunks);
+      if (!failed)
+        agree_on_the_copies(*distributed::for_device(options_.dp, on), on, rank_, chunks);
     }
   }
   if (failed) std::rethrow_exception(failed);
@@ -435,9 +436,10 @@ PipelineStep Pipeline::step() {
     // The data-parallel copies (and expert-parallel peers, waiting in an
     // all-to-all over the same group) learn of it as the pipeline's do.
     if (options_.dp)
-      options_.dp->abandon("rank " + std::to_string(options_.dp->rank()) + " of the data-parallel "
-                           "group (pipeline rank " + std::to_string(rank_) + ") failed its step: " +
-                           why.substr(0, 300));
+      options_.dp->abandon("rank " + std::to_string(options_.dp->rank()) +
+                           " of the data-parallel "
+                           "group (pipeline rank " +
+                           std::to_string(rank_) + ") failed its step: " + why.substr(0, 300));
     broken_reason_ = why.size() > 200 ? why.substr(0, 200) + "..." : why;
     if (broken_reason_.empty()) broken_reason_ = "unknown error";
     throw;

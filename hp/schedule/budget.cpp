@@ -499,7 +499,8 @@ std::vector<Recommendation> recommend(int p, int m, const CostModel& given, doub
     if (n != "naive" && est > left) {
       if (skipped)
         skipped->emplace_back(n, "left out: building it at p=" + std::to_string(p) +
-                                     " m=" + std::to_string(m) + " would pass recommend's work "
+                                     " m=" + std::to_string(m) +
+                                     " would pass recommend's work "
                                      "bound (NOTE [Budget of the memory search])");
       continue;
     }
@@ -522,8 +523,8 @@ std::vector<Recommendation> recommend(int p, int m, const CostModel& given, doub
       row.fits = row.result.max_peak_memory <= limit + kTol * std::max(1.0, limit);
       rows.push_back(std::move(row));
       if (!cut.empty() && skipped)
-        skipped->emplace_back(n, "ranked, but its search was cut short by the work bound (" + cut +
-                                     ")");
+        skipped->emplace_back(
+            n, "ranked, but its search was cut short by the work bound (" + cut + ")");
     } catch (const std::invalid_argument& e) {
       if (skipped) skipped->emplace_back(n, e.what());
     }

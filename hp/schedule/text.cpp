@@ -235,8 +235,8 @@ void write_all(int fd, std::string_view data, const std::function<void()>& halfw
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) fail("write", errno);
     if (n == 0 && chunk > 0)
-      fail("write: a short write (" + std::to_string(done) + " of " +
-               std::to_string(data.size()) + " bytes taken)",
+      fail("write: a short write (" + std::to_string(done) + " of " + std::to_string(data.size()) +
+               " bytes taken)",
            0);
     done += static_cast<size_t>(n);
     if (!half_done && halfway && done >= data.size() / 2) {
@@ -300,7 +300,8 @@ void write_whole(const std::string& shown, const Target& t, std::string_view dat
     refuse(shown, what, err, hint_for(err));
   };
   const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) fail("cannot create a temporary file beside '" + escape_bytes(path, 200) + "'", errno);
+  if (fd < 0)
+    fail("cannot create a temporary file beside '" + escape_bytes(path, 200) + "'", errno);
   auto fail_open = [&](const std::string& what, int err) {
     ::close(fd);
     fail(what, err);
@@ -356,9 +357,9 @@ void check_output_path(const std::string& path, const std::string& option) {
     return;
   }
   const std::string folder = folder_of(t.path);
-  const std::string where = t.path == path ? std::string()
-                                           : " (where the link leads: '" +
-                                                 escape_bytes(t.path, 200) + "')";
+  const std::string where = t.path == path
+                                ? std::string()
+                                : " (where the link leads: '" + escape_bytes(t.path, 200) + "')";
   struct stat st {};
   if (::stat(folder.c_str(), &st) != 0) {
     if (errno == ENOENT || errno == ENOTDIR)

@@ -74,8 +74,8 @@ void TrainConfig::check_memory(int local_ranks) const {
     const double T = double(m.seq_len), V = double(m.vocab), H = double(m.heads);
     // A MoE layer holds `experts` MLPs, this rank's share of them under --ep.
     const double mlps = m.experts > 0 ? double(m.experts) / double(ep) : 1.0;
-    params = L * ((4 + 8 * mlps) * d * d + 13 * d) + (V + T) * d + 2 * d +
-             (m.tied_head ? 0 : V * d);
+    params =
+        L * ((4 + 8 * mlps) * d * d + 13 * d) + (V + T) * d + 2 * d + (m.tied_head ? 0 : V * d);
     // Saved for backward per block: about 16 d values per token and the
     // attention scores; the logits and their softmax at the end.
     activations = double(microbatch_size) * T * (L * (16 * d + 2 * H * T) + 2 * V);
@@ -131,14 +131,17 @@ void TrainConfig::validate() const {
     need(model.experts % ep == 0, "--experts " + std::to_string(model.experts) +
                                       " do not divide over --ep " + std::to_string(ep) +
                                       " ranks: use an --ep that divides the experts");
-    need(dp == ep, "--ep " + std::to_string(ep) + " spreads the experts over the data-parallel "
-                   "copies, so --dp must be " + std::to_string(ep) + " (or left out), not " +
-                   std::to_string(dp));
-    need(!fsdp, "--fsdp with --ep is not supported yet (FSDP would shard the experts, which "
-                "expert parallelism already spreads); drop --fsdp");
+    need(dp == ep, "--ep " + std::to_string(ep) +
+                       " spreads the experts over the data-parallel "
+                       "copies, so --dp must be " +
+                       std::to_string(ep) + " (or left out), not " + std::to_string(dp));
+    need(!fsdp,
+         "--fsdp with --ep is not supported yet (FSDP would shard the experts, which "
+         "expert parallelism already spreads); drop --fsdp");
     need(!graph, "--graph does not run expert parallelism; drop --ep or --graph");
   }
-  need(model.experts == 0 || !graph, "--graph runs the dense gpt only; drop --model moe or --graph");
+  need(model.experts == 0 || !graph,
+       "--graph runs the dense gpt only; drop --model moe or --graph");
   need(microbatches >= 1, "--microbatches must be at least 1");
   need(microbatch_size >= 1, "--microbatch-size must be at least 1");
   need(steps >= 1, "--steps must be at least 1");

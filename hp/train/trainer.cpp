@@ -262,10 +262,10 @@ TrainResult run_rank(const TrainConfig& config, std::shared_ptr<distributed::Com
     const int c = sched.stage_chunk[st];
     if (chunks.count(c)) continue;
     // --ep: the copies of the pipeline hold different experts (hp/moe).
-    auto chunk = models::build_chunk(config.model, c, sched.num_chunks, config.seed,
-                                     config.ep > 1 ? distributed::for_device(dp_comm, device)
-                                                   : nullptr);
-    chunk->to(device);  // initialised on the CPU: the same values on every device
+    auto chunk =
+        models::build_chunk(config.model, c, sched.num_chunks, config.seed,
+                            config.ep > 1 ? distributed::for_device(dp_comm, device) : nullptr);
+    chunk->to(device);              // initialised on the CPU: the same values on every device
     chunk->set_aux_scale(1.0 / m);  // NOTE [The load-balancing loss of the reference MoE]
     chunks[c] = chunk;
     pipeline::ChunkModule mod;

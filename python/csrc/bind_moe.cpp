@@ -25,7 +25,7 @@ namespace hp::python {
 // hp/distributed/comm.h). A failure is final for the group: a later Pipeline
 // or dispatcher over it fails at once.
 c10::intrusive_ptr<c10d::Store> group_failure_store(const py::object& store,
-                                                   const c10d::ProcessGroup& group) {
+                                                    const c10d::ProcessGroup& group) {
   auto s = store_of(store);
   if (!s) return {};
   return c10::make_intrusive<c10d::PrefixStore>("hyperparallel/group/" + group.getGroupName(), s);
@@ -55,9 +55,8 @@ void bind_moe(py::module_& parent) {
                distributed::CommOptions o;
                o.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
                auto pg = process_group_of(group);
-               comm = distributed::with_failure_store(
-                   distributed::Comm::from_process_group(pg, o),
-                   group_failure_store(failure_store, *pg));
+               comm = distributed::with_failure_store(distributed::Comm::from_process_group(pg, o),
+                                                      group_failure_store(failure_store, *pg));
              }
              moe::DispatchOptions d;
              d.capacity_factor = capacity_factor;
@@ -72,8 +71,10 @@ void bind_moe(py::module_& parent) {
            py::arg("weights"), py::call_guard<py::gil_scoped_release>(),
            "y [rows, hidden] (the experts' output, row for row), weights [tokens, top_k] -> "
            "[tokens, hidden]: collective over the group")
-      .def_property_readonly("rank", [](const moe::TokenDispatcher& d) { return d.placement().rank; })
-      .def_property_readonly("size", [](const moe::TokenDispatcher& d) { return d.placement().size; })
+      .def_property_readonly("rank",
+                             [](const moe::TokenDispatcher& d) { return d.placement().rank; })
+      .def_property_readonly("size",
+                             [](const moe::TokenDispatcher& d) { return d.placement().size; })
       .def_property_readonly("local_experts",
                              [](const moe::TokenDispatcher& d) { return d.placement().local(); })
       .def_property_readonly("first_expert",
@@ -82,7 +83,8 @@ void bind_moe(py::module_& parent) {
   m.def(
       "route",
       [](const torch::Tensor& logits, int64_t top_k, const std::string& scoring, int64_t groups,
-         int64_t top_groups, bool normalize, double scale, const c10::optional<torch::Tensor>& bias) {
+         int64_t top_groups, bool normalize, double scale,
+         const c10::optional<torch::Tensor>& bias) {
         moe::RouterOptions o;
         o.num_experts = logits.dim() == 2 ? logits.size(1) : 0;
         o.top_k = top_k;

@@ -81,7 +81,6 @@ torch::Tensor call_python(const py::object& fn, const char* what, Args&&... args
   return THPVariable_Unpack(o.ptr());
 }
 
-
 // NOTE [The failure store of a Pipeline]
 // Over the group's own point-to-point, a rank whose step failed while its
 // process lives on tells its peers through a store (NOTE [A failed step
@@ -149,9 +148,8 @@ class Runtime {
     if (!dp_group.is_none()) {
       // NOTE [A failure reaches the expert-parallel peers] in bind_moe.cpp.
       auto dp_pg = process_group_of(dp_group);
-      po.dp = distributed::with_failure_store(
-          distributed::Comm::from_process_group(dp_pg, options),
-          group_failure_store(dp_failure_store, *dp_pg));
+      po.dp = distributed::with_failure_store(distributed::Comm::from_process_group(dp_pg, options),
+                                              group_failure_store(dp_failure_store, *dp_pg));
     }
     po.recompute_sessions = recompute_sessions;
     po.receive_lookahead = receive_lookahead;

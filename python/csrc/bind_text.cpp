@@ -8,8 +8,9 @@
 namespace hp::python {
 
 void bind_text(py::module_& parent) {
-  auto m = parent.def_submodule("text", "Output files written whole, or in place where the "
-                                        "path is a device, FIFO or descriptor");
+  auto m = parent.def_submodule("text",
+                                "Output files written whole, or in place where the "
+                                "path is a device, FIFO or descriptor");
   m.def(
       "write_text_file",
       [](const std::string& path, const std::string& data) {

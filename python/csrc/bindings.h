@@ -2,8 +2,8 @@
 // each registering its classes and functions in a submodule of _C.
 #pragma once
 
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/utils/pybind.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 namespace hp::python {
 
@@ -42,7 +42,7 @@ c10::intrusive_ptr<c10d::Store> store_of(const py::object& store);
 /// name, the same for a Pipeline's dp_group and a TokenDispatcher's group
 /// (NOTE [A failure reaches the expert-parallel peers] in bind_moe.cpp).
 c10::intrusive_ptr<c10d::Store> group_failure_store(const py::object& store,
-                                                   const c10d::ProcessGroup& group);
+                                                    const c10d::ProcessGroup& group);
 
 /// Registers every part in `m`.
 inline void bind_all(py::module_& m) {

@@ -7,8 +7,8 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <cstdlib>
-#include <map>
 #include <functional>
+#include <map>
 #include <string>
 #include <thread>
 #include <vector>
@@ -35,7 +35,8 @@ struct TempDir {
 };
 
 /// Runs `body(rank, group)` on `n` threads; returns each one's error ("" if none).
-std::vector<std::string> on_ranks(int n, const std::function<void(int, std::shared_ptr<Comm>)>& body) {
+std::vector<std::string> on_ranks(int n,
+                                  const std::function<void(int, std::shared_ptr<Comm>)>& body) {
   TempDir dir;
   std::vector<std::string> errors(n);
   std::vector<std::thread> ts;
@@ -118,7 +119,8 @@ TEST(Dispatch, CapacityDropsTheLatestTokensAndCountsThem) {
   EXPECT_EQ(out.dropped, 3);
   EXPECT_EQ(out.tokens_per_expert, (std::vector<int64_t>{3, 0}));
   auto back = d.combine(out.tokens, out, torch::ones({6, 1}, torch::kDouble));
-  EXPECT_TRUE(close(back.view({-1}), torch::tensor({0.0, 1.0, 2.0, 0.0, 0.0, 0.0}, torch::kDouble)));
+  EXPECT_TRUE(
+      close(back.view({-1}), torch::tensor({0.0, 1.0, 2.0, 0.0, 0.0, 0.0}, torch::kDouble)));
 }
 
 // Two ranks, four experts: rank 0 sends every token to expert 0 (its own),
@@ -130,8 +132,8 @@ TEST(Dispatch, TwoRanksRoundTripIncludingEmptyExchanges) {
     TokenDispatcher d(g, 4);
     auto x = torch::randn({4, 3}, torch::kDouble) + r;
     for (int crossing = 0; crossing < 2; ++crossing) {
-      torch::Tensor experts =
-          r == 0 ? torch::zeros({4, 1}, torch::kLong) : torch::full({4, 1}, 2 + crossing, torch::kLong);
+      torch::Tensor experts = r == 0 ? torch::zeros({4, 1}, torch::kLong)
+                                     : torch::full({4, 1}, 2 + crossing, torch::kLong);
       if (crossing) experts = torch::full({4, 1}, r == 0 ? 3 : 0, torch::kLong);
       auto w = torch::rand({4, 1}, torch::kDouble);
       auto out = d.dispatch(x, experts);
@@ -155,7 +157,7 @@ MoELayerOptions layer_options() {
 
 struct Reference {
   std::vector<torch::Tensor> x, out, dx;
-  std::map<std::string, torch::Tensor> grads;  // summed over both ranks' data
+  std::map<std::string, torch::Tensor> grads;                  // summed over both ranks' data
   std::map<std::string, std::vector<torch::Tensor>> grads_of;  // per rank's data
 };
 
@@ -203,7 +205,8 @@ TEST(MoELayer, TwoRanksEqualEveryExpertLocalFusedAndSplit) {
       torch::Tensor dx;
       if (split) {
         std::vector<torch::Tensor> params;
-        for (const auto& p : mine->parameters()) params.push_back(p);
+        for (const auto& p : mine->parameters())
+          params.push_back(p);
         hp::autograd::GradFunction fn({loss}, {x}, params);
         dx = fn.compute_input_grad()[0];
         fn.weight_grad_into_grad();

@@ -83,7 +83,8 @@ Spawned spawn_hp(const std::vector<std::string>& args, int out_fd, bool ignore_s
     argv.push_back(a.data());
   argv.push_back(nullptr);
   // An ignored signal stays ignored across exec: ignore it around the spawn.
-  struct sigaction old {}, ign {};
+  struct sigaction old {
+  }, ign{};
   ign.sa_handler = SIG_IGN;
   if (ignore_sigpipe) ::sigaction(SIGPIPE, &ign, &old);
   pid_t pid = -1;

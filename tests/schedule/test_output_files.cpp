@@ -226,7 +226,8 @@ TEST(OutputFiles, DeviceNodesAreWrittenInPlace) {
   const std::string null_dev = d / "null", full_dev = d / "full";
   if (::mknod(null_dev.c_str(), S_IFCHR | 0666, makedev(1, 3)) != 0 ||
       ::mknod(full_dev.c_str(), S_IFCHR | 0666, makedev(1, 7)) != 0)
-    GTEST_SKIP() << "\n\n*** SKIPPED: cannot make device nodes here (mknod: " << std::strerror(errno)
+    GTEST_SKIP() << "\n\n*** SKIPPED: cannot make device nodes here (mknod: "
+                 << std::strerror(errno)
                  << "); run the schedule tests as root to check writes to devices ***\n";
   const int probe = ::open(null_dev.c_str(), O_WRONLY);
   if (probe < 0)
@@ -242,8 +243,7 @@ TEST(OutputFiles, DeviceNodesAreWrittenInPlace) {
   } catch (const std::runtime_error& e) {
     EXPECT_NE(std::string(e.what()).find("cannot write '" + full_dev + "'"), std::string::npos)
         << e.what();
-    EXPECT_NE(std::string(e.what()).find("No space left on device"), std::string::npos)
-        << e.what();
+    EXPECT_NE(std::string(e.what()).find("No space left on device"), std::string::npos) << e.what();
   }
   struct stat st {};
   ASSERT_EQ(::lstat(full_dev.c_str(), &st), 0);
@@ -272,8 +272,7 @@ TEST(OutputFiles, FullFileSystemLeavesTheOldFileAndNoTemporaries) {
     hs::write_text_file(path, big_text(256 << 10));
     ADD_FAILURE() << "256 KiB fit into a 64 KiB file system";
   } catch (const std::runtime_error& e) {
-    EXPECT_NE(std::string(e.what()).find("No space left on device"), std::string::npos)
-        << e.what();
+    EXPECT_NE(std::string(e.what()).find("No space left on device"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("free some space"), std::string::npos) << e.what();
   }
   EXPECT_EQ(read_all(path), "{\"old\": true}\n");

@@ -204,18 +204,18 @@ TEST(SearchBounds, CommandsEndInSecondsAtTheLargestAdmittedSizes) {
       f << (r ? ", " : "") << "{\"f\": " << (1 + 0.1 * (r % 3)) << ", \"i\": 1, \"w\": 0.5}";
     f << "]}";
   }
-  for (const std::string& args :
-       {std::string("schedule show auto -p 4096 -m 1 --no-color"),
-        std::string("schedule show auto -p 1024 -m 2 --no-color"),
-        "schedule tune --costs " + costs + " -m 45 -o " + out,
-        "schedule recommend --costs " + costs + " -m 45 -o " + out}) {
+  for (const std::string& args : {std::string("schedule show auto -p 4096 -m 1 --no-color"),
+                                  std::string("schedule show auto -p 1024 -m 2 --no-color"),
+                                  "schedule tune --costs " + costs + " -m 45 -o " + out,
+                                  "schedule recommend --costs " + costs + " -m 45 -o " + out}) {
     const auto t0 = std::chrono::steady_clock::now();
     const HpRun r = hp_run(args);
     EXPECT_EQ(r.status, 0) << args << "\n" << r.out.substr(0, 2000);
     EXPECT_LT(seconds_since(t0), 20.0) << args;
     if (args.find("auto") != std::string::npos) {  // the search says what it left out
       EXPECT_NE(r.out.find("search cut short by its work bound (auto: "), std::string::npos)
-          << args << "\n" << r.out.substr(r.out.size() > 3000 ? r.out.size() - 3000 : 0);
+          << args << "\n"
+          << r.out.substr(r.out.size() > 3000 ? r.out.size() - 3000 : 0);
     }
     if (args.find("recommend") != std::string::npos) {
       EXPECT_NE(r.out.find("would pass recommend's work bound"), std::string::npos) << r.out;

@@ -29,7 +29,7 @@ struct TrainArgs {
   train::TrainConfig config;
   std::string dtype = "float32";
   std::string model = "gpt";  // --model: gpt, moe or mlp
-  int64_t batch = 0;  // global batch rows; 0 = microbatches * microbatch_size
+  int64_t batch = 0;          // global batch rows; 0 = microbatches * microbatch_size
   std::string seed = "0";
   CLI::App* app = nullptr;  // to ask which options were given
   bool worker = false;
@@ -191,18 +191,17 @@ int run_launcher(const TrainArgs& a) {
                    train::checkpoint_step_dir(c.checkpoint_dir, plan.step).c_str(), plan.step);
     start_step = plan.step;
   }
-  const std::string ranks = c.dp > 1 ? std::to_string(c.nproc * c.dp) + " ranks (pp " +
-                                           std::to_string(c.nproc) + (c.ep > 1 ? " x ep " : " x dp ") +
-                                           std::to_string(c.dp) + ")"
-                                     : std::to_string(c.nproc) + " ranks";
+  const std::string ranks =
+      c.dp > 1 ? std::to_string(c.nproc * c.dp) + " ranks (pp " + std::to_string(c.nproc) +
+                     (c.ep > 1 ? " x ep " : " x dp ") + std::to_string(c.dp) + ")"
+               : std::to_string(c.nproc) + " ranks";
   std::fprintf(stderr, "hp train: %s, %s, %s, %d microbatches of %lld, %d steps\n",
                (c.model.experts > 0 ? "moe (" + std::to_string(c.model.experts) + " experts, top " +
                                           std::to_string(c.model.top_k) + ")"
                                     : c.model.kind)
                    .c_str(),
-               ranks.c_str(),
-               c.graph ? "graph mode" : ("schedule " + c.schedule).c_str(), c.microbatches,
-               (long long)c.microbatch_size, c.steps);
+               ranks.c_str(), c.graph ? "graph mode" : ("schedule " + c.schedule).c_str(),
+               c.microbatches, (long long)c.microbatch_size, c.steps);
   launch::LaunchOptions lo;
   lo.nproc = c.nproc * c.dp;
   lo.command = {self_executable()};
@@ -239,8 +238,7 @@ void add_train_command(CLI::App& app) {
   t->add_option("--capacity-factor", c.model.capacity_factor,
                 "--model moe: rows an expert takes per rank, as a multiple of an even share "
                 "(0: dropless)");
-  t->add_option("--aux-coef", c.model.aux_coef,
-                "--model moe: weight of the load-balancing loss");
+  t->add_option("--aux-coef", c.model.aux_coef, "--model moe: weight of the load-balancing loss");
   t->add_option("--layers", c.model.layers, "transformer blocks (gpt) or hidden layers (mlp)");
   t->add_option("--d-model", c.model.d_model, "width");
   t->add_option("--heads", c.model.heads, "attention heads");
