@@ -98,27 +98,6 @@ struct Slots {
   std::vector<std::vector<int>> w;  // W slots per rank, in the order of their I's
 };
 
-// Memory on a rank over its slots, in half-microbatch units as the paper
-// counts it: F +1, W -1 (I changes nothing); without explicit W's, a pending
-// W runs in each free slot.
-int peak_of(const std::vector<int>& occ, bool explicit_w) {
-  int cur = 0, res = 0, pending = 0;
-  for (int t : occ) {
-    if (t == 0 || t == 1) {
-      ++cur;
-    } else if (t == 2 || t == 3) {
-      ++pending;
-    } else if (t == 4) {
-      --cur;
-    } else if (!explicit_w && pending > 0) {
-      --cur;
-      --pending;
-    }
-    res = std::max(res, cur);
-  }
-  return res;
-}
-
 // One slot of peak_of's scan: `cur` (memory) and `pending` (I's whose W has
 // not run) after slot type `t`.
 inline void peak_step(int t, bool explicit_w, int& cur, int& pending) {
@@ -132,6 +111,18 @@ inline void peak_step(int t, bool explicit_w, int& cur, int& pending) {
     --cur;
     --pending;
   }
+}
+
+// Memory on a rank over its slots, in half-microbatch units as the paper
+// counts it: F +1, W -1 (I changes nothing); without explicit W's, a pending
+// W runs in each free slot.
+int peak_of(const std::vector<int>& occ, bool explicit_w) {
+  int cur = 0, res = 0, pending = 0;
+  for (int t : occ) {
+    peak_step(t, explicit_w, cur, pending);
+    res = std::max(res, cur);
+  }
+  return res;
 }
 
 // NOTE [Squeeze without rescans]

@@ -4,13 +4,9 @@ empty model for split_model, a transformers model given by module names, a
 model on the meta device for the Pipeline, a GraphTrainer optimizer that
 holds none of the model's parameters. One process."""
 
-import datetime
-import os
-import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import hyperparallel as hp
 from hyperparallel.compile import GraphTrainer, PassConfig
@@ -59,24 +55,6 @@ def test_split_model_refuses_a_transformers_model_given_by_module_names():
         hp.pipeline.split_model(tiny_llama(2), sched, 0, embed=["model.embed_tokens"],
                                 blocks="model.layers", tail=["model.norm", "lm_head"])
 
-
-@pytest.fixture(scope="module")
-def one_rank_group():
-    """A one-rank Gloo group of this process (a FileStore rendezvous)."""
-    path = tempfile.mktemp()
-    store = dist.FileStore(path, 1)
-    from torch._C._distributed_c10d import ProcessGroupGloo
-
-    opts = ProcessGroupGloo._Options()
-    opts._devices = [ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-    opts._timeout = datetime.timedelta(seconds=20)
-    backend = ProcessGroupGloo(store, 0, 1, opts)
-    pg = dist.ProcessGroup(store, 0, 1)
-    pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
-    pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
-    yield pg
-    if os.path.exists(path):
-        os.remove(path)
 
 
 def test_a_pipeline_of_a_model_on_the_meta_device_is_refused(one_rank_group):

@@ -4,35 +4,13 @@ chunks that do not match the schedule, a group of the wrong size, a
 schedule that cannot run with the given p and m, a forward or loss that
 raises, targets missing where a last stage runs."""
 
-import datetime
-import os
 import socket
-import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import hyperparallel as hp
 
-
-@pytest.fixture(scope="module")
-def one_rank_group():
-    """A one-rank Gloo group of this process (a FileStore rendezvous)."""
-    path = tempfile.mktemp()
-    store = dist.FileStore(path, 1)
-    from torch._C._distributed_c10d import ProcessGroupGloo
-
-    opts = ProcessGroupGloo._Options()
-    opts._devices = [ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-    opts._timeout = datetime.timedelta(seconds=20)
-    backend = ProcessGroupGloo(store, 0, 1, opts)
-    pg = dist.ProcessGroup(store, 0, 1)
-    pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
-    pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
-    yield pg
-    if os.path.exists(path):
-        os.remove(path)
 
 
 def lin():
