@@ -220,6 +220,10 @@ void install_memory_tracker() {
   });
 }
 
+bool step_cache_active() {
+  return t_cache_depth > 0;
+}
+
 StepCacheScope::StepCacheScope() {
   install_memory_tracker();
   ++t_cache_depth;

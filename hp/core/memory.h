@@ -28,6 +28,8 @@ class StepCacheScope {
   StepCacheScope(const StepCacheScope&) = delete;
   StepCacheScope& operator=(const StepCacheScope&) = delete;
 };
+/// True while a StepCacheScope lives on the calling thread.
+bool step_cache_active();
 /// Bytes of free blocks the step cache holds.
 int64_t step_cache_free_bytes();
 /// Hands every free block of the step cache back to malloc.

@@ -16,11 +16,41 @@
 
 namespace hp::distributed {
 
+namespace {
+thread_local WaitObserver* t_wait_observer = nullptr;
+}  // namespace
+
 void Work::wait() {
   TORCH_CHECK(impl_ != nullptr, "Work::wait() on an empty Work (default-constructed)");
   if (done_) return;
   done_ = true;  // a second wait after an error must not block again
-  impl_->wait();
+  WaitObserver* observer = t_wait_observer;
+  if (observer == nullptr) {
+    impl_->wait();
+    return;
+  }
+  // NOTE [A wait that lets a partner compute] in comm.h
+  observer->before_wait(*this);
+  t_wait_observer = nullptr;  // the parts of this wait are not seen
+  try {
+    impl_->wait();
+  } catch (...) {
+    t_wait_observer = observer;
+    try {
+      observer->after_wait();
+    } catch (...) {  // the wait's own error is the one to report
+    }
+    throw;
+  }
+  t_wait_observer = observer;
+  observer->after_wait();
+}
+
+WaitObserverScope::WaitObserverScope(WaitObserver* observer)
+    : previous_(std::exchange(t_wait_observer, observer)) {}
+
+WaitObserverScope::~WaitObserverScope() {
+  t_wait_observer = previous_;
 }
 
 namespace {
@@ -32,6 +62,10 @@ InterruptCheck::InterruptCheck(std::function<void()> check)
 
 InterruptCheck::~InterruptCheck() {
   t_interrupt_check = std::move(previous_);
+}
+
+std::function<void()> current_interrupt_check() {
+  return t_interrupt_check;
 }
 
 void poll_interrupt_check() {
@@ -210,6 +244,10 @@ struct ExchangeWork : Work::Impl {
   std::vector<Work> works;
   std::vector<at::Tensor> keep;  // sent tensors, alive until the wait
   std::function<void()> finish;
+  void abort() override {
+    for (auto& w : works)
+      w.abort();
+  }
   void wait() override {
     wait_all(works);
     keep.clear();

@@ -122,6 +122,43 @@ class Work {
   bool done_ = false;
 };
 
+// NOTE [A wait that lets a partner compute]
+// DualPipe's overlap runs two halves of work (a forward and a backward of
+// other microbatches) as partners on one CPU: when one half reaches a wait
+// on communication (an expert all-to-all, a pipeline receive), the other
+// half computes until it waits in turn (hp/pipeline/overlap.h). The hook is
+// here, at the one place every wait passes: a thread may install a
+// WaitObserver, whose before_wait runs as a Work's wait starts (it hands
+// the CPU over) and after_wait as it ends, returned or thrown (it takes the
+// CPU back). Every wait of such a thread calls both, even on a Work that has
+// already completed: where the halves switch must depend on the code alone,
+// never on timing, or two ranks of an expert-parallel group would post
+// their exchanges in different orders. Waits made inside a wait (a batch's
+// parts) do not call them again.
+
+/// Told of every Work::wait() on the thread that installed it.
+class WaitObserver {
+ public:
+  virtual ~WaitObserver() = default;
+  /// The wait of `work` starts (`work` may be aborted from another thread).
+  virtual void before_wait(const Work& work) = 0;
+  /// The wait ended (returned or threw). May throw (e.g. when the partner
+  /// failed); after a wait that threw, its own error is the one rethrown.
+  virtual void after_wait() = 0;
+};
+
+/// Installs `observer` for the calling thread while alive; nests.
+class WaitObserverScope {
+ public:
+  explicit WaitObserverScope(WaitObserver* observer);
+  ~WaitObserverScope();
+  WaitObserverScope(const WaitObserverScope&) = delete;
+  WaitObserverScope& operator=(const WaitObserverScope&) = delete;
+
+ private:
+  WaitObserver* previous_;
+};
+
 /// Waits for every Work in order (all of them, even after one throws; the
 /// first error is rethrown at the end).
 void wait_all(std::vector<Work>& works);
@@ -399,6 +436,35 @@ std::shared_ptr<Comm> for_device(std::shared_ptr<Comm> comm, const c10::Device& 
 // it about every 0.1 s, and what it throws ends the wait (then the step, and
 // through NOTE [A failed step reaches the peers] the peers' steps).
 
+/// What a transfer costs on a modelled network link (NOTE [The link
+/// model] in link_model.cpp).
+struct LinkModel {
+  double latency_s = 0.0;    ///< added to every message
+  double bytes_per_s = 0.0;  ///< the link's bandwidth; 0: no limit
+  /// Seconds a message of `bytes` occupies the link (latency excluded).
+  double busy_seconds(int64_t bytes) const {
+    return bytes_per_s > 0 ? double(bytes) / bytes_per_s : 0.0;
+  }
+  bool active() const { return latency_s > 0 || bytes_per_s > 0; }
+  /// Reads "LATENCY_US,GBPS": microseconds and gigabytes (1e9 bytes) per
+  /// second, e.g. "20,12.5"; GBPS 0 means no limit. Throws
+  /// std::invalid_argument naming `what` (the option or variable) on
+  /// anything else.
+  static LinkModel parse(const std::string& text, const std::string& what);
+  /// "20 us, 12.5 GB/s".
+  std::string describe() const;
+};
+
+/// `inner` whose point-to-point behaves as if sent over `link` (NOTE [The
+/// link model]): each send reaches `inner` no earlier than latency + bytes /
+/// bandwidth after it was posted, messages leaving a rank one after another
+/// as through one network interface; waiting costs no CPU. Everything built
+/// of point-to-point (batches, all_to_all_async, reduce_scatter) pays it;
+/// all_reduce, all_gather, broadcast and barrier do not. split() gives
+/// subgroups the same link. For benchmarks and tests on one host (CPU
+/// tensors); an inactive `link` returns `inner` itself.
+std::shared_ptr<Comm> with_link_model(std::shared_ptr<Comm> inner, LinkModel link);
+
 /// `inner` whose ranks tell each other of a failed step through `store` (NOTE
 /// [A failed step reaches the peers]): abandon() leaves this rank's reason
 /// there, and a wait on `inner`'s point-to-point that goes on for a while
@@ -423,6 +489,8 @@ class InterruptCheck {
  private:
   std::function<void()> previous_;
 };
+/// The calling thread's check (empty if none): to install it on a helper.
+std::function<void()> current_interrupt_check();
 /// Calls the calling thread's InterruptCheck, if any (it may throw).
 void poll_interrupt_check();
 

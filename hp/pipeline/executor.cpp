@@ -21,6 +21,7 @@
 #include <utility>
 
 #include "hp/core/memory.h"
+#include "hp/pipeline/overlap.h"
 #include "hp/schedule/action.h"
 #include "hp/schedule/progress.h"
 
@@ -241,6 +242,7 @@ struct Executor::State {
   std::vector<Span> spans;                      // the events, in the order they happened
   std::vector<std::pair<int, int>> comm_spans;  // batch postings, receive waits, the drain
   std::vector<std::pair<int, int>>* waits_of_running = nullptr;
+  std::unique_ptr<PairRunner> pairs;  // made by the first overlapped FB
   // The action list's batches (runs of SEND/RECV actions) as [first, last),
   // the batch starting at each index, and the receives posted ahead this step
   // (NOTE [Receives posted ahead]).
@@ -514,10 +516,23 @@ struct Executor::State {
                  stage.backward(a.stage, a.microbatch, grad_for(a.stage, a.microbatch, a)));
         break;
       case Op::FB: {
-        forward(a.stage, a.microbatch, a);
-        Action b = Action::make(Op::B, a.stage2, a.microbatch2);
-        store_dx(b.stage, b.microbatch,
-                 stage.backward(b.stage, b.microbatch, grad_for(b.stage, b.microbatch, b)));
+        const Action b = Action::make(Op::B, a.stage2, a.microbatch2);
+        auto run_f = [&] { forward(a.stage, a.microbatch, a); };
+        auto run_b = [&] {
+          store_dx(b.stage, b.microbatch,
+                   stage.backward(b.stage, b.microbatch, grad_for(b.stage, b.microbatch, b)));
+        };
+        if (!opts.fb_overlap) {
+          run_f();
+          run_b();
+          break;
+        }
+        // NOTE [Overlapped pairs] in overlap.cpp
+        if (!pairs) pairs = std::make_unique<PairRunner>();
+        const PairStats ps = pairs->run(run_f, run_b);
+        ++stats.pairs;
+        stats.pair_hidden += ps.hidden;
+        stats.pair_exposed += ps.exposed;
         break;
       }
       default:

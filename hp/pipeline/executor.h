@@ -86,6 +86,10 @@ struct ExecutorOptions {
   /// the step cache, a pool of blocks freed by earlier such tensors (NOTE [The
   /// step cache] in hp/core/memory.cpp). Installs the tracking allocator.
   bool cache_cpu_memory = false;
+  /// Runs each FB action's forward and backward as partners that compute
+  /// while the other waits on communication (NOTE [Overlapped pairs] in
+  /// overlap.cpp); off: the forward, then the backward.
+  bool fb_overlap = false;
 };
 
 /// What one step did on this rank.
@@ -107,6 +111,12 @@ struct StepStats {
   /// send's posting, each receive's wait (NOTE [Compute events exclude waits]).
   std::vector<schedule::Event> events;
   std::vector<schedule::Action> executed;  ///< compute actions in the order they ran
+  /// Overlapped FB pairs (ExecutorOptions::fb_overlap): how many ran, and
+  /// the seconds of their waits on communication that the partner's compute
+  /// hid, and that it did not (PairStats).
+  int pairs = 0;
+  double pair_hidden = 0.0;
+  double pair_exposed = 0.0;
 };
 
 // NOTE [Executor protocol]

@@ -187,6 +187,14 @@ Pipeline::Pipeline(schedule::Schedule schedule, std::shared_ptr<distributed::Com
     if (how == distributed::PointToPoint::SharedMemory && group->backend_name() != "gloo")
       invalid("p2p='shm' goes beside a Gloo group; this group's backend is " +
               group->backend_name() + ": use p2p='group'");
+    if (options_.link.active()) {
+      if (!options_.device.is_cpu())
+        invalid("a link model delays CPU transfers; this pipeline runs on " +
+                options_.device.str());
+      if (how == distributed::PointToPoint::SharedMemory)
+        invalid("p2p='shm' would bypass the link model: use p2p='group' or 'auto'");
+      how = distributed::PointToPoint::Group;
+    }
     if (!options_.activation_shape) invalid("Pipeline: no activation_shape given");
     // This rank's stages and their chunks: every chunk they compute, no other.
     std::set<int> used;
@@ -247,6 +255,7 @@ Pipeline::Pipeline(schedule::Schedule schedule, std::shared_ptr<distributed::Com
   // the group's own point-to-point (and the rings' overflow), through the store.
   group = distributed::with_failure_store(group, options_.failure_store);
   comm_ = distributed::with_point_to_point(group, how, shm, &p2p_note_);
+  comm_ = distributed::with_link_model(comm_, options_.link);  // NOTE [The link model]
   // NOTE [Ranks on devices]: CUDA tensors over a CPU backend go through host memory.
   comm_ = distributed::for_device(comm_, options_.device);
   std::shared_ptr<distributed::Comm> dp =
@@ -297,6 +306,7 @@ Pipeline::Pipeline(schedule::Schedule schedule, std::shared_ptr<distributed::Com
   eo.device = options_.device;
   eo.receive_lookahead = options_.receive_lookahead;
   eo.cache_cpu_memory = options_.cache_cpu_memory;
+  eo.fb_overlap = options_.fb_overlap;
   executor_ = std::make_unique<Executor>(sched_, rank_, *stage_, comm_, std::move(eo));
   learn_holders(chunks);
 }

@@ -69,6 +69,12 @@ struct PipelineOptions {
   bool prefetch_recompute = false;
   int receive_lookahead = 0;      ///< ExecutorOptions::receive_lookahead
   bool cache_cpu_memory = false;  ///< ExecutorOptions::cache_cpu_memory
+  bool fb_overlap = false;        ///< ExecutorOptions::fb_overlap
+  /// The cost every pipeline transfer pays (distributed::with_link_model;
+  /// CPU only). Where active, transfers take the group's own point-to-point
+  /// ("auto" does not choose the rings, "shm" is refused): the rings would
+  /// bypass it.
+  distributed::LinkModel link;
   /// The input of microbatch `mb` of the running step (first stages only).
   std::function<torch::Tensor(int mb)> input;
   /// The shape of what stage `stage` outputs for microbatch `mb`.

@@ -8,6 +8,7 @@
 #include <fstream>
 #include <stdexcept>
 
+#include "hp/distributed/comm.h"
 #include "hp/models/data.h"
 #include "hp/schedule/cost_file.h"
 #include "hp/schedule/generators.h"
@@ -116,6 +117,17 @@ void TrainConfig::validate() const {
   need(p2p != "shm" || device == "cpu",
        "--p2p shm moves CPU tensors between the ranks of one host; with --device " + device +
            " use --p2p auto (the rings where the ranks are on the CPU) or group");
+  if (!link.empty()) {
+    try {
+      distributed::LinkModel::parse(link, "--link");
+    } catch (const std::invalid_argument& e) {
+      need(false, e.what());
+    }
+    need(device == "cpu", "--link models the network for CPU ranks; --device is " + device);
+    need(p2p != "shm",
+         "--link delays the group's point-to-point; --p2p shm would bypass it "
+         "(use --p2p auto or group)");
+  }
   need(receive_lookahead >= 0, "--receive-lookahead " + std::to_string(receive_lookahead) +
                                    " is out of range: a number of batches (0: none ahead)");
   need(nproc >= 1 && nproc <= kMaxRanks, "--nproc " + std::to_string(nproc) +

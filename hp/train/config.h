@@ -75,6 +75,11 @@ struct TrainConfig {
   /// Receives posted this many batches ahead (over Gloo or the rings, not
   /// NCCL; NOTE [Receives posted ahead] in hp/pipeline/executor.cpp).
   int receive_lookahead = 0;
+  /// Each FB pair's forward and backward overlapped (PipelineOptions::fb_overlap).
+  bool fb_overlap = false;
+  /// "LATENCY_US,GBPS": the cost every pipeline transfer and expert all-to-all
+  /// pays (NOTE [The link model] in hp/distributed/link_model.cpp); empty: none.
+  std::string link;
   bool progress = true;  ///< progress bar on rank 0
   /// Graph mode (hp/compile): data parallel over the ranks with FSDP, the
   /// train step captured once and replayed; schedule and chunks do not apply.
@@ -112,6 +117,9 @@ struct TrainResult {
   double checksum = 0.0;  ///< sum over all parameters (each name once) of sum(p)
   /// Per-rank measurements gathered on rank 0 (empty elsewhere).
   std::vector<double> rank_compute, rank_comm_wait, rank_overhead, rank_peak_bytes;
+  /// Per rank, the last step's overlapped pairs (StepStats::pair_hidden and
+  /// pair_exposed): communication hidden and exposed, in seconds.
+  std::vector<double> rank_pair_hidden, rank_pair_exposed;
   double measured_bubble = 0.0;     ///< bubble rate of the measured timeline (last step)
   double simulated_bubble = 0.0;    ///< simulator's bubble rate from measured F/I/W costs
   double simulated_makespan = 0.0;  ///< simulator's step time (s) from the same costs

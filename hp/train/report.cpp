@@ -48,6 +48,8 @@ std::string report_json(const TrainConfig& c, const TrainResult& r) {
   }
   if (!c.graph) {
     j["config"]["p2p"] = c.p2p;
+    j["config"]["fb_overlap"] = c.fb_overlap;
+    if (!c.link.empty()) j["config"]["link"] = c.link;
     j["p2p_backend"] = r.p2p_backend;  // what rank 0's pipeline group used
     if (!r.p2p_note.empty()) j["p2p_note"] = r.p2p_note;
   }
@@ -96,6 +98,11 @@ std::string report_json(const TrainConfig& c, const TrainResult& r) {
                           {"compute_seconds", r.rank_compute[k]},
                           {"comm_wait_seconds", r.rank_comm_wait[k]},
                           {"overhead_seconds", r.rank_overhead[k]}};
+    if (c.fb_overlap && k < r.rank_pair_hidden.size()) {
+      // NOTE [Overlapped pairs] in hp/pipeline/overlap.cpp
+      one["pair_hidden_comm_seconds"] = r.rank_pair_hidden[k];
+      one["pair_exposed_comm_seconds"] = r.rank_pair_exposed[k];
+    }
     if (c.graph) {
       // Graph mode: peak bytes a step allocates on top of parameters and state.
       one["peak_step_bytes"] = r.rank_peak_bytes[k];

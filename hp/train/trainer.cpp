@@ -238,11 +238,15 @@ TrainResult run_rank(const TrainConfig& config, std::shared_ptr<distributed::Com
               " ranks but the config asks for --pp ", config.nproc, " x --dp ", config.dp);
   std::shared_ptr<distributed::Comm> comm = world, dp_comm;
   int replica = 0;
+  const distributed::LinkModel link = config.link.empty()
+                                          ? distributed::LinkModel{}
+                                          : distributed::LinkModel::parse(config.link, "--link");
   if (config.dp > 1) {
     distributed::DeviceMesh mesh(world,
                                  distributed::MeshShape{{"dp", "pp"}, {config.dp, config.nproc}});
     comm = mesh.group("pp");
-    dp_comm = mesh.group("dp");
+    // --link: the experts' all-to-alls and the copies' reductions pay it too.
+    dp_comm = distributed::with_link_model(mesh.group("dp"), link);
     replica = mesh.coordinate("dp");
   }
   const int rank = comm->rank();
@@ -315,6 +319,8 @@ TrainResult run_rank(const TrainConfig& config, std::shared_ptr<distributed::Com
   po.prefetch_recompute = true;  // NOTE [Recompute in the pipeline] in hp/pipeline/pipeline.cpp
   po.receive_lookahead = config.receive_lookahead;
   po.cache_cpu_memory = true;  // the CPU's caching allocator (CUDA has its own)
+  po.fb_overlap = config.fb_overlap;
+  po.link = link;
   po.input = input_fn;
   po.activation_shape = [act_shape](int, int) { return act_shape; };
   pipeline::Pipeline pipe(sched, comm, modules, loss_fn, po);
@@ -460,9 +466,9 @@ TrainResult run_rank(const TrainConfig& config, std::shared_ptr<distributed::Com
   result.checksum = cs.item<double>();
 
   // Gather the last step's measurements and timeline on rank 0.
-  auto mine = torch::tensor(
-      {last.stats.compute, last.stats.comm_wait, last.stats.overhead, double(peak_bytes)},
-      torch::kFloat64);
+  auto mine = torch::tensor({last.stats.compute, last.stats.comm_wait, last.stats.overhead,
+                             double(peak_bytes), last.stats.pair_hidden, last.stats.pair_exposed},
+                            torch::kFloat64);
   std::vector<torch::Tensor> all(comm->world_size());
   for (auto& t : all)
     t = torch::empty_like(mine);
@@ -474,6 +480,8 @@ TrainResult run_rank(const TrainConfig& config, std::shared_ptr<distributed::Com
     result.rank_comm_wait.push_back(t[1].item<double>());
     result.rank_overhead.push_back(t[2].item<double>());
     result.rank_peak_bytes.push_back(t[3].item<double>());
+    result.rank_pair_hidden.push_back(t[4].item<double>());
+    result.rank_pair_exposed.push_back(t[5].item<double>());
   }
   result.timeline.num_ranks = config.nproc;
   result.timeline.title = config.schedule + " (measured, last step)";

@@ -294,6 +294,12 @@ void add_train_command(CLI::App& app) {
   t->add_option("--timeout", c.timeout_s, "seconds any communication may take");
   t->add_option("--receive-lookahead", c.receive_lookahead,
                 "post receives N batches ahead of the schedule (default 0; Gloo only)");
+  t->add_flag("--fb-overlap", c.fb_overlap,
+              "run each FB pair (dualpipe, dualpipev) as a forward and a backward that compute "
+              "while the other waits on communication");
+  t->add_option("--link", c.link,
+                "LATENCY_US,GBPS: give every transfer and expert all-to-all a network link's "
+                "cost (CPU; for measuring overlap on one host)");
   t->add_flag("--graph", c.graph,
               "graph mode: capture the train step once, replay it on every rank, FSDP over the "
               "ranks (data parallel; --schedule and --chunks do not apply)");

@@ -1,0 +1,226 @@
+// with_link_model: point-to-point that costs what a real network link costs
+// (NOTE [The link model]).
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <cerrno>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <deque>
+#include <exception>
+#include <mutex>
+#include <sstream>
+#include <stdexcept>
+#include <thread>
+#include <utility>
+
+#include "hp/distributed/comm.h"
+
+namespace hp::distributed {
+
+// NOTE [The link model]
+// Ranks on one host talk over loopback, where a message costs a copy and
+// almost no latency, so communication that a cluster must hide (DualPipe's
+// all-to-alls, the pipeline's transfers) cannot be seen to be hidden here.
+// with_link_model gives each rank's outgoing messages the cost of a link:
+// a message posted at t leaves when the link is free (messages of a rank
+// leave one after another, as through one network interface), occupies it
+// bytes / bandwidth, and arrives `latency` later; only then is it handed
+// to the inner Comm, which moves it at once. A thread of the Comm holds the
+// messages until they are due, sleeping (no CPU is used), and posts them in
+// the order they were posted, so point-to-point keeps its posting order
+// (NOTE [Point-to-point without tags]). Receives go straight to the inner
+// Comm: they complete when the delayed message arrives. What is modelled is
+// the sender's link; a receiver taking messages from several peers at once
+// is not slowed (an all-to-all's receives overlap, as on a switch whose
+// ports each have the link's bandwidth). Collectives that the inner Comm
+// runs itself (all_reduce, all_gather, broadcast, barrier) are not delayed:
+// the model is for what the pipeline and expert parallelism send.
+
+LinkModel LinkModel::parse(const std::string& text, const std::string& what) {
+  auto bad = [&](const std::string& why) {
+    return std::invalid_argument(what + " '" + text + "': " + why +
+                                 "; give LATENCY_US,GBPS, e.g. 20,12.5 for 20 microseconds and "
+                                 "12.5 GB/s (GBPS 0: no bandwidth limit)");
+  };
+  const auto comma = text.find(',');
+  if (comma == std::string::npos) throw bad("no comma");
+  auto number = [&](const std::string& part, const char* name) {
+    char* end = nullptr;
+    errno = 0;
+    const double v = std::strtod(part.c_str(), &end);
+    if (part.empty() || end != part.c_str() + part.size() || errno != 0 || !(v >= 0) || v > 1e12)
+      throw bad(std::string(name) + " '" + part + "' is not a number >= 0");
+    return v;
+  };
+  LinkModel link;
+  link.latency_s = number(text.substr(0, comma), "LATENCY_US") * 1e-6;
+  link.bytes_per_s = number(text.substr(comma + 1), "GBPS") * 1e9;
+  return link;
+}
+
+std::string LinkModel::describe() const {
+  std::ostringstream out;
+  out << latency_s * 1e6 << " us, ";
+  if (bytes_per_s > 0)
+    out << bytes_per_s / 1e9 << " GB/s";
+  else
+    out << "unlimited bandwidth";
+  return out.str();
+}
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// A send held until it is due.
+struct HeldSend {
+  std::mutex mutex;
+  std::condition_variable posted_cv;
+  bool posted = false;
+  Work inner;
+  std::exception_ptr error;
+  at::Tensor tensor;
+  int dst = 0;
+  Clock::time_point due;
+};
+
+struct HeldSendWork : Work::Impl {
+  std::shared_ptr<HeldSend> send;
+  std::chrono::milliseconds timeout;
+  void wait() override {
+    {
+      std::unique_lock<std::mutex> lock(send->mutex);
+      // The message is due by its time; the timeout guards a stopped link thread.
+      const bool ok =
+          send->posted_cv.wait_until(lock, send->due + timeout, [&] { return send->posted; });
+      TORCH_CHECK(ok, "link model: a send to rank ", send->dst, " was never handed over");
+      if (send->error) std::rethrow_exception(send->error);
+    }
+    send->inner.wait();
+  }
+  void abort() override {
+    std::lock_guard<std::mutex> lock(send->mutex);
+    if (send->posted) send->inner.abort();
+  }
+};
+
+class LinkComm : public Comm {
+ public:
+  LinkComm(std::shared_ptr<Comm> inner, LinkModel link)
+      : inner_(std::move(inner)), link_(link), thread_([this] { run(); }) {}
+  ~LinkComm() override {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+
+  int rank() const override { return inner_->rank(); }
+  int world_size() const override { return inner_->world_size(); }
+  std::chrono::milliseconds timeout() const override { return inner_->timeout(); }
+  std::string backend_name() const override { return inner_->backend_name(); }
+  bool early_receives_are_free() const override { return inner_->early_receives_are_free(); }
+
+  Work isend(const at::Tensor& tensor, int dst) override {
+    auto held = std::make_shared<HeldSend>();
+    held->tensor = tensor;
+    held->dst = dst;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      const auto now = Clock::now();
+      const auto busy = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(
+          link_.busy_seconds(int64_t(tensor.numel()) * int64_t(tensor.element_size()))));
+      link_free_ = std::max(link_free_, now) + busy;
+      held->due = link_free_ + std::chrono::duration_cast<Clock::duration>(
+                                   std::chrono::duration<double>(link_.latency_s));
+      queue_.push_back(held);
+    }
+    cv_.notify_all();
+    auto work = std::make_shared<HeldSendWork>();
+    work->send = std::move(held);
+    work->timeout = timeout();
+    return Work(work);
+  }
+  Work irecv(const at::Tensor& tensor, int src) override { return inner_->irecv(tensor, src); }
+  std::vector<Work> batch(const std::vector<P2POp>& ops) override {
+    std::vector<Work> works;
+    works.reserve(ops.size());
+    for (const auto& op : ops)
+      works.push_back(op.kind == P2POp::Kind::Send ? isend(op.tensor, op.peer)
+                                                   : irecv(op.tensor, op.peer));
+    return works;
+  }
+
+  void all_reduce(const at::Tensor& t, ReduceOp op) override { inner_->all_reduce(t, op); }
+  void all_gather(std::vector<at::Tensor>& out, const at::Tensor& in) override {
+    inner_->all_gather(out, in);
+  }
+  void broadcast(const at::Tensor& t, int root) override { inner_->broadcast(t, root); }
+  void barrier() override { inner_->barrier(); }
+  void abandon(const std::string& why) override { inner_->abandon(why); }
+  std::shared_ptr<Comm> split(const std::vector<int>& ranks) override {
+    return with_link_model(inner_->split(ranks), link_);
+  }
+
+ private:
+  // Hands each held send to the inner Comm when it is due, in posting order.
+  void run() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    while (true) {
+      if (queue_.empty()) {
+        if (stop_) return;
+        cv_.wait(lock);
+        continue;
+      }
+      std::shared_ptr<HeldSend> next = queue_.front();
+      if (!stop_ && Clock::now() < next->due) {
+        cv_.wait_until(lock, next->due);
+        continue;
+      }
+      queue_.pop_front();
+      const bool stopping = stop_;
+      lock.unlock();
+      Work posted;
+      std::exception_ptr error;
+      try {
+        if (stopping)
+          throw std::runtime_error("link model: the Comm was destroyed before the send");
+        posted = inner_->isend(next->tensor, next->dst);
+      } catch (...) {
+        error = std::current_exception();
+      }
+      {
+        std::lock_guard<std::mutex> held_lock(next->mutex);
+        next->inner = std::move(posted);
+        next->error = error;
+        next->posted = true;
+      }
+      next->posted_cv.notify_all();
+      lock.lock();
+    }
+  }
+
+  std::shared_ptr<Comm> inner_;
+  LinkModel link_;
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<std::shared_ptr<HeldSend>> queue_;
+  Clock::time_point link_free_{};
+  bool stop_ = false;
+  std::thread thread_;  // last: starts after the members it reads
+};
+
+}  // namespace
+
+std::shared_ptr<Comm> with_link_model(std::shared_ptr<Comm> inner, LinkModel link) {
+  TORCH_CHECK(inner != nullptr, "with_link_model: no Comm given");
+  if (!link.active() || inner->world_size() < 2) return inner;
+  return std::make_shared<LinkComm>(std::move(inner), link);
+}
+
+}  // namespace hp::distributed

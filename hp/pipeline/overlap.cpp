@@ -1,0 +1,218 @@
+// PairRunner: two halves of work that take turns on the CPU at their waits
+// on communication (NOTE [Overlapped pairs]).
+#include "hp/pipeline/overlap.h"
+
+#include <ATen/ThreadLocalState.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <exception>
+#include <mutex>
+#include <optional>
+#include <stdexcept>
+#include <thread>
+
+#include "hp/core/memory.h"
+#include "hp/distributed/comm.h"
+
+namespace hp::pipeline {
+
+// NOTE [Overlapped pairs]
+// DualPipe pairs the forward of one microbatch with the backward of another
+// (an FB action) so that each hides the other's communication: while the
+// forward's tokens are in an all-to-all, the backward computes, and the
+// other way round (the user's DualPipe document, part 1; Megatron-core's
+// combined 1F1B plans the same by hand, node by node). Here the nodes are
+// found, not declared: the halves are cut wherever the model already waits
+// on communication, so any model whose exchanges go through a Comm (hp/moe's
+// dispatch and combine, a pipeline receive) overlaps without a plan.
+//
+// The two halves run on two threads but never compute at once: a baton
+// (`turn`) says which one may. At every Work::wait of a half, a WaitObserver
+// (hp/distributed/comm.h) hands the baton to the other half and lets the
+// wait run; when the wait has ended, the half takes the baton back as soon
+// as the other half reaches its own wait (or ends). So the forward runs to
+// its first wait, the backward to its first, the forward to its second, and
+// so on: the order of every rank's posts is fixed by the code alone, which
+// is what keeps an expert-parallel group's exchanges matched without tags
+// (every peer runs the same pair and switches at the same waits; a switch
+// that depended on whether a message had already arrived would let two
+// peers post in different orders). One CPU thread's worth of compute, as
+// DualPipe's single stream on a GPU: the gain is the waits, not the cores.
+//
+// The second half runs with the first's at::ThreadLocalState (grad mode,
+// saved-tensor hooks, recompute sessions' debug info), its interrupt check
+// and, when the first has one, a step cache scope of its own. A half that
+// throws ends the pair: the other's wait in flight is aborted where the
+// backend can, its next switch throws, and run() rethrows the error that
+// came first once both have ended (a half never outlives run()).
+//
+// Timing, per wait of a half: from its start to its end, the part during
+// which the other half held the baton is hidden communication; the rest is
+// exposed (PairStats).
+
+using Clock = std::chrono::steady_clock;
+
+struct PairRunner::State {
+  std::mutex mutex;
+  std::condition_variable cv;
+  // The pair in progress.
+  int turn = 0;
+  bool done[2] = {false, false};
+  std::exception_ptr error[2];
+  int failed_first = -1;  // the half whose error came first
+  distributed::Work in_flight[2];
+  Clock::time_point wait_start[2], turn_given[2];
+  PairStats stats;
+  // The runner's thread and its job.
+  std::thread thread;
+  bool has_job = false, stop = false;
+  const std::function<void()>* job = nullptr;
+  std::optional<at::ThreadLocalState> tls;
+  std::function<void()> interrupt_check;
+  bool step_cache = false;
+
+  // Called with the mutex held.
+  void give_turn(int to) {
+    turn = to;
+    turn_given[to] = Clock::now();
+    cv.notify_all();
+  }
+
+  void finish(int half, std::exception_ptr e) {
+    std::lock_guard<std::mutex> lock(mutex);
+    done[half] = true;
+    if (e) {
+      error[half] = e;
+      if (failed_first < 0) failed_first = half;
+      in_flight[1 - half].abort();  // wakes the other half where the backend can
+    }
+    give_turn(1 - half);
+  }
+
+  void check_partner(int half) {
+    if (error[1 - half] && failed_first == 1 - half)
+      throw std::runtime_error(
+          "the other half of this overlapped forward-and-backward pair failed");
+  }
+};
+
+namespace {
+
+// Hands the baton over at each wait of one half.
+class Switcher : public distributed::WaitObserver {
+ public:
+  Switcher(PairRunner::State& s, int half) : s_(s), half_(half) {}
+  void before_wait(const distributed::Work& work) override {
+    std::lock_guard<std::mutex> lock(s_.mutex);
+    s_.in_flight[half_] = work;
+    s_.wait_start[half_] = Clock::now();
+    if (!s_.done[1 - half_]) {
+      ++s_.stats.switches;
+      s_.give_turn(1 - half_);
+    }
+  }
+  void after_wait() override {
+    const auto ended = Clock::now();
+    std::unique_lock<std::mutex> lock(s_.mutex);
+    s_.in_flight[half_] = distributed::Work();
+    s_.cv.wait(lock, [&] { return s_.turn == half_ || s_.done[1 - half_]; });
+    const auto back = std::max(s_.turn_given[half_], s_.wait_start[half_]);
+    const double hidden =
+        std::chrono::duration<double>(std::min(ended, back) - s_.wait_start[half_]).count();
+    s_.stats.hidden += std::max(0.0, hidden);
+    s_.stats.exposed += std::max(0.0, std::chrono::duration<double>(ended - back).count());
+    s_.check_partner(half_);
+  }
+
+ private:
+  PairRunner::State& s_;
+  int half_;
+};
+
+}  // namespace
+
+PairRunner::PairRunner() : state_(std::make_unique<State>()) {
+  State* s = state_.get();
+  s->thread = std::thread([s] {
+    std::unique_lock<std::mutex> lock(s->mutex);
+    while (true) {
+      s->cv.wait(lock, [&] { return s->has_job || s->stop; });
+      if (s->stop) return;
+      s->has_job = false;
+      s->cv.wait(lock, [&] { return s->turn == 1; });
+      const bool skip = s->failed_first >= 0;  // the first half failed before it waited
+      lock.unlock();
+      std::exception_ptr error;
+      if (!skip) {
+        at::ThreadLocalStateGuard tls(*s->tls);
+        distributed::InterruptCheck check(s->interrupt_check);
+        std::optional<StepCacheScope> cache;
+        if (s->step_cache) cache.emplace();
+        Switcher switcher(*s, 1);
+        distributed::WaitObserverScope observe(&switcher);
+        try {
+          (*s->job)();
+        } catch (...) {
+          error = std::current_exception();
+        }
+      }
+      s->finish(1, error);
+      lock.lock();
+    }
+  });
+}
+
+PairRunner::~PairRunner() {
+  {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    state_->stop = true;
+  }
+  state_->cv.notify_all();
+  state_->thread.join();
+}
+
+PairStats PairRunner::run(const std::function<void()>& first, const std::function<void()>& second) {
+  State& s = *state_;
+  {
+    std::lock_guard<std::mutex> lock(s.mutex);
+    TORCH_CHECK(!s.has_job && s.job == nullptr, "PairRunner::run is not reentrant");
+    s.turn = 0;
+    s.done[0] = s.done[1] = false;
+    s.error[0] = s.error[1] = nullptr;
+    s.failed_first = -1;
+    s.stats = PairStats{};
+    s.tls.emplace();  // this thread's state, for the second half
+    s.interrupt_check = distributed::current_interrupt_check();
+    s.step_cache = step_cache_active();
+    s.job = &second;
+    s.has_job = true;
+  }
+  s.cv.notify_all();
+  std::exception_ptr error;
+  {
+    Switcher switcher(s, 0);
+    distributed::WaitObserverScope observe(&switcher);
+    try {
+      first();
+    } catch (...) {
+      error = std::current_exception();
+    }
+  }
+  s.finish(0, error);
+  std::unique_lock<std::mutex> lock(s.mutex);
+  s.cv.wait(lock, [&] { return s.done[1]; });
+  s.job = nullptr;
+  s.tls.reset();
+  const int failed = s.failed_first;
+  if (failed >= 0) {
+    std::exception_ptr e = s.error[failed];
+    lock.unlock();
+    std::rethrow_exception(e);
+  }
+  return s.stats;
+}
+
+}  // namespace hp::pipeline

@@ -1,0 +1,50 @@
+// hp/pipeline/overlap.h: a forward and a backward run as partners, each
+// computing while the other waits on communication (DualPipe's F&B overlap:
+// NOTE [Overlapped pairs] in overlap.cpp).
+#pragma once
+
+#include <functional>
+#include <memory>
+
+namespace hp::pipeline {
+
+/// What one overlapped pair did.
+struct PairStats {
+  /// Times the CPU went from one half to the other (at a wait on
+  /// communication).
+  int switches = 0;
+  /// Seconds some wait of a half was in flight while the other half
+  /// computed: communication the pair hid.
+  double hidden = 0.0;
+  /// Seconds a half waited on communication with nothing to compute
+  /// (the other half done, or waiting too): what it exposed.
+  double exposed = 0.0;
+};
+
+/// Runs pairs of functions as partners (NOTE [Overlapped pairs]): one on the
+/// calling thread, the other on a thread of the runner, never both at once;
+/// the CPU goes over to the other half at each wait on communication
+/// (hp::distributed's WaitObserver), in an order fixed by the code. The
+/// calling thread's autograd and dispatcher state, interrupt check and step
+/// cache are the partner's too. Not reentrant: one pair at a time.
+class PairRunner {
+ public:
+  PairRunner();
+  ~PairRunner();
+  PairRunner(const PairRunner&) = delete;
+  PairRunner& operator=(const PairRunner&) = delete;
+
+  /// Runs `first` (on the calling thread; it starts) and `second` (on the
+  /// runner's thread) as partners; returns when both ended. When a half
+  /// throws, the other's wait in flight is aborted where the backend can
+  /// (Gloo's point-to-point), its next switch throws, and the first error
+  /// is rethrown here once both ended.
+  PairStats run(const std::function<void()>& first, const std::function<void()>& second);
+
+  struct State;  // overlap.cpp's
+
+ private:
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace hp::pipeline

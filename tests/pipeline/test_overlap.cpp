@@ -1,0 +1,288 @@
+// DualPipe's F&B overlap (NOTE [Overlapped pairs] in hp/pipeline/overlap.cpp)
+// and the link model it is measured under (NOTE [The link model] in
+// hp/distributed/link_model.cpp): the PairRunner's turns and errors, the
+// link's delays over real Gloo, and overlapped pipelines (dense and pp 2 x
+// ep 2 MoE, ranks as threads) equal to one process in float64.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <atomic>
+#include <chrono>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "hp/distributed/comm.h"
+#include "hp/pipeline/overlap.h"
+#include "hp/train/trainer.h"
+#include "tests/common/threads_as_ranks.h"
+
+using hp::distributed::LinkModel;
+using hp::distributed::Work;
+using hp::pipeline::PairRunner;
+using hp::train::TrainConfig;
+using hp::train::TrainResult;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+double since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// A Work whose wait sleeps: communication that costs time and no CPU.
+struct SleepWork : Work::Impl {
+  std::chrono::milliseconds ms;
+  explicit SleepWork(std::chrono::milliseconds m) : ms(m) {}
+  void wait() override { std::this_thread::sleep_for(ms); }
+};
+Work sleep_work(int ms) {
+  return Work(std::make_shared<SleepWork>(std::chrono::milliseconds(ms)));
+}
+
+void busy(int ms) {  // compute: the CPU is used
+  const auto end = Clock::now() + std::chrono::milliseconds(ms);
+  volatile double x = 0;
+  while (Clock::now() < end)
+    x = x + 1;
+}
+
+TEST(PairRunner, HalvesTakeTurnsAtEveryWaitInAnOrderFixedByTheCode) {
+  PairRunner runner;
+  for (int trial = 0; trial < 3; ++trial) {
+    std::vector<std::string> log;
+    std::mutex m;
+    auto note = [&](const std::string& s) {
+      std::lock_guard<std::mutex> lock(m);
+      log.push_back(s);
+    };
+    // Waits on works that are already complete switch too: where the halves
+    // switch must not depend on timing.
+    auto first = [&] {
+      note("F1");
+      Work::done().wait();
+      note("F2");
+      sleep_work(trial).wait();
+      note("F3");
+    };
+    auto second = [&] {
+      note("B1");
+      sleep_work(2 - trial).wait();
+      note("B2");
+      Work::done().wait();
+      note("B3");
+      Work::done().wait();
+      note("B4");
+    };
+    auto stats = runner.run(first, second);
+    EXPECT_EQ(log, (std::vector<std::string>{"F1", "B1", "F2", "B2", "F3", "B3", "B4"}))
+        << "trial " << trial;
+    EXPECT_EQ(stats.switches, 4);
+  }
+}
+
+TEST(PairRunner, OneHalfComputesWhileTheOtherWaits) {
+  PairRunner runner;
+  // Each half: compute 60 ms, wait 60 ms, compute 60 ms. Alone: 360 ms; as
+  // partners each wait hides behind the other's compute.
+  auto half = [] {
+    busy(60);
+    sleep_work(60).wait();
+    busy(60);
+  };
+  const auto t0 = Clock::now();
+  auto stats = runner.run(half, half);
+  const double took = since(t0);
+  EXPECT_LT(took, 0.33) << "the waits were not hidden";
+  EXPECT_GT(took, 0.24);
+  EXPECT_GT(stats.hidden, 0.08);
+  EXPECT_LT(stats.exposed, 0.05);
+}
+
+TEST(PairRunner, SecondHalfSeesTheFirstsGradModeAndErrorsComeBackWhole) {
+  PairRunner runner;
+  bool grad_enabled = true;
+  {
+    torch::NoGradGuard no_grad;
+    runner.run([] {}, [&] { grad_enabled = torch::GradMode::is_enabled(); });
+  }
+  EXPECT_FALSE(grad_enabled) << "the second half must run under the first's autograd state";
+
+  // The first half fails after its first wait; the second is told at its
+  // next switch (the end of its first wait) and goes no further; run()
+  // rethrows the first half's own error.
+  bool second_ran_on = false;
+  try {
+    runner.run(
+        [] {
+          Work::done().wait();
+          throw std::runtime_error("forward broke");
+        },
+        [&] {
+          Work::done().wait();
+          second_ran_on = true;
+          Work::done().wait();
+        });
+    ADD_FAILURE() << "no error";
+  } catch (const std::runtime_error& e) {
+    EXPECT_STREQ(e.what(), "forward broke");
+  }
+  EXPECT_FALSE(second_ran_on);
+  // The second fails: its error, and the runner is usable afterwards.
+  EXPECT_THROW(runner.run([] { Work::done().wait(); }, [] { throw std::logic_error("b"); }),
+               std::logic_error);
+  int n = 0;
+  runner.run([&] { ++n; }, [&] { ++n; });
+  EXPECT_EQ(n, 2);
+}
+
+TEST(LinkModel, ParsesItsSpellingAndRefusesOthers) {
+  const LinkModel l = LinkModel::parse("20,12.5", "--link");
+  EXPECT_DOUBLE_EQ(l.latency_s, 20e-6);
+  EXPECT_DOUBLE_EQ(l.bytes_per_s, 12.5e9);
+  EXPECT_TRUE(LinkModel::parse("0,0", "x").latency_s == 0);
+  for (const char* bad : {"", "20", "a,1", "1,", "-1,2", "1,2,3", "1,nan"}) {
+    try {
+      LinkModel::parse(bad, "--link");
+      ADD_FAILURE() << "'" << bad << "' accepted";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("LATENCY_US,GBPS"), std::string::npos) << e.what();
+    }
+  }
+}
+
+TEST(LinkModel, MessagesArriveLateExactAndInOrderOverGloo) {
+  // 40 ms latency, 1 MB/s: a 20 kB message takes 20 ms on the link.
+  const LinkModel link = LinkModel::parse("40000,0.001", "test");
+  hp::testing::run_ranks_as_threads(2, [&](int r, std::shared_ptr<hp::distributed::Comm> g) {
+    auto comm = hp::distributed::with_link_model(g, link);
+    const int peer = 1 - r;
+    auto a = torch::arange(5000, torch::kFloat32) + r;  // 20 kB
+    auto b = torch::full({3}, 7.0 + r, torch::kFloat64);
+    auto ra = torch::empty_like(a), rb = torch::empty_like(b);
+    comm->barrier();
+    const auto t0 = Clock::now();
+    auto works = comm->batch(
+        {hp::distributed::P2POp::send(a, peer), hp::distributed::P2POp::send(b, peer),
+         hp::distributed::P2POp::recv(ra, peer), hp::distributed::P2POp::recv(rb, peer)});
+    works[2].wait();
+    const double first = since(t0);
+    works[3].wait();
+    const double second = since(t0);
+    hp::distributed::wait_all(works);
+    EXPECT_GE(first, 0.060 - 0.002) << "40 ms + 20 ms on the link";
+    EXPECT_LT(first, 0.5);
+    EXPECT_GE(second, first) << "a later message never overtakes";
+    EXPECT_TRUE(torch::equal(ra, torch::arange(5000, torch::kFloat32) + peer));
+    EXPECT_TRUE(torch::equal(rb, torch::full({3}, 7.0 + peer, torch::kFloat64)));
+    // An all-to-all through the link: exact, and no faster than the latency.
+    auto in = torch::arange(6, torch::kFloat64).view({3, 2}) + 10 * r;
+    auto out = torch::empty({3, 2}, torch::kFloat64);
+    std::vector<int64_t> send = r == 0 ? std::vector<int64_t>{1, 2} : std::vector<int64_t>{2, 1};
+    std::vector<int64_t> recv = r == 0 ? std::vector<int64_t>{1, 2} : std::vector<int64_t>{2, 1};
+    const auto t1 = Clock::now();
+    comm->all_to_all(out, recv, in, send);
+    EXPECT_GE(since(t1), 0.040 - 0.002);
+    auto other = torch::arange(6, torch::kFloat64).view({3, 2}) + 10 * peer;
+    auto expect = r == 0 ? torch::cat({in.narrow(0, 0, 1), other.narrow(0, 0, 2)})
+                         : torch::cat({other.narrow(0, 1, 2), in.narrow(0, 2, 1)});
+    EXPECT_TRUE(torch::equal(out, expect)) << out;
+  });
+}
+
+TrainConfig tiny_moe(const std::string& schedule, int m, int ep) {
+  TrainConfig c;
+  c.model.kind = "gpt";
+  c.model.dtype = torch::kFloat64;
+  c.model.d_model = 16;
+  c.model.heads = 2;
+  c.model.seq_len = 8;
+  c.model.vocab = 256;
+  c.model.tied_head = false;
+  c.model.layers = 4;
+  c.nproc = 2;
+  c.schedule = schedule;
+  c.chunks = 2;
+  c.microbatches = m;
+  c.microbatch_size = 2;
+  c.steps = 2;
+  c.optimizer = "adamw";
+  c.lr = 1e-2;
+  c.seed = 11;
+  c.progress = false;
+  if (ep > 1) {
+    c.model.experts = 4;
+    c.model.top_k = 2;
+    c.dp = c.ep = ep;
+  }
+  return c;
+}
+
+void expect_equal_to_one_process(const TrainConfig& c, const std::vector<TrainResult>& ranks) {
+  TrainConfig whole = c;
+  whole.dp = whole.ep = 1;
+  whole.microbatches = c.dp * c.microbatches;
+  whole.fb_overlap = false;
+  whole.link.clear();
+  const TrainResult ref = hp::train::train_reference(whole);
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    SCOPED_TRACE("world rank " + std::to_string(r));
+    ASSERT_EQ(ranks[r].losses.size(), ref.losses.size());
+    for (size_t s = 0; s < ref.losses.size(); ++s)
+      EXPECT_NEAR(ranks[r].losses[s], ref.losses[s], 1e-9 * std::max(1.0, std::abs(ref.losses[s])));
+    for (const auto& [name, p] : ranks[r].parameters) {
+      const auto& q = ref.parameters.at(name);
+      EXPECT_LE((p - q).abs().max().item<double>(),
+                1e-9 * std::max(1.0, q.abs().max().item<double>()))
+          << name;
+    }
+  }
+}
+
+struct OverlapCase {
+  std::string schedule;
+  int m;
+  int ep;
+  bool recompute;
+};
+
+class OverlappedPipelines : public ::testing::TestWithParam<OverlapCase> {};
+
+// The pairs of dualpipe and dualpipev run overlapped, under a link slow
+// enough that every wait switches halves with its message still in flight:
+// still exactly one process's training, dense and pp 2 x ep 2 MoE, with
+// recompute sessions.
+TEST_P(OverlappedPipelines, EqualOneProcess) {
+  const OverlapCase& k = GetParam();
+  TrainConfig c = tiny_moe(k.schedule, k.m, k.ep);
+  c.recompute = k.recompute;
+  c.fb_overlap = true;
+  c.link = "2000,0.05";  // 2 ms, 50 MB/s
+  std::vector<TrainResult> ranks(c.nproc * c.dp);
+  hp::testing::run_ranks_as_threads(c.nproc * c.dp,
+                                    [&](int r, std::shared_ptr<hp::distributed::Comm> comm) {
+                                      ranks[r] = hp::train::run_rank(c, comm);
+                                    });
+  expect_equal_to_one_process(c, ranks);
+  // Rank 0 reports every rank's pairs: each rank ran some and hid some of
+  // their communication.
+  ASSERT_EQ(ranks[0].rank_pair_hidden.size(), size_t(c.nproc));
+  for (int r = 0; r < c.nproc; ++r)
+    EXPECT_GT(ranks[0].rank_pair_hidden[r], 0.0) << "rank " << r;
+}
+
+INSTANTIATE_TEST_SUITE_P(Pairs, OverlappedPipelines,
+                         ::testing::Values(OverlapCase{"dualpipev", 6, 1, false},
+                                           OverlapCase{"dualpipev", 6, 2, false},
+                                           OverlapCase{"dualpipe", 4, 2, false},
+                                           OverlapCase{"dualpipev", 6, 2, true}),
+                         [](const ::testing::TestParamInfo<OverlapCase>& info) {
+                           std::string n = info.param.schedule +
+                                           (info.param.ep > 1 ? "_ep2" : "_dense") +
+                                           (info.param.recompute ? "_recompute" : "");
+                           return n;
+                         });
+
+}  // namespace
