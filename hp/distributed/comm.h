@@ -457,8 +457,9 @@ struct LinkModel {
 
 /// `inner` whose point-to-point behaves as if sent over `link` (NOTE [The
 /// link model]): each send reaches `inner` no earlier than latency + bytes /
-/// bandwidth after it was posted, messages leaving a rank one after another
-/// as through one network interface; waiting costs no CPU. Everything built
+/// bandwidth after it was posted, the messages of every such Comm of the
+/// process leaving one after another, in posting order, as through one
+/// network interface; waiting costs no CPU. Everything built
 /// of point-to-point (batches, all_to_all_async, reduce_scatter) pays it;
 /// all_reduce, all_gather, broadcast and barrier do not. split() gives
 /// subgroups the same link. For benchmarks and tests on one host (CPU

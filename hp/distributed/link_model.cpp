@@ -24,15 +24,17 @@ namespace hp::distributed {
 // Ranks on one host talk over loopback, where a message costs a copy and
 // almost no latency, so communication that a cluster must hide (DualPipe's
 // all-to-alls, the pipeline's transfers) cannot be seen to be hidden here.
-// with_link_model gives each rank's outgoing messages the cost of a link:
-// a message posted at t leaves when the link is free (messages of a rank
-// leave one after another, as through one network interface), occupies it
-// bytes / bandwidth, and arrives `latency` later; only then is it handed
-// to the inner Comm, which moves it at once. A thread of the Comm holds the
-// messages until they are due, sleeping (no CPU is used), and posts them in
-// the order they were posted, so point-to-point keeps its posting order
-// (NOTE [Point-to-point without tags]). Receives go straight to the inner
-// Comm: they complete when the delayed message arrives. What is modelled is
+// with_link_model gives each process's outgoing messages the cost of a
+// link: a message posted at t leaves when the link is free (the messages of
+// a process leave one after another, as through one network interface,
+// whatever Comm posted them), occupies it bytes / bandwidth, and arrives
+// `latency` later; only then is it handed to the inner Comm, which moves it
+// at once. One thread per process holds the messages until they are due,
+// sleeping (no CPU is used), and posts them in the order they were posted,
+// so point-to-point keeps its posting order across every Comm of the process
+// (NOTE [Point-to-point without tags]; class Link below). Ranks run as
+// threads of one process share that one link. Receives go straight to the
+// inner Comm: they complete when the delayed message arrives. What is modelled is
 // the sender's link; a receiver taking messages from several peers at once
 // is not slowed (an all-to-all's receives overlap, as on a switch whose
 // ports each have the link's bandwidth). Collectives that the inner Comm
@@ -82,6 +84,7 @@ struct HeldSend {
   bool posted = false;
   Work inner;
   std::exception_ptr error;
+  std::shared_ptr<Comm> comm;  // where it goes when due
   at::Tensor tensor;
   int dst = 0;
   Clock::time_point due;
@@ -93,7 +96,7 @@ struct HeldSendWork : Work::Impl {
   void wait() override {
     {
       std::unique_lock<std::mutex> lock(send->mutex);
-      // The message is due by its time; the timeout guards a stopped link thread.
+      // The message is due by its time; the timeout guards a stuck link.
       const bool ok =
           send->posted_cv.wait_until(lock, send->due + timeout, [&] { return send->posted; });
       TORCH_CHECK(ok, "link model: a send to rank ", send->dst, " was never handed over");
@@ -107,18 +110,91 @@ struct HeldSendWork : Work::Impl {
   }
 };
 
-class LinkComm : public Comm {
+// The process's one link: every LinkComm's sends leave through it, one after
+// another, in the order they were posted, whatever Comm or group they are
+// for. One queue per process, not per Comm: two Comms over one process group
+// (a Pipeline's and an expert dispatcher's, or one dispatcher per layer)
+// post tag-free point-to-point on the same channels, and a send of the
+// second Comm overtaking an earlier one of the first would meet the peer's
+// receive of the first (NOTE [Point-to-point without tags]). Never
+// destroyed: its thread sleeps when there is nothing to send.
+class Link {
  public:
-  LinkComm(std::shared_ptr<Comm> inner, LinkModel link)
-      : inner_(std::move(inner)), link_(link), thread_([this] { run(); }) {}
-  ~LinkComm() override {
+  static Link& instance() {
+    static Link* link = new Link();
+    return *link;
+  }
+
+  std::shared_ptr<HeldSend> hold(std::shared_ptr<Comm> comm, const LinkModel& model,
+                                 const at::Tensor& tensor, int dst) {
+    auto held = std::make_shared<HeldSend>();
+    held->comm = std::move(comm);
+    held->tensor = tensor;
+    held->dst = dst;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      stop_ = true;
+      const auto now = Clock::now();
+      const auto busy = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(
+          model.busy_seconds(int64_t(tensor.numel()) * int64_t(tensor.element_size()))));
+      free_ = std::max(free_, now) + busy;
+      held->due = free_ + std::chrono::duration_cast<Clock::duration>(
+                              std::chrono::duration<double>(model.latency_s));
+      // Posting order is kept: a message never leaves before an earlier one.
+      if (!queue_.empty()) held->due = std::max(held->due, queue_.back()->due);
+      queue_.push_back(held);
     }
     cv_.notify_all();
-    thread_.join();
+    return held;
   }
+
+ private:
+  Link() {
+    std::thread([this] { run(); }).detach();
+  }
+
+  // Hands each held send to its Comm when it is due, in posting order.
+  void run() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    while (true) {
+      if (queue_.empty()) {
+        cv_.wait(lock);
+        continue;
+      }
+      std::shared_ptr<HeldSend> next = queue_.front();
+      if (Clock::now() < next->due) {
+        cv_.wait_until(lock, next->due);
+        continue;
+      }
+      queue_.pop_front();
+      lock.unlock();
+      Work posted;
+      std::exception_ptr error;
+      try {
+        posted = next->comm->isend(next->tensor, next->dst);
+      } catch (...) {
+        error = std::current_exception();
+      }
+      {
+        std::lock_guard<std::mutex> held_lock(next->mutex);
+        next->inner = std::move(posted);
+        next->error = error;
+        next->posted = true;
+        next->comm.reset();
+      }
+      next->posted_cv.notify_all();
+      lock.lock();
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<std::shared_ptr<HeldSend>> queue_;
+  Clock::time_point free_{};
+};
+
+class LinkComm : public Comm {
+ public:
+  LinkComm(std::shared_ptr<Comm> inner, LinkModel link) : inner_(std::move(inner)), link_(link) {}
 
   int rank() const override { return inner_->rank(); }
   int world_size() const override { return inner_->world_size(); }
@@ -127,22 +203,8 @@ class LinkComm : public Comm {
   bool early_receives_are_free() const override { return inner_->early_receives_are_free(); }
 
   Work isend(const at::Tensor& tensor, int dst) override {
-    auto held = std::make_shared<HeldSend>();
-    held->tensor = tensor;
-    held->dst = dst;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      const auto now = Clock::now();
-      const auto busy = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(
-          link_.busy_seconds(int64_t(tensor.numel()) * int64_t(tensor.element_size()))));
-      link_free_ = std::max(link_free_, now) + busy;
-      held->due = link_free_ + std::chrono::duration_cast<Clock::duration>(
-                                   std::chrono::duration<double>(link_.latency_s));
-      queue_.push_back(held);
-    }
-    cv_.notify_all();
     auto work = std::make_shared<HeldSendWork>();
-    work->send = std::move(held);
+    work->send = Link::instance().hold(inner_, link_, tensor, dst);
     work->timeout = timeout();
     return Work(work);
   }
@@ -168,51 +230,8 @@ class LinkComm : public Comm {
   }
 
  private:
-  // Hands each held send to the inner Comm when it is due, in posting order.
-  void run() {
-    std::unique_lock<std::mutex> lock(mutex_);
-    while (true) {
-      if (queue_.empty()) {
-        if (stop_) return;
-        cv_.wait(lock);
-        continue;
-      }
-      std::shared_ptr<HeldSend> next = queue_.front();
-      if (!stop_ && Clock::now() < next->due) {
-        cv_.wait_until(lock, next->due);
-        continue;
-      }
-      queue_.pop_front();
-      const bool stopping = stop_;
-      lock.unlock();
-      Work posted;
-      std::exception_ptr error;
-      try {
-        if (stopping)
-          throw std::runtime_error("link model: the Comm was destroyed before the send");
-        posted = inner_->isend(next->tensor, next->dst);
-      } catch (...) {
-        error = std::current_exception();
-      }
-      {
-        std::lock_guard<std::mutex> held_lock(next->mutex);
-        next->inner = std::move(posted);
-        next->error = error;
-        next->posted = true;
-      }
-      next->posted_cv.notify_all();
-      lock.lock();
-    }
-  }
-
   std::shared_ptr<Comm> inner_;
   LinkModel link_;
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  std::deque<std::shared_ptr<HeldSend>> queue_;
-  Clock::time_point link_free_{};
-  bool stop_ = false;
-  std::thread thread_;  // last: starts after the members it reads
 };
 
 }  // namespace

@@ -187,6 +187,9 @@ Pipeline::Pipeline(schedule::Schedule schedule, std::shared_ptr<distributed::Com
     if (how == distributed::PointToPoint::SharedMemory && group->backend_name() != "gloo")
       invalid("p2p='shm' goes beside a Gloo group; this group's backend is " +
               group->backend_name() + ": use p2p='group'");
+    if (options_.fb_overlap && !options_.device.is_cpu())
+      invalid("fb_overlap runs on the CPU; on " + options_.device.str() +
+              " the pair's streams and events are not written yet");
     if (options_.link.active()) {
       if (!options_.device.is_cpu())
         invalid("a link model delays CPU transfers; this pipeline runs on " +

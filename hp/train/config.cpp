@@ -123,11 +123,14 @@ void TrainConfig::validate() const {
     } catch (const std::invalid_argument& e) {
       need(false, e.what());
     }
-    need(device == "cpu", "--link models the network for CPU ranks; --device is " + device);
+    need(device != "cuda", "--link models the network for CPU ranks; --device is " + device);
     need(p2p != "shm",
          "--link delays the group's point-to-point; --p2p shm would bypass it "
          "(use --p2p auto or group)");
   }
+  need(!fb_overlap || device != "cuda",
+       "--fb-overlap runs on CPU ranks; with --device " + device +
+           " the pair's streams and events are not written yet (docs/overlap.md)");
   need(receive_lookahead >= 0, "--receive-lookahead " + std::to_string(receive_lookahead) +
                                    " is out of range: a number of batches (0: none ahead)");
   need(nproc >= 1 && nproc <= kMaxRanks, "--nproc " + std::to_string(nproc) +

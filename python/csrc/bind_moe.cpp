@@ -3,7 +3,9 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include <chrono>
+#include <cstdlib>
 #include <memory>
+#include <stdexcept>
 
 #include "bindings.h"
 #include "hp/distributed/comm.h"
@@ -29,6 +31,16 @@ c10::intrusive_ptr<c10d::Store> group_failure_store(const py::object& store,
   auto s = store_of(store);
   if (!s) return {};
   return c10::make_intrusive<c10d::PrefixStore>("hyperparallel/group/" + group.getGroupName(), s);
+}
+
+distributed::LinkModel link_from_environment() {
+  const char* text = std::getenv("HP_LINK");
+  if (text == nullptr || *text == '\0') return {};
+  try {
+    return distributed::LinkModel::parse(text, "HP_LINK");
+  } catch (const std::invalid_argument& e) {
+    throw py::value_error(e.what());
+  }
 }
 
 void bind_moe(py::module_& parent) {
@@ -57,6 +69,8 @@ void bind_moe(py::module_& parent) {
                auto pg = process_group_of(group);
                comm = distributed::with_failure_store(distributed::Comm::from_process_group(pg, o),
                                                       group_failure_store(failure_store, *pg));
+               // HP_LINK: the all-to-alls pay a modelled link (docs/overlap.md).
+               comm = distributed::with_link_model(comm, link_from_environment());
              }
              moe::DispatchOptions d;
              d.capacity_factor = capacity_factor;

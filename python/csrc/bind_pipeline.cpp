@@ -134,7 +134,7 @@ class Runtime {
           bool recompute_sessions = false, py::object extra_sum = py::none(),
           const py::object& failure_store = py::none(), py::object gradient_numel = py::none(),
           const std::map<int, std::vector<torch::Tensor>>& chunk_expert_parameters = {},
-          const py::object& dp_failure_store = py::none()) {
+          const py::object& dp_failure_store = py::none(), bool fb_overlap = false) {
     distributed::CommOptions options;
     options.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
     auto pg = process_group_of(group);
@@ -154,6 +154,8 @@ class Runtime {
     po.recompute_sessions = recompute_sessions;
     po.receive_lookahead = receive_lookahead;
     po.cache_cpu_memory = cache_cpu_memory;
+    po.fb_overlap = fb_overlap;  // NOTE [Overlapped pairs] in hp/pipeline/overlap.cpp
+    po.link = link_from_environment();
     // NOTE [One GIL hold per forward]
     // A forward calls Python once (the stage) or twice (and the loss), and
     // each call took the GIL and gave it back, with the Python thread state's
@@ -295,6 +297,9 @@ class Runtime {
     d["comm_wait"] = out.stats.comm_wait;
     d["overhead"] = out.stats.overhead;
     d["dp_exposed"] = out.dp_exposed;
+    d["pairs"] = out.stats.pairs;  // fb_overlap: NOTE [Overlapped pairs]
+    d["pair_hidden"] = out.stats.pair_hidden;
+    d["pair_exposed"] = out.stats.pair_exposed;
     py::list events;
     for (const auto& e : out.stats.events)
       events.append(py::make_tuple(schedule::to_string(e.action), e.start, e.end));
@@ -353,13 +358,13 @@ void bind_pipeline(py::module_& m) {
                        bool recompute_sessions, py::object extra_sum,
                        const py::object& failure_store, py::object gradient_numel,
                        const std::map<int, std::vector<torch::Tensor>>& expert_parameters,
-                       const py::object& dp_failure_store) {
+                       const py::object& dp_failure_store, bool fb_overlap) {
              try {
                return std::make_unique<Runtime>(
                    sched, group, forward, parameters, loss, shape, dtype, device, timeout_s,
                    dp_group, receive_lookahead, p2p, cache_cpu_memory, dp_parameters,
                    recompute_sessions, extra_sum, failure_store, gradient_numel, expert_parameters,
-                   dp_failure_store);
+                   dp_failure_store, fb_overlap);
              } catch (const std::invalid_argument& e) {
                throw py::value_error(e.what());
              }
@@ -373,7 +378,7 @@ void bind_pipeline(py::module_& m) {
            py::arg("recompute_sessions") = false, py::arg("extra_sum") = py::none(),
            py::arg("failure_store") = py::none(), py::arg("gradient_numel") = py::none(),
            py::arg("chunk_expert_parameters") = std::map<int, std::vector<torch::Tensor>>{},
-           py::arg("dp_failure_store") = py::none())
+           py::arg("dp_failure_store") = py::none(), py::arg("fb_overlap") = false)
       .def("step", &Runtime::step, py::arg("inputs"),
            "Runs one step of this rank's actions; returns the loss and timings.")
       .def("abandon", &Runtime::abandon, py::arg("why"),

@@ -5,6 +5,10 @@
 #include <torch/csrc/utils/pybind.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+namespace hp::distributed {
+struct LinkModel;
+}
+
 namespace hp::python {
 
 namespace py = pybind11;
@@ -43,6 +47,12 @@ c10::intrusive_ptr<c10d::Store> store_of(const py::object& store);
 /// (NOTE [A failure reaches the expert-parallel peers] in bind_moe.cpp).
 c10::intrusive_ptr<c10d::Store> group_failure_store(const py::object& store,
                                                     const c10d::ProcessGroup& group);
+
+/// The link model the environment variable HP_LINK ("LATENCY_US,GBPS")
+/// asks for, inactive when it is unset or empty; ValueError naming HP_LINK
+/// when it is malformed (NOTE [The link model] in
+/// hp/distributed/link_model.cpp; bind_moe.cpp).
+distributed::LinkModel link_from_environment();
 
 /// Registers every part in `m`.
 inline void bind_all(py::module_& m) {

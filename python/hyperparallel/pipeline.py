@@ -1321,6 +1321,16 @@ class Pipeline:
             without going through malloc (at most 1 GiB of free blocks is
             kept; :func:`cpu_cache_bytes`, :func:`empty_cpu_cache`; NOTE [The
             step cache] in hp/core/memory.cpp). False leaves malloc as it is.
+        fb_overlap: run each ``FB`` pair of the schedule (dualpipe,
+            dualpipev) as partners: the forward and the backward take turns
+            on the CPU at every wait on communication (an expert dispatch or
+            combine of :mod:`hyperparallel.moe`, a pipeline receive), so one
+            computes while the other's message is in flight (NOTE
+            [Overlapped pairs] in hp/pipeline/overlap.cpp; docs/overlap.md).
+            Exact; CPU only. Default False: the forward, then the backward.
+            The environment variable ``HP_LINK=LATENCY_US,GBPS`` gives this
+            pipeline's transfers and the dispatchers made after it is set the
+            cost of a network link, to see the overlap on one host.
     """
 
     def __init__(
@@ -1339,6 +1349,7 @@ class Pipeline:
         receive_lookahead: int = 0,
         keep_freed_memory: Optional[bool] = None,
         p2p: str = "auto",
+        fb_overlap: bool = False,
     ):
         if not isinstance(schedule, PipelineSchedule):
             raise TypeError(
@@ -1363,6 +1374,8 @@ class Pipeline:
             )
         if p2p not in ("auto", "group", "shm"):
             raise ValueError(f"p2p must be 'auto', 'group' or 'shm', got {p2p!r}")
+        if not isinstance(fb_overlap, bool):
+            raise TypeError(f"fb_overlap must be a bool, got {type(fb_overlap).__name__}")
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
             raise TypeError(f"timeout must be a number of seconds, got {type(timeout).__name__}")
         if not math.isfinite(timeout) or not 0 < timeout <= 7 * 24 * 3600:
@@ -1605,6 +1618,7 @@ class Pipeline:
             chunk_expert_parameters={c: [q for q in ps if _is_expert(q)] for c, ps in params.items()},
             dp_failure_store=None if dp_group is None else
             dist.distributed_c10d._world.pg_map.get(dp_group, (None, None))[1],
+            fb_overlap=fb_overlap,
         )
         self.rank = self._runtime.rank
         self._loss.rank = self.rank
@@ -1734,7 +1748,9 @@ class Pipeline:
         into the microbatches along dim 0 (``attention_mask``,
         ``position_ids``), anything else is handed on unchanged. Returns the
         mean loss over the microbatches, on every rank; ``last_stats`` has
-        the step's timings and ``aux_loss`` (NOTE [Auxiliary losses])."""
+        the step's timings, ``aux_loss`` (NOTE [Auxiliary losses]) and, with
+        ``fb_overlap``, ``pairs``, ``pair_hidden`` and ``pair_exposed`` (the
+        overlapped pairs and their waits' seconds hidden and exposed)."""
         if self._broken is not None:
             raise RuntimeError(
                 f"a previous step failed on this rank ({self._broken}); its peers' steps "

@@ -13,7 +13,8 @@ this rank's rows). The models, the data and the one-process reference
     ep_worker.py OUT_DIR CASES   (CASES: model:schedule,... ; WORLD_SIZE 4)
 
 A model name ending in "+fsdp2" also shards each layer's attention with
-FSDP2 over the EP dimension of an (ep, pp) DeviceMesh."""
+FSDP2 over the EP dimension of an (ep, pp) DeviceMesh; one ending in
+"+overlap" trains with fb_overlap=True under HP_LINK (a modelled link)."""
 
 import os
 import sys
@@ -186,6 +187,11 @@ def main():
         m = microbatches(name)
         sched = hp.pipeline.schedule(name, ranks=PP, microbatches=m)
         fsdp = kind.endswith("+fsdp2")
+        # "+overlap": fb_overlap under a modelled link (HP_LINK), read by the
+        # dispatchers expert_parallel makes and by the Pipeline.
+        overlap = kind.endswith("+overlap")
+        if overlap:
+            os.environ["HP_LINK"] = "500,0.5"
         if fsdp and mesh is None:
             from torch.distributed.device_mesh import init_device_mesh
 
@@ -195,7 +201,7 @@ def main():
         # Cut first (split_model runs the model alone to find its layers'
         # inputs), then spread the experts of the chunks, which share the
         # model's modules.
-        model = make_model(kind.removesuffix("+fsdp2"))
+        model = make_model(kind.removesuffix("+fsdp2").removesuffix("+overlap"))
         chunks = hp.pipeline.split_model(model, sched, stage_rank)
         hp.moe.expert_parallel(model, groups[1])
         length = [T]  # this step's sequence length, for the declared shapes
@@ -212,9 +218,11 @@ def main():
                     fully_shard(layer.self_attn, mesh=mesh["ep"])
             extra["activation_shape"] = lambda st, mb: (MB, length[0], model.config.hidden_size)
         pipe = hp.pipeline.Pipeline(chunks, sched, loss_fn=loss_fn, group=groups[0],
-                                    dp_group=groups[1], timeout=60, **extra)
+                                    dp_group=groups[1], timeout=60, fb_overlap=overlap,
+                                    **extra)
+        os.environ.pop("HP_LINK", None)
         opt = torch.optim.SGD([q for c in chunks.values() for q in c.parameters()], lr=LR)
-        losses, aux, dropped = [], [], 0
+        losses, aux, dropped, hidden = [], [], 0, 0.0
         rows = slice(copy * m * MB, (copy + 1) * m * MB)
         for step in range(STEPS):
             x, y, mask = batch(step, m)
@@ -223,13 +231,14 @@ def main():
             kw = {} if mask is None else {"attention_mask": mask[rows]}
             losses.append(pipe.step(x[rows], y[rows], **kw))
             aux.append(pipe.last_stats["aux_loss"])
+            hidden += pipe.last_stats["pair_hidden"]
             opt.step()
         full = {}
         for mod in chunks.values():
             for k, q in mod.named_model_parameters():  # FSDP2's whole (a collective)
                 full[k] = (q.full_tensor() if hasattr(q, "full_tensor") else q).detach().clone()
         results[f"{kind}:{name}"] = {
-            "losses": losses, "aux": aux, "params": full,
+            "losses": losses, "aux": aux, "params": full, "pair_hidden": hidden,
             "experts": sorted(k for mod in chunks.values() for k, q in mod.named_model_parameters()
                               if hp.moe.is_expert_parameter(q)),
         }

@@ -20,10 +20,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # two schedules each, Qwen2-MoE (a gated shared expert) on zbv; the first
 # step of mixtral-one-expert sends every token to expert 0 (rank 0 of each EP
 # group) and none to the other three; "+fsdp2": pp 2 x ep 2 x FSDP2 (each
-# layer's attention fully_shard'ed over the EP dimension, shapes declared).
+# layer's attention fully_shard'ed over the EP dimension, shapes declared);
+# "+overlap": fb_overlap=True under HP_LINK (docs/overlap.md).
 CASES = ["mixtral:1f1b", "mixtral:zb-h1", "mixtral:zbv", "mixtral:dualpipev",
          "qwen3_moe:zb-h1", "qwen3_moe:dualpipev", "qwen2_moe:zbv", "deepseek_v3:zb-h1",
-         "deepseek_v3:zbv", "mixtral-one-expert:1f1b", "mixtral+fsdp2:zb-h1"]
+         "deepseek_v3:zbv", "mixtral-one-expert:1f1b", "mixtral+fsdp2:zb-h1",
+         "mixtral+overlap:dualpipev"]
 
 
 def test_pp2_ep2_equals_one_process(tmp_path):
@@ -34,7 +36,8 @@ def test_pp2_ep2_equals_one_process(tmp_path):
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
     for case in CASES:
         kind, name = case.split(":")
-        kind = kind.removesuffix("+fsdp2")
+        overlap = kind.endswith("+overlap")
+        kind = kind.removesuffix("+fsdp2").removesuffix("+overlap")
         ref_losses, ref_aux, ref_params = w.reference(kind, w.microbatches(name))
         if kind != "deepseek_v3":
             assert min(ref_aux) > 0.01, case  # the load-balancing term matters
@@ -47,6 +50,10 @@ def test_pp2_ep2_equals_one_process(tmp_path):
                     a, b = got[key][s], ref[s]
                     assert abs(a - b) <= 1e-9 * max(1.0, abs(b)), f"{case} rank {r} {key} {s}: {a} vs {b}"
             assert got["experts"], f"{case} rank {r}: no expert parameter"
+            if overlap:  # the pairs hid some of their all-to-alls and transfers
+                assert got["pair_hidden"] > 0, f"{case} rank {r}: nothing hidden"
+            else:
+                assert got["pair_hidden"] == 0, case
             for n, q in got["params"].items():
                 want = ref_params[n]
                 if n in got["experts"]:

@@ -4,6 +4,7 @@ chunks that do not match the schedule, a group of the wrong size, a
 schedule that cannot run with the given p and m, a forward or loss that
 raises, targets missing where a last stage runs."""
 
+import os
 import socket
 
 import pytest
@@ -63,6 +64,14 @@ def test_pipeline_arguments(one_rank_group):
         hp.pipeline.Pipeline({0: lin()}, s1, p2p="tcp", **good)
     with pytest.raises(TypeError, match="p2p must be a str"):
         hp.pipeline.Pipeline({0: lin()}, s1, p2p=None, **good)
+    with pytest.raises(TypeError, match="fb_overlap must be a bool, got int"):
+        hp.pipeline.Pipeline({0: lin()}, s1, fb_overlap=1, **good)
+    os.environ["HP_LINK"] = "20"  # a modelled link (docs/overlap.md), misspelled
+    try:
+        with pytest.raises(ValueError, match="HP_LINK '20': no comma; give LATENCY_US,GBPS"):
+            hp.pipeline.Pipeline({0: lin()}, s1, **good)
+    finally:
+        del os.environ["HP_LINK"]
     with pytest.raises(ValueError, match="p2p='shm' moves CPU tensors"):
         hp.pipeline.Pipeline({0: lin()}, s1, p2p="shm", device="meta", **good)
     for bad in (float("nan"), float("inf"), 0, -1.0):

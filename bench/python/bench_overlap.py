@@ -1,0 +1,101 @@
+"""DualPipe's F&B overlap, side by side in one run: `hp train` on the same
+schedule with and without `--fb-overlap`, under modelled network links
+(`--link LATENCY_US,GBPS`: NOTE [The link model] in
+hp/distributed/link_model.cpp) and over plain loopback. The two variants
+alternate within each round; each row gives the medians over rounds of the
+runs' median step time, their ratio, and, from the overlapped run's report,
+the share of its pairs' waits on communication that the partner's compute
+hid (hidden / (hidden + exposed), summed over ranks).
+
+    .venv/bin/python bench/python/bench_overlap.py --links loopback,1000,1,3000,0.2
+
+--links is a comma-separated list read two at a time (LATENCY_US,GBPS),
+where the word `loopback` stands alone for no link. Needs the `hp` tool
+(build/tools/hp/hp, or --hp).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+
+def parse_links(text):
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    links, i = [], 0
+    while i < len(parts):
+        if parts[i] == "loopback":
+            links.append(None)
+            i += 1
+            continue
+        if i + 1 >= len(parts):
+            sys.exit(f"bench_overlap: --links: '{parts[i]}' has no GBPS after it")
+        links.append(f"{parts[i]},{parts[i + 1]}")
+        i += 2
+    if not links:
+        sys.exit("bench_overlap: --links names no link")
+    return links
+
+
+def run_once(args, link, overlap, report):
+    cmd = [args.hp, "train", "--model", args.model, "--nproc", "2", "--schedule", args.schedule,
+           "--microbatches", str(args.microbatches), "--steps", str(args.steps),
+           "--no-progress", "--report", report]
+    if args.model == "moe":
+        cmd += ["--ep", str(args.ep)]
+    if link:
+        cmd += ["--link", link]
+    if overlap:
+        cmd += ["--fb-overlap"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"bench_overlap: {' '.join(cmd)} failed:\n{done.stdout}\n{done.stderr}")
+    with open(report) as f:
+        j = json.load(f)
+    hidden = sum(r.get("pair_hidden_comm_seconds", 0.0) for r in j["ranks"])
+    exposed = sum(r.get("pair_exposed_comm_seconds", 0.0) for r in j["ranks"])
+    return j["median_step_seconds"], hidden, exposed
+
+
+def main():
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--hp", default=os.path.join(root, "build", "tools", "hp", "hp"))
+    ap.add_argument("--model", choices=["moe", "gpt"], default="moe")
+    ap.add_argument("--ep", type=int, default=2, help="--model moe: expert-parallel copies")
+    ap.add_argument("--schedule", default="dualpipev")
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--links", default="loopback,1000,1,3000,0.2")
+    args = ap.parse_args()
+    if not os.access(args.hp, os.X_OK):
+        sys.exit(f"bench_overlap: no hp tool at {args.hp} (bash scripts/build.sh, or --hp)")
+    if args.rounds < 1 or args.steps < 2 or args.microbatches < 1:
+        sys.exit("bench_overlap: --rounds >= 1, --steps >= 2 and --microbatches >= 1")
+    links = parse_links(args.links)
+    print(f"| link | off: step | --fb-overlap: step | on / off | pairs' waits hidden |")
+    print("|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as tmp:
+        report = os.path.join(tmp, "report.json")
+        for link in links:
+            off, on, share = [], [], []
+            for r in range(args.rounds):
+                for overlap in ((False, True) if r % 2 == 0 else (True, False)):
+                    step, hidden, exposed = run_once(args, link, overlap, report)
+                    (on if overlap else off).append(step)
+                    if overlap and hidden + exposed > 0:
+                        share.append(hidden / (hidden + exposed))
+                print(f"  {link or 'loopback'}: round {r + 1}/{args.rounds}", file=sys.stderr)
+            a, b = statistics.median(off), statistics.median(on)
+            hid = f"{100 * statistics.median(share):.0f} %" if share else "-"
+            name = "loopback" if link is None else link.replace(",", " us, ") + " GB/s"
+            print(f"| {name} | {1e3 * a:.1f} ms | {1e3 * b:.1f} ms | {b / a:.2f} | {hid} |",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
