@@ -43,7 +43,7 @@ def parse_links(text):
 def run_once(args, link, overlap, report):
     cmd = [args.hp, "train", "--model", args.model, "--nproc", "2", "--schedule", args.schedule,
            "--microbatches", str(args.microbatches), "--steps", str(args.steps),
-           "--no-progress", "--report", report]
+           "--pin", "--no-progress", "--report", report]
     if args.model == "moe":
         cmd += ["--ep", str(args.ep)]
     if link:
