@@ -257,31 +257,36 @@ def main():
 
 
 def fail_in_a_step(hp, copy, stage_rank, pp_group, ep_group):
-    """Rank 3 (copy 1, stage 1) raises inside its second step's forward and
-    lives on: every rank's step must fail soon, naming what happened, its EP
-    peer (rank 1) through the expert-parallel group's store. Returns
-    (error text, seconds from the step's start) or None."""
+    """Rank 3 (copy 1, stage 1) raises inside its second step's last
+    forward of layer 2, within an overlapped forward-and-backward pair of
+    dualpipev (fb_overlap=True), and lives on: every rank's step must fail
+    soon, naming what happened, its EP peer (rank 1) through the
+    expert-parallel group's store. Returns (error text, seconds from the
+    step's start) or None."""
     import time
 
-    sched = hp.pipeline.schedule("zb-h1", ranks=PP, microbatches=microbatches("zb-h1"))
+    sched = hp.pipeline.schedule("dualpipev", ranks=PP, microbatches=microbatches("dualpipev"))
     model = make_model("mixtral")
     chunks = hp.pipeline.split_model(model, sched, stage_rank)
     hp.moe.expert_parallel(model, ep_group)
     pipe = hp.pipeline.Pipeline(chunks, sched, loss_fn=loss_fn, group=pp_group,
-                                dp_group=ep_group, timeout=60)
-    armed = [False]
+                                dp_group=ep_group, timeout=60, fb_overlap=True)
+    calls = [0, None]  # layer 2's forwards in this step; the one to fail at
 
     def fail(module, args):
-        if armed[0]:
+        calls[0] += 1
+        if calls[0] == calls[1]:
             raise RuntimeError("injected failure in rank 3's forward")
 
     if copy == 1 and stage_rank == 1:
         model.model.layers[2].register_forward_pre_hook(fail)
-    m, rows = sched.num_microbatches, slice(copy * microbatches("zb-h1") * MB,
-                                            (copy + 1) * microbatches("zb-h1") * MB)
+    m = sched.num_microbatches
+    rows = slice(copy * m * MB, (copy + 1) * m * MB)
     for step in range(2):
         x, y, _ = batch(0, m)
-        armed[0] = step == 1
+        # Step 1 (the shapes known, no probe): layer 2's last forward (of
+        # microbatch m - 1), in an FB pair on dualpipev's rank 1.
+        calls[:] = [0, m if step == 1 else None]
         t0 = time.perf_counter()
         try:
             pipe.step(x[rows], y[rows])

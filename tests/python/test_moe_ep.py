@@ -4,7 +4,7 @@ in float64 (losses, auxiliary losses, every parameter after 3 SGD steps)
 for transformers' Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3 on fused, split, V and
 DualPipe schedules, with a sequence length that changes and padding, and
 pp 2 x ep 2 x FSDP2; in the same launch, torchtitan's MoE layer over each EP
-group and a rank that fails inside a step."""
+group and a rank that fails inside an overlapped pair of a step."""
 
 import os
 
@@ -82,7 +82,7 @@ def test_pp2_ep2_equals_one_process(tmp_path):
             assert torch.allclose(g, want, rtol=0, atol=1e-12), (r, k)
 
 
-    # Rank 3 raised inside a step and lived on: every rank's step failed
+    # Rank 3 raised inside a step (in an overlapped FB pair of dualpipev) and lived on: every rank's step failed
     # within seconds (the timeout is 60 s), its EP peer and its pipeline
     # peer naming it (by its rank in the group they share: its reason from
     # the store, or the transfer to it that failed when its peer's wait was
