@@ -1,9 +1,9 @@
 """DualPipe's F&B overlap, side by side in one run: `hp train` on the same
-schedule with and without `--fb-overlap`, under modelled network links
+schedule without `--fb-overlap`, with it, and with it and `--defer-wgrad`, under modelled network links
 (`--link LATENCY_US,GBPS`: NOTE [The link model] in
-hp/distributed/link_model.cpp) and over plain loopback. The two variants
+hp/distributed/link_model.cpp) and over plain loopback. The variants
 alternate within each round; each row gives the medians over rounds of the
-runs' median step time, their ratio, and, from the overlapped run's report,
+runs' median step time, their ratios to the plain one, and, from the overlapped run's report,
 the share of its pairs' waits on communication that the partner's compute
 hid (hidden / (hidden + exposed), summed over ranks).
 
@@ -40,7 +40,7 @@ def parse_links(text):
     return links
 
 
-def run_once(args, link, overlap, report):
+def run_once(args, link, overlap, report, defer=False):
     cmd = [args.hp, "train", "--model", args.model, "--nproc", "2", "--schedule", args.schedule,
            "--microbatches", str(args.microbatches), "--steps", str(args.steps),
            "--pin", "--no-progress", "--report", report]
@@ -50,6 +50,8 @@ def run_once(args, link, overlap, report):
         cmd += ["--link", link]
     if overlap:
         cmd += ["--fb-overlap"]
+    if defer:
+        cmd += ["--defer-wgrad"]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"bench_overlap: {' '.join(cmd)} failed:\n{done.stdout}\n{done.stderr}")
@@ -77,24 +79,26 @@ def main():
     if args.rounds < 1 or args.steps < 2 or args.microbatches < 1:
         sys.exit("bench_overlap: --rounds >= 1, --steps >= 2 and --microbatches >= 1")
     links = parse_links(args.links)
-    print(f"| link | off: step | --fb-overlap: step | on / off | pairs' waits hidden |")
-    print("|---|---|---|---|---|")
+    print("| link | off: step | --fb-overlap: step | on / off | pairs' waits hidden "
+          "| + --defer-wgrad: step | / off |")
+    print("|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "report.json")
         for link in links:
-            off, on, share = [], [], []
+            off, on, deferred, share = [], [], [], []
+            variants = [(False, False), (True, False), (True, True)]
             for r in range(args.rounds):
-                for overlap in ((False, True) if r % 2 == 0 else (True, False)):
-                    step, hidden, exposed = run_once(args, link, overlap, report)
-                    (on if overlap else off).append(step)
-                    if overlap and hidden + exposed > 0:
+                for overlap, defer in (variants if r % 2 == 0 else variants[::-1]):
+                    step, hidden, exposed = run_once(args, link, overlap, report, defer)
+                    (deferred if defer else on if overlap else off).append(step)
+                    if overlap and not defer and hidden + exposed > 0:
                         share.append(hidden / (hidden + exposed))
                 print(f"  {link or 'loopback'}: round {r + 1}/{args.rounds}", file=sys.stderr)
-            a, b = statistics.median(off), statistics.median(on)
+            a, b, c = statistics.median(off), statistics.median(on), statistics.median(deferred)
             hid = f"{100 * statistics.median(share):.0f} %" if share else "-"
             name = "loopback" if link is None else link.replace(",", " us, ") + " GB/s"
-            print(f"| {name} | {1e3 * a:.1f} ms | {1e3 * b:.1f} ms | {b / a:.2f} | {hid} |",
-                  flush=True)
+            print(f"| {name} | {1e3 * a:.1f} ms | {1e3 * b:.1f} ms | {b / a:.2f} | {hid} "
+                  f"| {1e3 * c:.1f} ms | {c / a:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -30,8 +30,13 @@ void Work::wait() {
     return;
   }
   // NOTE [A wait that lets a partner compute] in comm.h
-  observer->before_wait(*this);
-  t_wait_observer = nullptr;  // the parts of this wait are not seen
+  t_wait_observer = nullptr;  // the parts of this wait, and what before_wait runs, are not seen
+  try {
+    observer->before_wait(*this);
+  } catch (...) {
+    t_wait_observer = observer;
+    throw;
+  }
   try {
     impl_->wait();
   } catch (...) {

@@ -242,7 +242,8 @@ struct Executor::State {
   std::vector<Span> spans;                      // the events, in the order they happened
   std::vector<std::pair<int, int>> comm_spans;  // batch postings, receive waits, the drain
   std::vector<std::pair<int, int>>* waits_of_running = nullptr;
-  std::unique_ptr<PairRunner> pairs;  // made by the first overlapped FB
+  std::unique_ptr<PairRunner> pairs;           // made by the first overlapped FB
+  std::deque<std::pair<int, int>> deferred_w;  // (stage, mb): NOTE [Weight gradients in the waits]
   // The action list's batches (runs of SEND/RECV actions) as [first, last),
   // the batch starting at each index, and the receives posted ahead this step
   // (NOTE [Receives posted ahead]).
@@ -518,9 +519,16 @@ struct Executor::State {
       case Op::FB: {
         const Action b = Action::make(Op::B, a.stage2, a.microbatch2);
         auto run_f = [&] { forward(a.stage, a.microbatch, a); };
+        const bool defer = opts.fb_overlap && opts.defer_wgrad;
         auto run_b = [&] {
-          store_dx(b.stage, b.microbatch,
-                   stage.backward(b.stage, b.microbatch, grad_for(b.stage, b.microbatch, b)));
+          torch::Tensor g = grad_for(b.stage, b.microbatch, b);
+          if (!defer) {
+            store_dx(b.stage, b.microbatch, stage.backward(b.stage, b.microbatch, g));
+            return;
+          }
+          // NOTE [Weight gradients in the waits] in overlap.cpp
+          store_dx(b.stage, b.microbatch, stage.backward_input(b.stage, b.microbatch, g));
+          deferred_w.emplace_back(b.stage, b.microbatch);
         };
         if (!opts.fb_overlap) {
           run_f();
@@ -529,15 +537,27 @@ struct Executor::State {
         }
         // NOTE [Overlapped pairs] in overlap.cpp
         if (!pairs) pairs = std::make_unique<PairRunner>();
-        const PairStats ps = pairs->run(run_f, run_b);
+        std::function<bool()> idle;
+        if (defer) idle = [this] { return run_deferred_w(); };
+        const PairStats ps = pairs->run(run_f, run_b, idle);
         ++stats.pairs;
         stats.pair_hidden += ps.hidden;
         stats.pair_exposed += ps.exposed;
+        stats.deferred_w_in_waits += ps.filled;
         break;
       }
       default:
         TORCH_INTERNAL_ASSERT(false, "not a compute action");
     }
+  }
+
+  // Runs the oldest deferred W, if any (NOTE [Weight gradients in the waits]).
+  bool run_deferred_w() {
+    if (deferred_w.empty()) return false;
+    const auto [s, mb] = deferred_w.front();
+    deferred_w.pop_front();
+    stage.backward_weight(s, mb);
+    return true;
   }
 
   // Turns the step's marks into its events and sums; `last` is the step's last mark.
@@ -586,6 +606,7 @@ struct Executor::State {
     if (opts.cache_cpu_memory && opts.device.is_cpu()) cache.emplace();
     stats = StepStats{};
     recvs.clear();
+    deferred_w.clear();
     local_grad.clear();
     pending_dx.clear();
     spans.clear();
@@ -634,6 +655,19 @@ struct Executor::State {
         throw std::runtime_error(where(a) + ": " + e.what());
       }
       ++i;
+    }
+    // The deferred W's no wait took: after the step's last action, each its own event.
+    while (!deferred_w.empty()) {
+      const Action w = Action::make(Op::W, deferred_w.front().first, deferred_w.front().second);
+      const int start = timer->mark();
+      try {
+        run_deferred_w();
+      } catch (const std::exception& e) {
+        throw std::runtime_error(where(w) + " (deferred): " + e.what());
+      }
+      spans.push_back({w, start, timer->mark()});
+      stats.executed.push_back(w);
+      ++stats.deferred_w_at_end;
     }
     const int drain_start = timer->mark();
     try {

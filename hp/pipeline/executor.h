@@ -90,6 +90,10 @@ struct ExecutorOptions {
   /// while the other waits on communication (NOTE [Overlapped pairs] in
   /// overlap.cpp); off: the forward, then the backward.
   bool fb_overlap = false;
+  /// With fb_overlap: each pair's backward runs I alone and queues its W,
+  /// which runs in a wait of a later half that nothing else fills, or at the
+  /// step's end (NOTE [Weight gradients in the waits] in overlap.cpp).
+  bool defer_wgrad = false;
 };
 
 /// What one step did on this rank.
@@ -117,6 +121,10 @@ struct StepStats {
   int pairs = 0;
   double pair_hidden = 0.0;
   double pair_exposed = 0.0;
+  /// defer_wgrad: the W's that ran in a pair's waits, and those left for
+  /// the step's end.
+  int deferred_w_in_waits = 0;
+  int deferred_w_at_end = 0;
 };
 
 // NOTE [Executor protocol]

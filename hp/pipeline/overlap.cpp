@@ -53,6 +53,24 @@ namespace hp::pipeline {
 // which the other half held the baton is hidden communication; the rest is
 // exposed (PairStats).
 
+// NOTE [Weight gradients in the waits]
+// With split backwards a pair's backward half can run I alone and leave its
+// W (the weight gradient, which no one downstream waits for) in a queue
+// (ExecutorOptions::defer_wgrad). At a wait of one half, the other has
+// ended or is itself stopped at a wait (whose message may be in flight):
+// there the half runs one queued W first, then waits (Megatron-core's
+// delayed wgrad, Lancet's weight gradients in the all-to-all windows). The
+// pair's first wait (the forward's, before the backward started) hands the
+// CPU to the backward instead. Where a W runs is fixed by the code, never by
+// whether a message has arrived: the last W of a stage posts its gradient
+// reduction over the data-parallel group (NOTE [Expert gradients]), which
+// is the expert-parallel group whose all-to-alls the pair posts, and
+// every peer must post both in one order (NOTE [Point-to-point without
+// tags]). The W runs with the observer off (its own waits, if any, switch
+// nothing). What is still queued when the step's actions end runs then.
+// A queued W holds its microbatch's activations until it runs: the price
+// is memory, as with any W that a schedule places late.
+
 using Clock = std::chrono::steady_clock;
 
 struct PairRunner::State {
@@ -61,6 +79,8 @@ struct PairRunner::State {
   // The pair in progress.
   int turn = 0;
   bool done[2] = {false, false};
+  bool started[2] = {false, false};
+  const std::function<bool()>* idle = nullptr;
   std::exception_ptr error[2];
   int failed_first = -1;  // the half whose error came first
   distributed::Work in_flight[2];
@@ -106,7 +126,16 @@ class Switcher : public distributed::WaitObserver {
  public:
   Switcher(PairRunner::State& s, int half) : s_(s), half_(half) {}
   void before_wait(const distributed::Work& work) override {
-    std::lock_guard<std::mutex> lock(s_.mutex);
+    std::unique_lock<std::mutex> lock(s_.mutex);
+    if (s_.idle != nullptr && *s_.idle && s_.started[1 - half_]) {
+      // The partner has ended or is stopped at a wait: a deferred W runs
+      // first, on this thread, which holds the CPU (NOTE [Weight gradients
+      // in the waits]).
+      lock.unlock();
+      const bool ran = (*s_.idle)();
+      lock.lock();
+      if (ran) ++s_.stats.filled;
+    }
     s_.in_flight[half_] = work;
     s_.wait_start[half_] = Clock::now();
     if (!s_.done[1 - half_]) {
@@ -144,6 +173,7 @@ PairRunner::PairRunner() : state_(std::make_unique<State>()) {
       s->has_job = false;
       s->cv.wait(lock, [&] { return s->turn == 1; });
       const bool skip = s->failed_first >= 0;  // the first half failed before it waited
+      s->started[1] = true;
       lock.unlock();
       std::exception_ptr error;
       if (!skip) {
@@ -174,13 +204,17 @@ PairRunner::~PairRunner() {
   state_->thread.join();
 }
 
-PairStats PairRunner::run(const std::function<void()>& first, const std::function<void()>& second) {
+PairStats PairRunner::run(const std::function<void()>& first, const std::function<void()>& second,
+                          const std::function<bool()>& idle) {
   State& s = *state_;
   {
     std::lock_guard<std::mutex> lock(s.mutex);
     TORCH_CHECK(!s.has_job && s.job == nullptr, "PairRunner::run is not reentrant");
     s.turn = 0;
     s.done[0] = s.done[1] = false;
+    s.started[0] = true;
+    s.started[1] = false;
+    s.idle = &idle;
     s.error[0] = s.error[1] = nullptr;
     s.failed_first = -1;
     s.stats = PairStats{};
@@ -205,6 +239,7 @@ PairStats PairRunner::run(const std::function<void()>& first, const std::functio
   std::unique_lock<std::mutex> lock(s.mutex);
   s.cv.wait(lock, [&] { return s.done[1]; });
   s.job = nullptr;
+  s.idle = nullptr;
   s.tls.reset();
   const int failed = s.failed_first;
   if (failed >= 0) {

@@ -19,6 +19,8 @@ struct PairStats {
   /// Seconds a half waited on communication with nothing to compute
   /// (the other half done, or waiting too): what it exposed.
   double exposed = 0.0;
+  /// Times `idle` ran a piece of work during a wait.
+  int filled = 0;
 };
 
 /// Runs pairs of functions as partners (NOTE [Overlapped pairs]): one on the
@@ -39,7 +41,14 @@ class PairRunner {
   /// throws, the other's wait in flight is aborted where the backend can
   /// (Gloo's point-to-point), its next switch throws, and the first error
   /// is rethrown here once both ended.
-  PairStats run(const std::function<void()>& first, const std::function<void()>& second);
+  ///
+  /// `idle`, when given, fills waits: a half that starts a wait while its
+  /// partner has ended or is stopped at a wait itself (every wait but the
+  /// pair's first) calls it once first, on its own thread, before handing
+  /// the CPU on (it runs one piece of work, a deferred W, and returns whether
+  /// there was one; NOTE [Weight gradients in the waits]).
+  PairStats run(const std::function<void()>& first, const std::function<void()>& second,
+                const std::function<bool()>& idle = {});
 
   struct State;  // overlap.cpp's
 

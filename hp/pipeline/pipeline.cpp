@@ -190,6 +190,8 @@ Pipeline::Pipeline(schedule::Schedule schedule, std::shared_ptr<distributed::Com
     if (options_.fb_overlap && !options_.device.is_cpu())
       invalid("fb_overlap runs on the CPU; on " + options_.device.str() +
               " the pair's streams and events are not written yet");
+    if (options_.defer_wgrad && !options_.fb_overlap)
+      invalid("defer_wgrad defers the W of overlapped pairs: set fb_overlap too");
     if (options_.link.active()) {
       if (!options_.device.is_cpu())
         invalid("a link model delays CPU transfers; this pipeline runs on " +
@@ -310,6 +312,7 @@ Pipeline::Pipeline(schedule::Schedule schedule, std::shared_ptr<distributed::Com
   eo.receive_lookahead = options_.receive_lookahead;
   eo.cache_cpu_memory = options_.cache_cpu_memory;
   eo.fb_overlap = options_.fb_overlap;
+  eo.defer_wgrad = options_.defer_wgrad;
   executor_ = std::make_unique<Executor>(sched_, rank_, *stage_, comm_, std::move(eo));
   learn_holders(chunks);
 }

@@ -70,6 +70,7 @@ struct PipelineOptions {
   int receive_lookahead = 0;      ///< ExecutorOptions::receive_lookahead
   bool cache_cpu_memory = false;  ///< ExecutorOptions::cache_cpu_memory
   bool fb_overlap = false;        ///< ExecutorOptions::fb_overlap
+  bool defer_wgrad = false;       ///< ExecutorOptions::defer_wgrad (with fb_overlap)
   /// The cost every pipeline transfer pays (distributed::with_link_model;
   /// CPU only). Where active, transfers take the group's own point-to-point
   /// ("auto" does not choose the rings, "shm" is refused): the rings would

@@ -128,6 +128,8 @@ void TrainConfig::validate() const {
          "--link delays the group's point-to-point; --p2p shm would bypass it "
          "(use --p2p auto or group)");
   }
+  need(!defer_wgrad || fb_overlap,
+       "--defer-wgrad defers the W of overlapped pairs: give --fb-overlap too");
   need(!fb_overlap || device != "cuda",
        "--fb-overlap runs on CPU ranks; with --device " + device +
            " the pair's streams and events are not written yet (docs/overlap.md)");

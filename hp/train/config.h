@@ -77,6 +77,8 @@ struct TrainConfig {
   int receive_lookahead = 0;
   /// Each FB pair's forward and backward overlapped (PipelineOptions::fb_overlap).
   bool fb_overlap = false;
+  /// With fb_overlap: each pair's W waits for a wait to fill (PipelineOptions::defer_wgrad).
+  bool defer_wgrad = false;
   /// "LATENCY_US,GBPS": the cost every pipeline transfer and expert all-to-all
   /// pays (NOTE [The link model] in hp/distributed/link_model.cpp); empty: none.
   std::string link;
@@ -120,6 +122,9 @@ struct TrainResult {
   /// Per rank, the last step's overlapped pairs (StepStats::pair_hidden and
   /// pair_exposed): communication hidden and exposed, in seconds.
   std::vector<double> rank_pair_hidden, rank_pair_exposed;
+  /// Per rank, with defer_wgrad: the last step's W's that ran in a pair's
+  /// waits, and those left for the step's end (StepStats).
+  std::vector<int> rank_deferred_w_in_waits, rank_deferred_w_at_end;
   double measured_bubble = 0.0;     ///< bubble rate of the measured timeline (last step)
   double simulated_bubble = 0.0;    ///< simulator's bubble rate from measured F/I/W costs
   double simulated_makespan = 0.0;  ///< simulator's step time (s) from the same costs

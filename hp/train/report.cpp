@@ -49,6 +49,7 @@ std::string report_json(const TrainConfig& c, const TrainResult& r) {
   if (!c.graph) {
     j["config"]["p2p"] = c.p2p;
     j["config"]["fb_overlap"] = c.fb_overlap;
+    j["config"]["defer_wgrad"] = c.defer_wgrad;
     if (!c.link.empty()) j["config"]["link"] = c.link;
     j["p2p_backend"] = r.p2p_backend;  // what rank 0's pipeline group used
     if (!r.p2p_note.empty()) j["p2p_note"] = r.p2p_note;
@@ -102,6 +103,11 @@ std::string report_json(const TrainConfig& c, const TrainResult& r) {
       // NOTE [Overlapped pairs] in hp/pipeline/overlap.cpp
       one["pair_hidden_comm_seconds"] = r.rank_pair_hidden[k];
       one["pair_exposed_comm_seconds"] = r.rank_pair_exposed[k];
+    }
+    if (c.defer_wgrad && k < r.rank_deferred_w_in_waits.size()) {
+      // NOTE [Weight gradients in the waits] in hp/pipeline/overlap.cpp
+      one["deferred_w_in_waits"] = r.rank_deferred_w_in_waits[k];
+      one["deferred_w_at_end"] = r.rank_deferred_w_at_end[k];
     }
     if (c.graph) {
       // Graph mode: peak bytes a step allocates on top of parameters and state.

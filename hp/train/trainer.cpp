@@ -320,6 +320,7 @@ TrainResult run_rank(const TrainConfig& config, std::shared_ptr<distributed::Com
   po.receive_lookahead = config.receive_lookahead;
   po.cache_cpu_memory = true;  // the CPU's caching allocator (CUDA has its own)
   po.fb_overlap = config.fb_overlap;
+  po.defer_wgrad = config.defer_wgrad;
   po.link = link;
   po.input = input_fn;
   po.activation_shape = [act_shape](int, int) { return act_shape; };
@@ -466,9 +467,11 @@ TrainResult run_rank(const TrainConfig& config, std::shared_ptr<distributed::Com
   result.checksum = cs.item<double>();
 
   // Gather the last step's measurements and timeline on rank 0.
-  auto mine = torch::tensor({last.stats.compute, last.stats.comm_wait, last.stats.overhead,
-                             double(peak_bytes), last.stats.pair_hidden, last.stats.pair_exposed},
-                            torch::kFloat64);
+  auto mine =
+      torch::tensor({last.stats.compute, last.stats.comm_wait, last.stats.overhead,
+                     double(peak_bytes), last.stats.pair_hidden, last.stats.pair_exposed,
+                     double(last.stats.deferred_w_in_waits), double(last.stats.deferred_w_at_end)},
+                    torch::kFloat64);
   std::vector<torch::Tensor> all(comm->world_size());
   for (auto& t : all)
     t = torch::empty_like(mine);
@@ -482,6 +485,8 @@ TrainResult run_rank(const TrainConfig& config, std::shared_ptr<distributed::Com
     result.rank_peak_bytes.push_back(t[3].item<double>());
     result.rank_pair_hidden.push_back(t[4].item<double>());
     result.rank_pair_exposed.push_back(t[5].item<double>());
+    result.rank_deferred_w_in_waits.push_back(static_cast<int>(t[6].item<double>()));
+    result.rank_deferred_w_at_end.push_back(static_cast<int>(t[7].item<double>()));
   }
   result.timeline.num_ranks = config.nproc;
   result.timeline.title = config.schedule + " (measured, last step)";

@@ -297,6 +297,9 @@ void add_train_command(CLI::App& app) {
   t->add_flag("--fb-overlap", c.fb_overlap,
               "run each FB pair (dualpipe, dualpipev) as a forward and a backward that compute "
               "while the other waits on communication");
+  t->add_flag("--defer-wgrad", c.defer_wgrad,
+              "with --fb-overlap: each pair's backward runs its input gradient only and queues "
+              "its weight gradient, which fills a later wait or runs at the step's end");
   t->add_option("--link", c.link,
                 "LATENCY_US,GBPS: give every transfer and expert all-to-all a network link's "
                 "cost (CPU; for measuring overlap on one host)");
