@@ -5,6 +5,7 @@
 #include "hp/pipeline/pipeline.h"
 
 #include <algorithm>
+#include <atomic>
 #include <stdexcept>
 #include <utility>
 
@@ -20,10 +21,23 @@ void invalid(const std::string& what) {
   throw std::invalid_argument(what);
 }
 
-/// The recompute session of (stage, mb): the top bit keeps these apart from
-/// ids a user picks for a RecomputeSession of their own.
-uint64_t session_id(int stage, int mb) {
-  return (uint64_t{1} << 63) | (static_cast<uint64_t>(stage) << 32) | static_cast<uint32_t>(mb);
+/// The recompute session of (stage, mb) of the Pipeline numbered `pipeline`
+/// in this process: the top bit keeps these apart from ids a user picks for
+/// a RecomputeSession of their own. NOTE [Sessions of several pipelines in
+/// one process]: the sessions are process-wide, and ranks run as threads of
+/// one process (the tests) or two Pipelines of one Python process hold the
+/// same (stage, mb); without the pipeline's number, the expert-parallel peer
+/// that recomputed a block first left it in the session, the other took it
+/// there and skipped the block's recompute and so its all-to-alls, which its
+/// peer then waited for (seen as a Gloo size mismatch under load).
+uint64_t session_id(uint32_t pipeline, int stage, int mb) {
+  return (uint64_t{1} << 63) | (static_cast<uint64_t>(pipeline & 0x7fff) << 48) |
+         (static_cast<uint64_t>(stage & 0xffff) << 32) | static_cast<uint32_t>(mb);
+}
+
+uint32_t next_pipeline_number() {
+  static std::atomic<uint32_t> next{0};
+  return next++;
 }
 
 // NOTE [Recompute in the pipeline]
@@ -44,7 +58,7 @@ uint64_t session_id(int stage, int mb) {
 // a session costs a thread-local guard. torch.utils.checkpoint keeps its
 // recompute per engine call, so it recomputes twice under a split (the
 // Python side says so once).
-StageHooks recompute_hooks(bool prefetch) {
+StageHooks recompute_hooks(bool prefetch, uint32_t pipeline) {
   using Handles = std::vector<recompute::RecomputeHandle>;
   auto handles = std::make_shared<std::map<std::pair<int, int>, Handles>>();
   const auto retain = recompute::SessionOptions().retain_on_unpack(true);
@@ -56,20 +70,21 @@ StageHooks recompute_hooks(bool prefetch) {
       (*handles)[{st, mb}] = collector.take();
       return out;
     };
-    h.before_backward = [handles, retain](int st, int mb) {
+    h.before_backward = [handles, retain, pipeline](int st, int mb) {
       auto it = handles->find({st, mb});
       if (it == handles->end() || it->second.empty()) return;
-      recompute::RecomputeSession session(session_id(st, mb), retain);
+      recompute::RecomputeSession session(session_id(pipeline, st, mb), retain);
       recompute::prefetch({it->second.back()});
     };
   }
-  h.around_backward = [retain](int st, int mb, char kind, const std::function<void()>& run) {
-    recompute::RecomputeSession session(session_id(st, mb),
+  h.around_backward = [retain, pipeline](int st, int mb, char kind,
+                                         const std::function<void()>& run) {
+    recompute::RecomputeSession session(session_id(pipeline, st, mb),
                                         kind == 'B' ? recompute::SessionOptions() : retain);
     run();
   };
-  h.on_done = [handles](int st, int mb) {
-    recompute::clear_session(session_id(st, mb));
+  h.on_done = [handles, pipeline](int st, int mb) {
+    recompute::clear_session(session_id(pipeline, st, mb));
     handles->erase({st, mb});
   };
   return h;
@@ -160,7 +175,7 @@ distributed::PointToPoint parse_point_to_point(const std::string& p2p) {
 
 Pipeline::Pipeline(schedule::Schedule schedule, std::shared_ptr<distributed::Comm> group,
                    std::map<int, ChunkModule> chunks, LossFn loss, PipelineOptions options)
-    : options_(std::move(options)) {
+    : options_(std::move(options)), number_(next_pipeline_number()) {
   if (group == nullptr) invalid("Pipeline: no group given");
   rank_ = group->rank();
   // What this rank can check alone; the ranks then agree (NOTE [Ranks agree
@@ -268,7 +283,7 @@ Pipeline::Pipeline(schedule::Schedule schedule, std::shared_ptr<distributed::Com
 
   StageHooks hooks = options_.hooks;
   if (options_.recompute_sessions)
-    hooks = nest(hooks, recompute_hooks(options_.prefetch_recompute));
+    hooks = nest(hooks, recompute_hooks(options_.prefetch_recompute, number_));
   if (dp) {
     // Data parallelism across copies of the pipeline: every copy averages
     // its stages' gradients over dp as soon as each stage has run its last
@@ -419,7 +434,7 @@ void Pipeline::clear_recompute_sessions() {
   if (!options_.recompute_sessions) return;
   for (int st : sched_.stages_of_rank(rank_))
     for (int mb = 0; mb < sched_.num_microbatches; ++mb)
-      recompute::clear_session(session_id(st, mb));
+      recompute::clear_session(session_id(number_, st, mb));
 }
 
 PipelineStep Pipeline::step() {

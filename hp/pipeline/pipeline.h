@@ -146,6 +146,7 @@ class Pipeline {
 
   schedule::Schedule sched_;
   PipelineOptions options_;
+  uint32_t number_ = 0;  ///< this Pipeline's number in the process (its recompute sessions')
   std::shared_ptr<distributed::Comm> comm_;
   int rank_ = 0;
   std::string p2p_note_;
