@@ -209,14 +209,7 @@ class LinkComm : public Comm {
     return Work(work);
   }
   Work irecv(const at::Tensor& tensor, int src) override { return inner_->irecv(tensor, src); }
-  std::vector<Work> batch(const std::vector<P2POp>& ops) override {
-    std::vector<Work> works;
-    works.reserve(ops.size());
-    for (const auto& op : ops)
-      works.push_back(op.kind == P2POp::Kind::Send ? isend(op.tensor, op.peer)
-                                                   : irecv(op.tensor, op.peer));
-    return works;
-  }
+  // batch(): Comm's own, one isend or irecv per operation, so each send is held.
 
   void all_reduce(const at::Tensor& t, ReduceOp op) override { inner_->all_reduce(t, op); }
   void all_gather(std::vector<at::Tensor>& out, const at::Tensor& in) override {

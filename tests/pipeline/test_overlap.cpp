@@ -18,12 +18,12 @@
 #include "hp/pipeline/overlap.h"
 #include "hp/train/trainer.h"
 #include "tests/common/threads_as_ranks.h"
+#include "tests/pipeline/tiny_train.h"
 
 using hp::distributed::LinkModel;
 using hp::distributed::Work;
 using hp::pipeline::PairRunner;
 using hp::train::TrainConfig;
-using hp::train::TrainResult;
 using Clock = std::chrono::steady_clock;
 
 namespace {
@@ -241,56 +241,6 @@ TEST(LinkModel, MessagesArriveLateExactAndInOrderOverGloo) {
   });
 }
 
-TrainConfig tiny_moe(const std::string& schedule, int m, int ep) {
-  TrainConfig c;
-  c.model.kind = "gpt";
-  c.model.dtype = torch::kFloat64;
-  c.model.d_model = 16;
-  c.model.heads = 2;
-  c.model.seq_len = 8;
-  c.model.vocab = 256;
-  c.model.tied_head = false;
-  c.model.layers = 4;
-  c.nproc = 2;
-  c.schedule = schedule;
-  c.chunks = 2;
-  c.microbatches = m;
-  c.microbatch_size = 2;
-  c.steps = 2;
-  c.optimizer = "adamw";
-  c.lr = 1e-2;
-  c.seed = 11;
-  c.progress = false;
-  if (ep > 1) {
-    c.model.experts = 4;
-    c.model.top_k = 2;
-    c.dp = c.ep = ep;
-  }
-  return c;
-}
-
-void expect_equal_to_one_process(const TrainConfig& c, const std::vector<TrainResult>& ranks) {
-  TrainConfig whole = c;
-  whole.dp = whole.ep = 1;
-  whole.microbatches = c.dp * c.microbatches;
-  whole.fb_overlap = false;
-  whole.defer_wgrad = false;
-  whole.link.clear();
-  const TrainResult ref = hp::train::train_reference(whole);
-  for (size_t r = 0; r < ranks.size(); ++r) {
-    SCOPED_TRACE("world rank " + std::to_string(r));
-    ASSERT_EQ(ranks[r].losses.size(), ref.losses.size());
-    for (size_t s = 0; s < ref.losses.size(); ++s)
-      EXPECT_NEAR(ranks[r].losses[s], ref.losses[s], 1e-9 * std::max(1.0, std::abs(ref.losses[s])));
-    for (const auto& [name, p] : ranks[r].parameters) {
-      const auto& q = ref.parameters.at(name);
-      EXPECT_LE((p - q).abs().max().item<double>(),
-                1e-9 * std::max(1.0, q.abs().max().item<double>()))
-          << name;
-    }
-  }
-}
-
 struct OverlapCase {
   std::string schedule;
   int m;
@@ -307,17 +257,23 @@ class OverlappedPipelines : public ::testing::TestWithParam<OverlapCase> {};
 // recompute sessions.
 TEST_P(OverlappedPipelines, EqualOneProcess) {
   const OverlapCase& k = GetParam();
-  TrainConfig c = tiny_moe(k.schedule, k.m, k.ep);
+  TrainConfig c = hp::testing::tiny(k.schedule, 2, k.m, "gpt");
+  if (k.ep > 1) {
+    c.model.experts = 4;
+    c.model.top_k = 2;
+    c.dp = c.ep = k.ep;
+  }
   c.recompute = k.recompute;
   c.fb_overlap = true;
   c.defer_wgrad = k.defer_wgrad;
   c.link = "2000,0.05";  // 2 ms, 50 MB/s
-  std::vector<TrainResult> ranks(c.nproc * c.dp);
-  hp::testing::run_ranks_as_threads(c.nproc * c.dp,
-                                    [&](int r, std::shared_ptr<hp::distributed::Comm> comm) {
-                                      ranks[r] = hp::train::run_rank(c, comm);
-                                    });
-  expect_equal_to_one_process(c, ranks);
+  const auto ranks = hp::testing::run_threads(c);
+  TrainConfig whole = c;  // one process on every copy's microbatches
+  whole.dp = whole.ep = 1;
+  whole.microbatches = c.dp * c.microbatches;
+  whole.fb_overlap = whole.defer_wgrad = false;
+  whole.link.clear();
+  hp::testing::expect_copies_equal_the_reference(ranks, hp::train::train_reference(whole));
   // Rank 0 reports every rank's pairs: each rank ran some and hid some of
   // their communication.
   ASSERT_EQ(ranks[0].rank_pair_hidden.size(), size_t(c.nproc));

@@ -22,22 +22,17 @@
 #include "hp/train/trainer.h"
 #include "tests/common/forwarding_comm.h"
 #include "tests/common/threads_as_ranks.h"
+#include "tests/pipeline/tiny_train.h"
 
+using hp::testing::expect_copies_equal_the_reference;
+using hp::testing::run_threads;
+using hp::testing::tiny;
 using hp::train::TrainConfig;
 using hp::train::TrainResult;
 
 namespace {
 
 // Runs every rank of `config` on its own thread; rethrows a rank's error.
-std::vector<TrainResult> run_threads(const TrainConfig& config) {
-  std::vector<TrainResult> results(config.nproc * config.dp);
-  hp::testing::run_ranks_as_threads(config.nproc * config.dp,
-                                    [&](int r, std::shared_ptr<hp::distributed::Comm> comm) {
-                                      results[r] = hp::train::run_rank(config, comm);
-                                    });
-  return results;
-}
-
 void expect_matches_reference(const TrainConfig& config, const std::vector<TrainResult>& ranks) {
   TrainResult ref = hp::train::train_reference(config);
   ASSERT_EQ(ranks[0].losses.size(), ref.losses.size());
@@ -67,31 +62,6 @@ void expect_runs_its_action_list(const TrainConfig& config, const std::vector<Tr
       if (hp::schedule::is_compute(a.op)) expected.push_back(a);
     EXPECT_EQ(ranks[r].executed, expected) << "rank " << r;
   }
-}
-
-TrainConfig tiny(const std::string& schedule, int p, int m, const std::string& model) {
-  TrainConfig c;
-  c.model.kind = model;
-  c.model.dtype = torch::kFloat64;
-  c.model.d_model = 16;
-  c.model.heads = 2;
-  c.model.seq_len = 8;
-  c.model.vocab = 256;
-  c.model.in_features = 8;
-  c.model.tied_head = false;
-  c.nproc = p;
-  c.schedule = schedule;
-  c.chunks = 2;
-  c.microbatches = m;
-  c.microbatch_size = 2;
-  c.steps = 2;
-  c.optimizer = "adamw";
-  c.lr = 1e-2;
-  c.seed = 7;
-  c.progress = false;
-  // Enough cuttable layers for the schedule with the most chunks (v * p or 2p).
-  c.model.layers = 2 * p;
-  return c;
 }
 
 struct Case {
@@ -566,27 +536,8 @@ TEST(Pipeline, BadConfigurationsFailBeforeAnyRankStarts) {
 // Pipeline x data parallel (NOTE [Pipeline x data parallel]): p = 2 x dp = 2
 // ranks as threads over real Gloo, every schedule; each copy trains on its
 // half of the global batch, and losses and every copy's parameters equal one
-// process training on all dp x m microbatches.
-// Every rank's losses and parameters (those it holds, by model-wide name)
-// and the whole model's checksum equal the one-process reference's.
-void expect_copies_equal_the_reference(const std::vector<TrainResult>& ranks,
-                                       const TrainResult& ref) {
-  for (size_t r = 0; r < ranks.size(); ++r) {
-    SCOPED_TRACE("world rank " + std::to_string(r));
-    ASSERT_EQ(ranks[r].losses.size(), ref.losses.size());
-    for (size_t s = 0; s < ref.losses.size(); ++s)
-      EXPECT_NEAR(ranks[r].losses[s], ref.losses[s], 1e-9 * std::max(1.0, std::abs(ref.losses[s])))
-          << "step " << s;
-    for (const auto& [name, p] : ranks[r].parameters) {
-      const auto& q = ref.parameters.at(name);
-      EXPECT_LE((p - q).abs().max().item<double>(),
-                1e-9 * std::max(1.0, q.abs().max().item<double>()))
-          << name;
-    }
-  }
-  EXPECT_NEAR(ranks[0].checksum, ref.checksum, 1e-9 * std::max(1.0, std::abs(ref.checksum)));
-}
-
+// process training on all dp x m microbatches (every rank's parameters, by
+// model-wide name, and the whole model's checksum: tiny_train.h).
 class DataParallelPipelines : public ::testing::TestWithParam<Case> {};
 
 TEST_P(DataParallelPipelines, EqualOneProcessOnTheGlobalBatch) {
