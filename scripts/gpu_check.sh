@@ -31,8 +31,25 @@ prefix=$("$py" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)') ||
 gen=()
 command -v ninja >/dev/null && gen=(-G Ninja)
 mkdir -p "$build"
+# The extension is written into the tree (python/hyperparallel/); one that a
+# full build put there (with _C.compile) is put back when this script ends.
+ext=python/hyperparallel/_C$("$py" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+if [ -f "$ext" ]; then
+  cp -p "$ext" "$build/kept_extension.so"
+  trap 'cp -p "$build/kept_extension.so" "$ext"' EXIT
+fi
 echo "gpu_check: configuring $build (log: $build/configure.log)"
-if ! cmake -S . -B "$build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DHP_EXTENSION_ONLY=ON \
+# An extension with its own static libstdc++ crashes at import (NOTE
+# [libstdc++ before the wheel's libraries], CMakeLists.txt): flags from the
+# environment that ask for one are dropped, and the result is checked below.
+unset_flags=()
+for v in LDFLAGS CXXFLAGS CFLAGS; do
+  if [[ "${!v:-}" == *static* ]]; then
+    echo "gpu_check: ignoring $v='${!v}' (it links statically)"
+    unset_flags+=(-u "$v")
+  fi
+done
+if ! env "${unset_flags[@]}" cmake -S . -B "$build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DHP_EXTENSION_ONLY=ON \
      -DCMAKE_PREFIX_PATH="$prefix" -DPython3_EXECUTABLE="$py" >"$build/configure.log" 2>&1; then
   tail -40 "$build/configure.log"
   echo "gpu_check: configure failed (above)" >&2
@@ -45,6 +62,12 @@ if ! cmake --build "$build" --target hp_python -j "$jobs" >"$build/build.log" 2>
   exit 2
 fi
 echo "gpu_check: built in $((SECONDS - t0)) s"
+if command -v nm >/dev/null && { nm --defined-only "$ext"; nm -D --defined-only "$ext"; } 2>/dev/null |
+     grep -Eq ' _ZNSo9_M_insertIdEERSoT_(@|$)'; then
+  echo "gpu_check: $ext carries its own copy of libstdc++ (linked statically); it would crash at import" >&2
+  [ -f "$build/build.ninja" ] && ninja -C "$build" -t commands hp_python | tail -1 | cut -c1-3000
+  exit 2
+fi
 
 PYTHONPATH="$root/python${PYTHONPATH:+:$PYTHONPATH}" timeout 330 "$py" scripts/gpu_check.py "$@"
 rc=$?
