@@ -4,7 +4,9 @@
 
 #include <array>
 #include <cstdio>
+#include <fstream>
 #include <stdexcept>
+#include <string>
 
 namespace hp {
 
@@ -19,6 +21,14 @@ std::string run_and_capture(const std::string& command, int* exit_code) {
   const int status = ::pclose(pipe);
   *exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
   return out;
+}
+
+char process_state(int pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(stat, line)) return 0;
+  const auto paren = line.rfind(')');  // the name may hold spaces and parentheses
+  return paren != std::string::npos && paren + 2 < line.size() ? line[paren + 2] : 0;
 }
 
 }  // namespace hp

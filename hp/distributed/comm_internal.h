@@ -8,13 +8,17 @@
 #include "hp/distributed/comm.h"
 
 #include <chrono>
+#include <condition_variable>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace c10d {
 class Store;
 class ProcessGroup;
+class Work;
 class Backend;
 }  // namespace c10d
 
@@ -60,6 +64,29 @@ std::shared_ptr<Comm> gloo_comm_over_store(c10::intrusive_ptr<c10d::Store> store
 /// poll these sockets and name the ranks whose connection is gone. The
 /// listener never accepts: a connection parked in the backlog is enough, and
 /// the kernel resets it when the listener's process exits.
+/// NOTE [A stopped peer]
+/// A peer process that is stopped (SIGSTOP, Ctrl-Z, a debugger's stop) keeps
+/// its connections open, so nothing above notices it: its peers used to wait
+/// their whole timeout. Each rank also publishes its pid, the machine's boot
+/// id and its pid namespace; a peer with the same boot id and namespace is
+/// on this host and visible, and its state can be read in /proc (T: stopped,
+/// t: stopped by a tracer). While waits of the group are in progress a
+/// watcher thread looks every 0.1 s; a peer stopped for
+/// `stopped_after()` (2 s; HP_STOPPED_PEER_AFTER_S, 0 turns it off, e.g.
+/// while debugging a rank) fails the waits in progress: point-to-point
+/// waits through Work::abort (NOTE [A failed step reaches the peers] in
+/// comm.h), collectives by waiting in slices of 0.2 s and looking between
+/// them (a Gloo collective cannot be aborted; slicing its wait is harmless,
+/// unlike a point-to-point wait's). Peers on other hosts are seen at the
+/// timeout. The shared-memory rings read the same state of their peers
+/// (shm_p2p.cpp).
+/// "rank R is stopped (...)" for the errors of NOTE [A stopped peer].
+std::string stopped_peer_text(const std::string& peer);
+
+/// The seconds a peer must stay stopped before its peers fail (NOTE [A
+/// stopped peer]); 0: never.
+double stopped_peer_after_s();
+
 class PeerMonitor {
  public:
   /// Listens on `address`, publishes "hp/live/<rank>" in `store`, connects to
@@ -74,10 +101,33 @@ class PeerMonitor {
   /// for one to close (the kernel closes a dead process's sockets one by one).
   std::vector<int> lost_ranks(std::chrono::milliseconds wait_up_to) const;
 
+  /// The rank (of the root group) of a peer on this host that has been
+  /// stopped for stopped_peer_after_s(), or -1 (NOTE [A stopped peer]).
+  int stopped_peer();
+
+  /// A wait on `work` begins: false when a stopped peer is already known
+  /// (then do not wait). While any wait is in, the watcher looks; when it
+  /// finds a stopped peer it aborts every work that is in.
+  bool enter(c10d::Work* work);
+  void leave(c10d::Work* work);
+  /// Whether this monitor can see any peer's state (a peer on this host).
+  bool watches() const;
+
  private:
+  void watch_loop();
+
   int rank_;
   int listen_fd_ = -1;
-  std::vector<int> fds_;  // fds_[r]: our connection to rank r's listener (-1 for us)
+  std::vector<int> fds_;   // fds_[r]: our connection to rank r's listener (-1 for us)
+  std::vector<int> pids_;  // pids_[r]: rank r's pid when on this host, else -1
+  double stopped_after_s_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<std::chrono::steady_clock::time_point> stopped_since_;  // per rank; 0: running
+  std::vector<c10d::Work*> waiting_;
+  int stopped_ = -1;  // a stopped peer, once found
+  bool stop_ = false;
+  std::thread thread_;
 };
 
 }  // namespace hp::distributed::detail

@@ -1,7 +1,9 @@
 // PeerMonitor (see NOTE [Naming the lost peer] in comm_internal.h): one idle
-// TCP connection per peer, polled after a failure to say which peer is gone.
+// TCP connection per peer, polled after a failure to say which peer is gone,
+// and the state of peers on this host (NOTE [A stopped peer]).
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <arpa/inet.h>
 #include <netdb.h>
@@ -10,10 +12,15 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <sstream>
 #include <string>
 
+#include "hp/core/subprocess.h"
 #include "hp/distributed/comm_internal.h"
 
 namespace hp::distributed::detail {
@@ -26,7 +33,44 @@ void check_tensor(const at::Tensor& t, const char* what) {
               "result back for a receive)");
 }
 
+double stopped_peer_after_s() {
+  static const double s = [] {
+    const char* v = std::getenv("HP_STOPPED_PEER_AFTER_S");
+    if (v == nullptr || *v == 0) return 2.0;
+    char* end = nullptr;
+    const double x = std::strtod(v, &end);
+    TORCH_CHECK(end != v && *end == 0 && x >= 0,
+                "HP_STOPPED_PEER_AFTER_S must be a number of seconds >= 0 (0: off), not '", v, "'");
+    return x;
+  }();
+  return s;
+}
+
+std::string stopped_peer_text(const std::string& peer) {
+  std::ostringstream os;
+  os << peer << " is stopped (SIGSTOP, Ctrl-Z or a debugger: its process has not run for "
+     << stopped_peer_after_s() << " s; HP_STOPPED_PEER_AFTER_S sets how long, 0 waits the timeout)";
+  return os.str();
+}
+
 namespace {
+
+std::string read_first_line(const std::string& path) {
+  std::ifstream f(path);
+  std::string line;
+  std::getline(f, line);
+  return line;
+}
+
+// What says "this host, and pids that mean the same process": the boot id
+// and the pid namespace (containers on one host share the boot id only).
+std::string host_identity() {
+  char ns[256] = {0};
+  const ssize_t n = ::readlink("/proc/self/ns/pid", ns, sizeof(ns) - 1);
+  const std::string boot = read_first_line("/proc/sys/kernel/random/boot_id");
+  if (boot.empty() || n <= 0) return "";
+  return boot + "/" + std::string(ns, size_t(n));
+}
 
 std::string key_of(int rank) {
   return "hp/live/" + std::to_string(rank);
@@ -40,7 +84,11 @@ std::vector<uint8_t> bytes_of(const std::string& s) {
 
 PeerMonitor::PeerMonitor(const c10::intrusive_ptr<c10d::Store>& store, int rank, int world_size,
                          const std::string& address, std::chrono::milliseconds timeout)
-    : rank_(rank), fds_(world_size, -1) {
+    : rank_(rank),
+      fds_(world_size, -1),
+      pids_(world_size, -1),
+      stopped_after_s_(stopped_peer_after_s()),
+      stopped_since_(world_size) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
@@ -60,7 +108,9 @@ PeerMonitor::PeerMonitor(const c10::intrusive_ptr<c10d::Store>& store, int rank,
   char host[NI_MAXHOST], port[NI_MAXSERV];
   getnameinfo(reinterpret_cast<sockaddr*>(&ss), len, host, sizeof(host), port, sizeof(port),
               NI_NUMERICHOST | NI_NUMERICSERV);
-  store->set(key_of(rank), bytes_of(std::string(host) + " " + port));
+  const std::string here = host_identity();
+  store->set(key_of(rank), bytes_of(std::string(host) + " " + port + " " +
+                                    std::to_string(::getpid()) + " " + here));
 
   std::vector<std::string> keys;
   for (int r = 0; r < world_size; ++r)
@@ -70,7 +120,16 @@ PeerMonitor::PeerMonitor(const c10::intrusive_ptr<c10d::Store>& store, int rank,
     if (r == rank) continue;
     auto v = store->get(key_of(r));
     std::string s(v.begin(), v.end());
+    {
+      std::istringstream fields(s);
+      std::string h, p, identity;
+      int pid = -1;
+      if ((fields >> h >> p >> pid >> identity) && !here.empty() && identity == here)
+        pids_[r] = pid;
+    }
     auto sp = s.find(' ');
+    const auto sp2 = s.find(' ', sp + 1);
+    if (sp2 != std::string::npos) s = s.substr(0, sp2);
     addrinfo h{};
     h.ai_family = AF_UNSPEC;
     h.ai_socktype = SOCK_STREAM;
@@ -93,6 +152,12 @@ PeerMonitor::PeerMonitor(const c10::intrusive_ptr<c10d::Store>& store, int rank,
 }
 
 PeerMonitor::~PeerMonitor() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
   for (int fd : fds_)
     if (fd >= 0) close(fd);
   if (listen_fd_ >= 0) close(listen_fd_);
@@ -117,6 +182,71 @@ std::vector<int> PeerMonitor::lost_ranks(std::chrono::milliseconds wait_up_to) c
     for (size_t i = 0; i < pfds.size(); ++i)
       if (pfds[i].revents != 0) lost.push_back(ranks[i]);
     if (!lost.empty() || left.count() <= 0 || n <= 0) return lost;
+  }
+}
+
+bool PeerMonitor::watches() const {
+  return stopped_after_s_ > 0 &&
+         std::any_of(pids_.begin(), pids_.end(), [](int pid) { return pid > 0; });
+}
+
+int PeerMonitor::stopped_peer() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (stopped_ >= 0 || !watches()) return stopped_;
+  const auto now = std::chrono::steady_clock::now();
+  for (size_t r = 0; r < pids_.size(); ++r) {
+    if (pids_[r] <= 0) continue;
+    if (!process_stopped(pids_[r])) {
+      stopped_since_[r] = {};
+      continue;
+    }
+    if (stopped_since_[r] == std::chrono::steady_clock::time_point{}) stopped_since_[r] = now;
+    if (std::chrono::duration<double>(now - stopped_since_[r]).count() >= stopped_after_s_) {
+      stopped_ = int(r);
+      break;
+    }
+  }
+  return stopped_;
+}
+
+bool PeerMonitor::enter(c10d::Work* work) {
+  if (!watches()) return true;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (stopped_ >= 0) return false;
+  waiting_.push_back(work);
+  if (!thread_.joinable()) thread_ = std::thread([this] { watch_loop(); });
+  cv_.notify_all();
+  return true;
+}
+
+void PeerMonitor::leave(c10d::Work* work) {
+  if (!watches()) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = std::find(waiting_.begin(), waiting_.end(), work);
+  if (it != waiting_.end()) waiting_.erase(it);
+}
+
+void PeerMonitor::watch_loop() {
+  // Once a peer is found stopped, every wait still in (or entered between
+  // the look and its wait) is aborted again at each look.
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stop_) {
+    if (waiting_.empty()) {
+      cv_.wait(lock, [&] { return stop_ || !waiting_.empty(); });
+      continue;
+    }
+    cv_.wait_for(lock, std::chrono::milliseconds(100), [&] { return stop_; });
+    if (stop_) break;
+    lock.unlock();
+    const int stopped = stopped_peer();
+    lock.lock();
+    if (stopped < 0) continue;
+    for (c10d::Work* w : waiting_) {
+      try {
+        w->abort();  // Gloo's send and receive: the wait returns false
+      } catch (...) {
+      }
+    }
   }
 }
 

@@ -8,6 +8,7 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <atomic>
 #include <cstdlib>
 #include <map>
 #include <mutex>
@@ -74,6 +75,7 @@ class ProcessGroupComm : public Comm, public std::enable_shared_from_this<Proces
     std::shared_ptr<detail::PeerMonitor> monitor;  // over the root's ranks; may be null
     std::mutex mu;
     std::map<std::string, int> split_counts;
+    std::atomic<bool> broken{false};  // a CommError was thrown (NOTE [A broken group is kept])
   };
 
   ProcessGroupComm(std::shared_ptr<Shared> shared, c10::intrusive_ptr<c10d::ProcessGroup> pg,
@@ -86,6 +88,19 @@ class ProcessGroupComm : public Comm, public std::enable_shared_from_this<Proces
         backend_(pg_->getBackendName()) {
     TORCH_CHECK(int(root_ranks_.size()) == pg_->getSize(), "internal: ", root_ranks_.size(),
                 " root ranks for a group of ", pg_->getSize());
+  }
+
+  // NOTE [A broken group is kept]
+  // c10d's ProcessGroupGloo destructor waits for the collectives still in
+  // its queue, up to the timeout. After a failure (a peer stopped or gone,
+  // a timeout) one may still be there, blocked on the peer: a rank that
+  // failed then spent the whole timeout unwinding before it could report
+  // (a stopped peer: 30 s after a failure found in 2). The groups of a root
+  // whose operation failed are therefore never destroyed: the process is
+  // about to end (NOTE [A failed rank exits at once]), and a Comm is broken
+  // after a CommError anyway.
+  ~ProcessGroupComm() override {
+    if (shared_->broken) new c10::intrusive_ptr<c10d::ProcessGroup>(std::move(pg_));  // kept
   }
 
   int rank() const override { return rank_; }
@@ -260,6 +275,7 @@ class ProcessGroupComm : public Comm, public std::enable_shared_from_this<Proces
 
   /// Builds and throws the CommError for a failed `what` (see NOTE [Naming the lost peer]).
   [[noreturn]] void fail(const std::string& what, int peer, std::exception_ptr e) const {
+    shared_->broken = true;
     std::string msg = message_of(e);
     bool timed_out = contains(msg, "imed out") || contains(msg, "imeout");
     bool closed = contains(msg, "losed") || contains(msg, "reset") || contains(msg, "EOF") ||
@@ -367,16 +383,78 @@ class ProcessGroupComm : public Comm, public std::enable_shared_from_this<Proces
   // the result is then ready for whatever the caller's stream runs next.
   template <typename F>
   void run(const std::string& what, F&& start, const at::Tensor& tensor) {
+    c10::intrusive_ptr<c10d::Work> work;
     try {
-      auto work = start();
+      work = start();
       if (stream_ordered(tensor)) {
         work->wait();  // kNoTimeout: orders the current stream, returns at once
-      } else {
-        work->wait(options_.timeout);
+        return;
       }
     } catch (...) {
       fail(what, -1, std::current_exception());
     }
+    if (!wait_on_host(*work, what, -1))
+      throw CommError("rank " + std::to_string(rank_) + ": " + what + " was aborted", {}, false);
+  }
+
+ public:
+  /// Waits for `work` on the host within the timeout: true when it completed,
+  /// false when Work::abort woke it; a failure throws CommError. With a
+  /// PeerMonitor that sees peers on this host, a stopped peer fails the wait
+  /// (NOTE [A stopped peer] in comm_internal.h): a point-to-point wait
+  /// (`peer` >= 0) through abort, a collective's in slices.
+  bool wait_on_host(c10d::Work& work, const std::string& what, int peer) const {
+    detail::PeerMonitor* monitor = shared_->monitor.get();
+    try {
+      if (monitor == nullptr || !monitor->watches()) return work.wait(options_.timeout);
+      if (peer >= 0) {
+        if (!monitor->enter(&work)) stopped(what, monitor->stopped_peer());
+        bool done = false;
+        try {
+          done = work.wait(options_.timeout);
+        } catch (...) {
+          monitor->leave(&work);
+          throw;
+        }
+        monitor->leave(&work);
+        if (!done && monitor->stopped_peer() >= 0) stopped(what, monitor->stopped_peer());
+        return done;
+      }
+      const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
+      for (;;) {
+        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+            deadline - std::chrono::steady_clock::now());
+        const auto slice = std::min(left, std::chrono::milliseconds(200));
+        try {
+          return work.wait(std::max(slice, std::chrono::milliseconds(1)));
+        } catch (...) {
+          // Gloo's collectives keep running past a wait that times out.
+          if (work.isCompleted() || left <= std::chrono::milliseconds(200)) throw;
+        }
+        const int s = monitor->stopped_peer();
+        if (s >= 0) stopped(what, s);
+      }
+    } catch (const CommError&) {
+      throw;
+    } catch (...) {
+      fail(what, peer, std::current_exception());
+    }
+  }
+
+ private:
+  /// Throws the CommError of a stopped peer (`root`: its rank in the root group).
+  [[noreturn]] void stopped(const std::string& what, int root) const {
+    shared_->broken = true;
+    std::vector<int> lost;
+    std::string who = "global rank " + std::to_string(root);
+    for (size_t i = 0; i < root_ranks_.size(); ++i)
+      if (root_ranks_[i] == root) {
+        lost.push_back(int(i));
+        who = "rank " + std::to_string(i) + name_root(int(i));
+      }
+    throw CommError(
+        "rank " + std::to_string(rank_) + ": " + detail::stopped_peer_text(who) + " while " + what,
+        lost, false);
   }
 
   std::shared_ptr<Shared> shared_;
@@ -394,7 +472,7 @@ void PgWork::wait() {
       // the current stream wait for NCCL's and returns; with one it would spin
       // on the host until the transfer is done.
       work->wait();
-    } else if (!work->wait(comm->timeout())) {
+    } else if (!comm->wait_on_host(*work, what, peer)) {
       // Work::abort() woke the wait (NOTE [A failed step reaches the peers]).
       throw CommError("rank " + std::to_string(comm->rank()) + ": " + what + " was aborted", {},
                       false);

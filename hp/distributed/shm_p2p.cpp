@@ -27,7 +27,9 @@
 #include <sstream>
 #include <thread>
 
+#include "hp/core/subprocess.h"
 #include "hp/distributed/comm.h"
+#include "hp/distributed/comm_internal.h"
 
 namespace hp::distributed {
 namespace {
@@ -217,6 +219,7 @@ class ShmComm : public Comm, public std::enable_shared_from_this<ShmComm> {
     inner_->all_gather(all, mine);
     const int64_t key = mine[0].item<int64_t>();
     pid_.resize(n);
+    stopped_since_.resize(n);
     pidfd_.assign(n, -1);
     in_.resize(n);
     out_.resize(n);
@@ -465,6 +468,13 @@ class ShmComm : public Comm, public std::enable_shared_from_this<ShmComm> {
     throw CommError(os.str(), lost ? std::vector<int>{peer} : std::vector<int>{}, !lost);
   }
 
+  [[noreturn]] void fail_stopped(int peer, const std::string& what) const {
+    throw CommError("rank " + std::to_string(rank()) + ": " +
+                        detail::stopped_peer_text("rank " + std::to_string(peer)) + " while " +
+                        what,
+                    {peer}, false);
+  }
+
   // NOTE [A dead peer is not a zombie]
   // kill(pid, 0) succeeds on a zombie: a rank that died but whose launcher
   // has not reaped it yet (torchrun waits for its ranks in order) looked
@@ -478,13 +488,23 @@ class ShmComm : public Comm, public std::enable_shared_from_this<ShmComm> {
       return ::poll(&pfd, 1, 0) == 0;
     }
     if (::kill(pid_[q], 0) != 0 && errno == ESRCH) return false;
-    std::ifstream stat("/proc/" + std::to_string(pid_[q]) + "/stat");
-    std::string line;
-    if (!std::getline(stat, line)) return true;
-    const auto paren = line.rfind(')');  // the name may hold spaces and parentheses
-    const char state =
-        paren != std::string::npos && paren + 2 < line.size() ? line[paren + 2] : '?';
+    const char state = process_state(pid_[q]);
     return state != 'Z' && state != 'X';
+  }
+
+  // Whether peer q has been stopped (SIGSTOP, Ctrl-Z, a debugger) for
+  // detail::stopped_peer_after_s() (NOTE [A stopped peer] in comm_internal.h).
+  bool peer_stopped(int q) {
+    const double after = detail::stopped_peer_after_s();
+    if (after <= 0) return false;
+    auto& since = stopped_since_[q];
+    if (!process_stopped(pid_[q])) {
+      since = {};
+      return false;
+    }
+    const auto now = std::chrono::steady_clock::now();
+    if (since == std::chrono::steady_clock::time_point{}) since = now;
+    return std::chrono::duration<double>(now - since).count() >= after;
   }
 
   void wait_for(PendingRecv& p, int src) {
@@ -513,6 +533,7 @@ class ShmComm : public Comm, public std::enable_shared_from_this<ShmComm> {
       if (now - last_check > std::chrono::milliseconds(100)) {
         last_check = now;
         if (!peer_alive(src)) fail_waiting(src, "receiving from rank " + std::to_string(src), true);
+        if (peer_stopped(src)) fail_stopped(src, "receiving from it");
         poll_interrupt_check();
       }
       ctl->sleepers.fetch_add(1);
@@ -571,6 +592,7 @@ class ShmComm : public Comm, public std::enable_shared_from_this<ShmComm> {
       if (now - last_check > std::chrono::milliseconds(100)) {
         last_check = now;
         if (!peer_alive(dst)) fail_waiting(dst, "sending to rank " + std::to_string(dst), true);
+        if (peer_stopped(dst)) fail_stopped(dst, "sending to it");
         poll_interrupt_check();
       }
       std::this_thread::sleep_for(std::chrono::microseconds(50));
@@ -590,7 +612,8 @@ class ShmComm : public Comm, public std::enable_shared_from_this<ShmComm> {
   std::shared_ptr<Comm> overflow_;  // messages that do not go through a ring
   std::vector<bool> local_;
   std::vector<pid_t> pid_;
-  std::vector<int> pidfd_;      // -1: none (this rank, or no pidfd_open); see peer_alive
+  std::vector<int> pidfd_;  // -1: none (this rank, or no pidfd_open); see peer_alive
+  std::vector<std::chrono::steady_clock::time_point> stopped_since_;  // see peer_stopped
   std::vector<Ring> in_, out_;  // by peer: rings from it / to it
   std::mutex mu_;               // the incoming rings' tails, posted_ and mailbox_
   std::mutex send_mu_;          // the outgoing rings' heads

@@ -3,6 +3,8 @@
 // terminates; signal forwarding; pinning; fault points.
 #include "hp/launch/launcher.h"
 
+#include "hp/core/subprocess.h"
+
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
@@ -151,15 +153,19 @@ bool port_is_free(int port) {
 }
 
 void fault_point(const std::string& point) {
-  const char* env = std::getenv("HP_FAULT_KILL");
   const char* rank = std::getenv("RANK");
-  if (env == nullptr || rank == nullptr) return;
-  std::stringstream list(env);
-  std::string item;
-  while (std::getline(list, item, ',')) {
-    auto colon = item.find(':');
-    if (colon == std::string::npos) continue;
-    if (item.substr(0, colon) == rank && item.substr(colon + 1) == point) ::raise(SIGKILL);
+  if (rank == nullptr) return;
+  for (auto [name, sig] :
+       {std::pair{"HP_FAULT_KILL", SIGKILL}, std::pair{"HP_FAULT_STOP", SIGSTOP}}) {
+    const char* env = std::getenv(name);
+    if (env == nullptr) continue;
+    std::stringstream list(env);
+    std::string item;
+    while (std::getline(list, item, ',')) {
+      auto colon = item.find(':');
+      if (colon == std::string::npos) continue;
+      if (item.substr(0, colon) == rank && item.substr(colon + 1) == point) ::raise(sig);
+    }
   }
 }
 
@@ -337,6 +343,7 @@ LaunchResult launch_local(const LaunchOptions& o) {
   // The wait loop. Phases: running; after a failure (or interrupt, or run
   // timeout) a deadline for the others; past it SIGTERM, then SIGKILL.
   int left = o.nproc;
+  std::vector<bool> continued(o.nproc, false);  // stopped ranks already ended
   bool terminating = false;  // signals sent by us from now on count as "terminated"
   Clock::time_point grace_deadline = Clock::time_point::max();
   Clock::time_point kill_deadline = Clock::time_point::max();
@@ -368,6 +375,16 @@ LaunchResult launch_local(const LaunchOptions& o) {
       }
     }
     if (left == 0) break;
+    // A stopped rank (SIGSTOP, Ctrl-Z) can neither go on nor handle SIGTERM:
+    // once the run has failed it is ended now, continued so that it sees the
+    // SIGTERM (NOTE [A stopped peer] in hp/distributed/comm_internal.h).
+    if (result.first_failed_rank >= 0 || terminating)
+      for (int r = 0; r < o.nproc; ++r)
+        if (running[r] && !continued[r] && process_stopped(result.ranks[r].pid)) {
+          continued[r] = true;
+          kill(-result.ranks[r].pid, SIGTERM);
+          kill(-result.ranks[r].pid, SIGCONT);
+        }
     auto now = Clock::now();
     if (int sig = g_pending_signal; sig != 0 && result.interrupted_by == 0) {
       result.interrupted_by = sig;
@@ -383,6 +400,7 @@ LaunchResult launch_local(const LaunchOptions& o) {
       terminating = true;
       sent_signal = SIGTERM;
       signal_all(SIGTERM);
+      signal_all(SIGCONT);  // a stopped rank handles its SIGTERM only once continued
       kill_deadline = now + o.kill_grace;
     } else if (terminating && sent_signal == SIGTERM && now >= kill_deadline) {
       sent_signal = SIGKILL;

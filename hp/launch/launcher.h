@@ -125,10 +125,12 @@ std::string signal_name(int sig);
 //   STEP        when the rank starts that training step (0-based);
 //   connect     before the rank connects to the others;
 //   save:STEP   half-way through writing its file of checkpoint step-STEP.
-// The rank is the RANK variable of the process.
+// The rank is the RANK variable of the process. HP_FAULT_STOP, in the same
+// form, makes the rank stop itself (SIGSTOP) instead: a frozen peer.
 
 /// Kills this process with SIGKILL when HP_FAULT_KILL names this rank and
-/// `point` ("connect", "3", "save:4"); does nothing otherwise.
+/// `point` ("connect", "3", "save:4"), stops it (SIGSTOP) when HP_FAULT_STOP
+/// does; does nothing otherwise.
 void fault_point(const std::string& point);
 
 }  // namespace hp::launch

@@ -149,6 +149,35 @@ TEST(TrainEndToEndFailures, AKilledRankFailsTheRunFastAndByName) {
   EXPECT_LT(r.seconds, c.timeout_s + 10) << "the surviving ranks must not hang";
 }
 
+// A stopped rank (SIGSTOP at the start of step 2) is no dead one: its
+// connections stay open and nothing in the transports fails. Its peers name
+// it within seconds, in point-to-point waits over Gloo and over the rings and
+// in the data-parallel group's collectives (NOTE [A stopped peer] in
+// hp/distributed/comm_internal.h), and the launcher ends it (a stopped
+// process handles SIGTERM only once continued).
+TEST(TrainEndToEndFailures, AStoppedRankFailsTheRunWithinSecondsAndByName) {
+  struct Case {
+    std::string flags;
+    int pipeline_ranks;
+    std::string stopped;
+  };
+  for (const Case& k : {Case{"--p2p group", 3, "1"}, Case{"--p2p shm", 3, "1"},
+                        Case{"--p2p group --dp 2", 2, "3"}}) {
+    SCOPED_TRACE(k.flags);
+    TrainConfig c = small("1f1b", k.pipeline_ranks);
+    c.steps = 5;
+    c.timeout_s = 60;
+    HpRun r = run_hp(train_flags(c) + " " + k.flags, "HP_FAULT_STOP=" + k.stopped + ":2");
+    EXPECT_NE(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("is stopped (SIGSTOP, Ctrl-Z or a debugger"), std::string::npos)
+        << r.output;
+    EXPECT_TRUE(std::regex_search(
+        r.output, std::regex("rank " + k.stopped + " \\(pid [0-9]+\\): killed by SIGTERM")))
+        << r.output;
+    EXPECT_LT(r.seconds, 30) << "the peers of a stopped rank must not wait their timeout (60 s)";
+  }
+}
+
 // A report that cannot be written whole (a file size limit here, a full disk
 // elsewhere) fails the run naming the file and leaves no partial report
 // (NOTE [Output files are whole] in hp/schedule/text.cpp). Gloo's own

@@ -211,7 +211,9 @@ TEST(SearchBounds, CommandsEndInSecondsAtTheLargestAdmittedSizes) {
     const auto t0 = std::chrono::steady_clock::now();
     const HpRun r = hp_run(args);
     EXPECT_EQ(r.status, 0) << args << "\n" << r.out.substr(0, 2000);
-    EXPECT_LT(seconds_since(t0), 20.0) << args;
+    // About 10 s each on a quiet 2-core machine (they ran past 120 s before
+    // the searches had work bounds); a loaded one takes twice as long.
+    EXPECT_LT(seconds_since(t0), 40.0) << args;
     if (args.find("auto") != std::string::npos) {  // the search says what it left out
       EXPECT_NE(r.out.find("search cut short by its work bound (auto: "), std::string::npos)
           << args << "\n"
