@@ -4,11 +4,13 @@
 // timers (host clock, device events).
 #include "hp/pipeline/executor.h"
 
+#include <ATen/record_function.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/Event.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -22,191 +24,18 @@
 
 #include "hp/core/memory.h"
 #include "hp/pipeline/overlap.h"
+#include "hp/pipeline/send_reaper.h"
 #include "hp/schedule/action.h"
 #include "hp/schedule/progress.h"
 
 namespace hp::pipeline {
 namespace {
 
+using detail::SendReaper;
+
 using schedule::Action;
 using schedule::Op;
 using Clock = std::chrono::steady_clock;
-
-class HostTimer : public StepTimer {
- public:
-  void start() override { marks_.clear(); }
-  int mark() override {
-    marks_.push_back(Clock::now());
-    return static_cast<int>(marks_.size()) - 1;
-  }
-  double seconds(int index) override {
-    return std::chrono::duration<double>(marks_.at(index) - marks_.at(0)).count();
-  }
-  int host_syncs() const override { return 0; }
-
- private:
-  std::vector<Clock::time_point> marks_;
-};
-
-// Events with timing recorded on the current stream; read after one
-// synchronization on the last (the stream ran every earlier one before it).
-// Events are reused from step to step.
-class DeviceTimer : public StepTimer {
- public:
-  explicit DeviceTimer(torch::Device device) : device_(device), impl_(device.type()) {}
-  void start() override {
-    used_ = 0;
-    seconds_.clear();
-    syncs_ = 0;
-  }
-  int mark() override {
-    if (used_ == events_.size())
-      events_.emplace_back(device_.type(), c10::EventFlag::BACKEND_DEFAULT);
-    events_[used_].record(impl_.getStream(device_));
-    seconds_.clear();
-    return static_cast<int>(used_++);
-  }
-  double seconds(int index) override {
-    TORCH_CHECK(index >= 0 && size_t(index) < used_, "StepTimer: mark ", index,
-                " was not made in this step");
-    if (seconds_.size() != used_) {
-      events_[used_ - 1].synchronize();
-      ++syncs_;
-      seconds_.resize(used_);
-      for (size_t k = 0; k < used_; ++k)
-        seconds_[k] = k == 0 ? 0.0 : events_[0].elapsedTime(events_[k]) / 1e3;  // ms -> s
-    }
-    return seconds_[index];
-  }
-  int host_syncs() const override { return syncs_; }
-
- private:
-  torch::Device device_;
-  c10::impl::VirtualGuardImpl impl_;
-  std::vector<c10::Event> events_;
-  size_t used_ = 0;
-  std::vector<double> seconds_;
-  int syncs_ = 0;
-};
-
-// Waits for posted sends in order on its own thread (started at the first
-// send still in flight; NOTE [Sends complete when posted]), runs each one's
-// completion callback and drops its tensor; remembers the first failure for
-// the walk to rethrow. A stream-ordered send (NOTE [No host synchronization
-// per action]) is waited on a side stream of `device`, and its tensor is
-// marked as used there before it is freed.
-class SendReaper {
- public:
-  explicit SendReaper(torch::Device device) : device_(device) {}
-  ~SendReaper() {
-    if (!thread_.joinable()) return;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    thread_.join();
-  }
-  void add(distributed::Work work, torch::Tensor keep_alive, std::function<void()> on_done) {
-    // NOTE [Sends complete when posted]
-    // A send that completed when it was posted (one copied into a
-    // shared-memory ring) is finished here, on the walk's thread: handing it
-    // to the helper thread would wake that thread once per send, and with
-    // one core per rank the wake-up and the switch back cost the walk tens
-    // of microseconds per send on the critical path (1F1B at p = 2 has one
-    // send per action pair). The helper thread starts only for the first
-    // send that is still in flight, so a step whose sends all complete at
-    // once never starts it.
-    if (work.completed()) {
-      try {
-        if (on_done) on_done();
-      } catch (...) {
-        std::lock_guard<std::mutex> lock(mutex_);
-        if (!error_) error_ = std::current_exception();
-      }
-      return;
-    }
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      host_blocking_ = host_blocking_ || work.blocks_host();
-      queue_.push_back({std::move(work), std::move(keep_alive), std::move(on_done)});
-    }
-    if (!thread_.joinable()) {
-      if (!device_.is_cpu())
-        side_ = c10::impl::VirtualGuardImpl(device_.type()).getStreamFromGlobalPool(device_);
-      thread_ = std::thread([this] { loop(); });
-    }
-    cv_.notify_all();
-  }
-  // Blocks until every send added so far completed; rethrows the first error.
-  void drain() {
-    std::unique_lock<std::mutex> lock(mutex_);
-    idle_cv_.wait(lock, [this] { return queue_.empty() && !busy_; });
-    if (error_) {
-      auto e = error_;
-      error_ = nullptr;
-      std::rethrow_exception(e);
-    }
-  }
-  void rethrow_if_failed() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (error_) {
-      auto e = error_;
-      error_ = nullptr;
-      std::rethrow_exception(e);
-    }
-  }
-  // Whether any send added since the last call blocks the host (so that
-  // drain() waited for the transfer itself, not only for the helper).
-  bool took_host_blocking_sends() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return std::exchange(host_blocking_, false);
-  }
-
- private:
-  struct Item {
-    distributed::Work work;
-    torch::Tensor keep_alive;
-    std::function<void()> on_done;
-  };
-  void loop() {
-    std::unique_lock<std::mutex> lock(mutex_);
-    while (true) {
-      cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
-      if (queue_.empty()) return;  // stop_ and nothing left
-      Item item = std::move(queue_.front());
-      queue_.pop_front();
-      busy_ = true;
-      lock.unlock();
-      try {
-        if (side_ && !item.work.blocks_host()) {
-          c10::StreamGuard on_side(*side_);
-          item.work.wait();  // the side stream waits for the send; the host does not
-          if (item.keep_alive.defined() && !item.keep_alive.device().is_cpu())
-            item.keep_alive.record_stream(*side_);  // its memory is reused after the send
-        } else {
-          item.work.wait();
-        }
-        if (item.on_done) item.on_done();
-      } catch (...) {
-        std::lock_guard<std::mutex> g(mutex_);
-        if (!error_) error_ = std::current_exception();
-      }
-      item = Item{};
-      lock.lock();
-      busy_ = false;
-      idle_cv_.notify_all();
-    }
-  }
-  std::mutex mutex_;
-  std::condition_variable cv_, idle_cv_;
-  std::deque<Item> queue_;
-  bool busy_ = false, stop_ = false, host_blocking_ = false;
-  std::exception_ptr error_;
-  torch::Device device_;
-  std::optional<c10::Stream> side_;  // set before the thread starts
-  std::thread thread_;
-};
 
 using Key = std::pair<int, int>;  // (stage, microbatch)
 
@@ -296,6 +125,49 @@ struct Executor::State {
     os << "rank " << rank << " action " << schedule::to_string(a);
     return os.str();
   }
+
+  // NOTE [The actions around a failure]
+  // A failed action's error ends with this rank's actions around it, the
+  // failed one in brackets, as PyTorch's pipelining prints the schedule: which
+  // transfers came before it and what the rank was about to do says more
+  // than the action alone (a mismatched order, a missing send).
+  std::string around(size_t i) const {
+    constexpr size_t kBefore = 6, kAfter = 4;
+    const size_t from = i > kBefore ? i - kBefore : 0;
+    const size_t to = std::min(actions.size(), i + kAfter + 1);
+    std::ostringstream os;
+    os << "\n  rank " << rank << "'s actions " << from << "-" << to - 1 << " of " << actions.size()
+       << ":";
+    for (size_t k = from; k < to; ++k) {
+      const std::string text = schedule::to_string(actions[k]);
+      os << " " << (k == i ? "[" + text + "]" : text);
+    }
+    return os.str();
+  }
+
+  // Rethrows the error of action i with where it happened, before and after.
+  [[noreturn]] void fail_at(size_t i, const std::string& what) const {
+    const std::string prefix = where(actions[i]) + what + ": ";
+    try {
+      throw;
+    } catch (const distributed::CommError& e) {
+      throw distributed::CommError(prefix + e.what() + around(i), e.lost_ranks(), e.timed_out());
+    } catch (const c10::Error& e) {
+      throw std::runtime_error(prefix + e.what_without_backtrace() + around(i));
+    } catch (const std::exception& e) {
+      throw std::runtime_error(prefix + e.what() + around(i));
+    }
+  }
+
+  // An action's range for torch.profiler (RECORD_FUNCTION's user scope, as
+  // torch.profiler.record_function makes): "hp::1F3" is stage 1's F of
+  // microbatch 3. The name is made only while a profiler listens.
+  struct ProfiledAction {
+    at::RecordFunction guard{at::RecordScope::USER_SCOPE};
+    explicit ProfiledAction(const Action& a) {
+      if (guard.isActive()) guard.before("hp::" + schedule::to_string(a));
+    }
+  };
 
   // NOTE [Gradients shorter than their activations]
   // What a stage hands the next may hold parts that take no gradient: the
@@ -624,11 +496,10 @@ struct Executor::State {
       if (schedule::is_comm(a.op)) {
         const size_t j = batches[batch_at.at(i)].second;  // the batch's end
         try {
+          ProfiledAction range(a);
           post_batch(i, j);
-        } catch (const distributed::CommError& e) {
-          throw e.with_context(where(a) + ": ");
-        } catch (const std::exception& e) {
-          throw std::runtime_error(where(a) + ": " + e.what());
+        } catch (const std::exception&) {
+          fail_at(i, "");
         }
         const int end = timer->mark();
         comm_spans.emplace_back(start, end);
@@ -641,18 +512,18 @@ struct Executor::State {
       try {
         std::vector<std::pair<int, int>> waits;
         waits_of_running = &waits;
-        compute(a);
+        {
+          ProfiledAction range(a);
+          compute(a);
+        }
         waits_of_running = nullptr;
         const int end = timer->mark();
         stats.executed.push_back(a);
         spans.push_back({a, start, end, std::move(waits)});
         reaper->rethrow_if_failed();
-      } catch (const distributed::CommError& e) {
+      } catch (const std::exception&) {
         waits_of_running = nullptr;
-        throw e.with_context(where(a) + ": ");
-      } catch (const std::exception& e) {
-        waits_of_running = nullptr;
-        throw std::runtime_error(where(a) + ": " + e.what());
+        fail_at(i, "");
       }
       ++i;
     }
@@ -661,7 +532,10 @@ struct Executor::State {
       const Action w = Action::make(Op::W, deferred_w.front().first, deferred_w.front().second);
       const int start = timer->mark();
       try {
+        ProfiledAction range(w);
         run_deferred_w();
+      } catch (const distributed::CommError& e) {
+        throw e.with_context(where(w) + " (deferred): ");
       } catch (const std::exception& e) {
         throw std::runtime_error(where(w) + " (deferred): " + e.what());
       }
@@ -695,77 +569,6 @@ struct Executor::State {
   }
 };
 
-namespace {
-
-// NOTE [Ranks agree on the pipeline]
-// A rank whose executor could not be made (a bad option, a missing stage), or
-// that was made with another schedule than its peers (another microbatch
-// count, another schedule file), used to fail alone or not at all, and its
-// peers waited for its first message until the timeout. So every executor
-// gathers, when it is made, whether each rank could make its own and a
-// fingerprint of its schedule and dtype, and every rank fails together,
-// naming the rank that differs, before any step. One small all-gather per
-// executor, on the Comm's device.
-uint64_t mix(uint64_t h, int64_t v) {
-  h ^= static_cast<uint64_t>(v) + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
-  return h;
-}
-
-std::vector<int64_t> fingerprint(const schedule::Schedule& s, torch::Dtype dtype, bool ok) {
-  uint64_t h = 1469598103934665603ull;
-  for (int v : s.stage_rank)
-    h = mix(h, v);
-  for (int v : s.stage_chunk)
-    h = mix(h, v);
-  for (int v : s.microbatch_route)
-    h = mix(h, v);
-  for (const auto& list : s.actions)
-    for (const auto& a : list) {
-      h = mix(h, static_cast<int64_t>(a.op));
-      h = mix(mix(mix(mix(h, a.stage), a.microbatch), a.stage2), a.microbatch2);
-    }
-  return {ok ? 0 : 1,
-          s.num_ranks,
-          s.num_stages,
-          s.num_microbatches,
-          s.num_chunks,
-          static_cast<int64_t>(dtype),
-          static_cast<int64_t>(h & 0x7fffffffffffffffull)};
-}
-
-}  // namespace
-
-void agree_on_the_pipeline(distributed::Comm& comm, const schedule::Schedule& schedule,
-                           torch::Dtype dtype, const torch::Device& device, int rank, bool ok) {
-  const std::vector<int64_t> mine = fingerprint(schedule, dtype, ok);
-  const int n = comm.world_size();
-  const int64_t k = static_cast<int64_t>(mine.size());
-  auto out = torch::empty({n * k}, torch::TensorOptions().dtype(torch::kLong).device(device));
-  comm.all_gather(out, torch::tensor(mine, torch::kLong).to(device));
-  out = out.cpu();
-  const int64_t* all = out.data_ptr<int64_t>();
-  static const char* kField[] = {"", "ranks", "stages", "microbatches", "model chunks", "dtype"};
-  auto text = [](int64_t f, int64_t v) {
-    return f == 5 ? std::string(c10::toString(static_cast<torch::Dtype>(v))) : std::to_string(v);
-  };
-  for (int q = 0; q < n; ++q) {
-    if (q == rank || mine[0] != 0) continue;  // a rank that failed throws its own error
-    const int64_t* theirs = all + q * k;
-    TORCH_CHECK(theirs[0] == 0, "rank ", rank, ": rank ", q,
-                " could not make its pipeline (its own error says why); no rank starts");
-    for (int64_t f = 1; f < k; ++f) {
-      if (theirs[f] == mine[f]) continue;
-      if (f + 1 < k)
-        TORCH_CHECK(false, "rank ", rank, ": rank ", q, "'s pipeline has ", kField[f], " ",
-                    text(f, theirs[f]), " where this rank's has ", text(f, mine[f]),
-                    ": every rank must be given the same schedule and dtype");
-      TORCH_CHECK(false, "rank ", rank, ": rank ", q,
-                  "'s schedule differs from this rank's (another order of actions): every rank "
-                  "must be given the same schedule");
-    }
-  }
-}
-
 Executor::Executor(const schedule::Schedule& schedule, int rank, PipelineStage& stage,
                    std::shared_ptr<distributed::Comm> comm, ExecutorOptions options) {
   TORCH_CHECK(comm != nullptr, "Executor: no Comm given");
@@ -793,16 +596,6 @@ Executor::Executor(const schedule::Schedule& schedule, int rank, PipelineStage& 
 }
 
 Executor::~Executor() = default;
-
-std::unique_ptr<StepTimer> make_host_timer() {
-  return std::make_unique<HostTimer>();
-}
-
-std::unique_ptr<StepTimer> make_device_timer(torch::Device device) {
-  TORCH_CHECK(!device.is_cpu(), "make_device_timer: ", device,
-              " records no events; time the CPU with make_host_timer()");
-  return std::make_unique<DeviceTimer>(device);
-}
 
 StepStats Executor::run_step() {
   try {

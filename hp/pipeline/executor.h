@@ -12,48 +12,11 @@
 
 #include "hp/distributed/comm.h"
 #include "hp/pipeline/stage.h"
+#include "hp/pipeline/step_timer.h"
 #include "hp/schedule/schedule.h"
 #include "hp/schedule/timeline.h"
 
 namespace hp::pipeline {
-
-// NOTE [Timing on the device]
-// The executor times a step through a StepTimer: `mark()` is a point in the
-// order of the compute stream, turned into seconds after the step. On the
-// CPU an action's work is done when its call returns, so host clock readings
-// are its times (make_host_timer). On a GPU the call returns once its kernels
-// are enqueued and the device runs them later: host readings would time the
-// launches. The device timer records an event with timing on the calling
-// thread's current stream at each mark (c10::Event: any device type with
-// events, no CUDA headers) and reads them all after the step, behind one host
-// synchronization on the last one. An action's time is then the device's time
-// between its marks, a receive's wait is how long the stream stalled for its
-// data (NOTE [Stream-ordered waits] in hp/distributed/comm.h), and the
-// measured timeline, bubble and Chrome trace are the device's. A mark never
-// synchronizes.
-
-/// Marks points of one step in the order of the compute stream and turns
-/// them into seconds after the step (NOTE [Timing on the device]).
-class StepTimer {
- public:
-  virtual ~StepTimer() = default;
-  /// Starts a step: earlier marks are forgotten; the next mark is time 0.
-  virtual void start() = 0;
-  /// A point after everything the calling thread has enqueued so far (the
-  /// host clock's now on the CPU). Never synchronizes. Returns its index.
-  virtual int mark() = 0;
-  /// Seconds from the step's first mark to mark `index`. The first call after
-  /// new marks may synchronize the host with the device, once.
-  virtual double seconds(int index) = 0;
-  /// Host synchronizations made since start().
-  virtual int host_syncs() const = 0;
-};
-
-/// A StepTimer on the host clock (std::chrono::steady_clock).
-std::unique_ptr<StepTimer> make_host_timer();
-/// A StepTimer of events on `device`'s current stream of the thread that
-/// marks (CUDA, or any device type whose events record time).
-std::unique_ptr<StepTimer> make_device_timer(torch::Device device);
 
 /// What the executor needs to know about the data flowing between stages.
 struct ExecutorOptions {

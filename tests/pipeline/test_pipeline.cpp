@@ -4,6 +4,7 @@
 // final parameters must equal single-process gradient accumulation, and each
 // rank must run exactly its action list.
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/record_function.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -418,6 +419,65 @@ TEST(Executor, SendsOnlyTheGradientPrefixItIsTold) {
     for (int s = 0; s < S; ++s)
       EXPECT_TRUE(torch::allclose(grads[s], ref_grad[s], 1e-12, 1e-12)) << "stage " << s;
   }
+}
+
+// A failed action's error names the rank and the action and ends with the
+// rank's actions around it, the failed one in brackets (NOTE [The actions
+// around a failure] in hp/pipeline/executor.cpp); each action is a range that
+// torch.profiler sees ("hp::0F1": stage 0's F of microbatch 1).
+std::vector<std::string>* g_ranges = nullptr;
+
+TEST(Executor, AFailedActionShowsTheActionsAroundItAndActionsAreProfilerRanges) {
+  hp::testing::run_ranks_as_threads(1, [&](int r, std::shared_ptr<hp::distributed::Comm> c) {
+    const auto sched = hp::schedule::lower(hp::schedule::build("1f1b", 1, 4));
+    int calls = 0;
+    bool fail = false;
+    std::map<int, hp::pipeline::StageModule> modules;
+    torch::Tensor w = chain_weight(0);
+    modules[0] = {[&, w](const torch::Tensor& x) {
+                    if (fail && ++calls == 3) throw std::runtime_error("the third forward broke");
+                    return torch::tanh(x.matmul(w));
+                  },
+                  {w}};
+    hp::pipeline::PipelineStage stage(modules,
+                                      [](const torch::Tensor& y, int) { return y.pow(2).sum(); });
+    hp::pipeline::ExecutorOptions opts;
+    opts.input = chain_input;
+    opts.activation_shape = chain_shape;
+    opts.dtype = torch::kFloat64;
+    hp::pipeline::Executor executor(sched, r, stage, c, opts);
+
+    std::vector<std::string> ranges;
+    g_ranges = &ranges;
+    auto handle = at::addThreadLocalCallback(
+        at::RecordFunctionCallback([](const at::RecordFunction& fn)
+                                       -> std::unique_ptr<at::ObserverContext> {
+          const std::string name = fn.name();
+          if (name.rfind("hp::", 0) == 0) g_ranges->push_back(name);
+          return nullptr;
+        }).scopes({at::RecordScope::USER_SCOPE}));
+    const auto stats = executor.run_step();
+    at::removeCallback(handle);
+    g_ranges = nullptr;
+    std::vector<std::string> expected;
+    for (const auto& a : stats.executed)
+      expected.push_back("hp::" + hp::schedule::to_string(a));
+    EXPECT_EQ(ranges, expected);
+    EXPECT_EQ(int(ranges.size()), 2 * 4) << "F and B of 4 microbatches";
+
+    fail = true;
+    try {
+      executor.run_step();
+      ADD_FAILURE() << "the broken forward did not fail the step";
+    } catch (const std::exception& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find("rank 0 action 0F2: the third forward broke"), std::string::npos) << msg;
+      std::string listed = "rank 0's actions ";
+      EXPECT_NE(msg.find(listed), std::string::npos) << msg;
+      EXPECT_NE(msg.find("[0F2]"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("0F1"), std::string::npos) << "the actions before it: " << msg;
+    }
+  });
 }
 
 // None are posted ahead by default, and a Comm whose operations may run in

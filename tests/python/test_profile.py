@@ -122,3 +122,36 @@ def test_errors_say_what_to_give():
         profile.predict(profile.StageCosts(1, 1, 1, 2), p=0, m=4)
     with pytest.raises(TypeError, match="StageCosts"):
         profile.cost_model({"f": 1}, p=2)
+
+
+def test_each_action_of_a_step_is_a_torch_profiler_range(one_rank_group):
+    # NOTE [The actions around a failure] in hp/pipeline/executor.cpp: every
+    # action the C++ executor runs is a user-scope range ("hp::0F1": stage 0's
+    # F of microbatch 1), and a failed one ends its error with the rank's
+    # actions around it, the failed one in brackets.
+    sched = hp.pipeline.schedule("1f1b", ranks=1, microbatches=2)
+    lin = torch.nn.Linear(4, 4, dtype=torch.float64)
+    mse = torch.nn.functional.mse_loss
+    pipe = hp.pipeline.Pipeline({0: lin}, sched, loss_fn=mse, activation_shape=(2, 4),
+                                group=one_rank_group)
+    x = torch.randn(4, 4, dtype=torch.float64)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        pipe.step(x, x)
+    names = [e.name for e in prof.events() if e.name.startswith("hp::")]
+    assert sorted(names) == sorted(["hp::0F0", "hp::0B0", "hp::0F1", "hp::0B1"]), names
+
+    calls = []
+
+    def breaks_second(t):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyError("the second forward broke")
+        return lin(t)
+
+    bad = hp.pipeline.Pipeline({0: breaks_second}, sched, loss_fn=mse, activation_shape=(2, 4),
+                               group=one_rank_group, parameters={0: list(lin.parameters())})
+    with pytest.raises(RuntimeError) as err:
+        bad.step(x, x)
+    msg = str(err.value)
+    assert "rank 0 action 0F1" in msg and "the second forward broke" in msg, msg
+    assert "rank 0's actions 0-3 of 4: 0F0 0B0 [0F1] 0B1" in msg, msg

@@ -1,0 +1,83 @@
+// agree_on_the_pipeline: every rank's executor was made, with the same
+// schedule and dtype, or every rank fails together (NOTE [Ranks agree on the
+// pipeline]).
+#include <torch/torch.h>
+
+#include <string>
+#include <vector>
+
+#include "hp/pipeline/executor.h"
+
+namespace hp::pipeline {
+namespace {
+
+// NOTE [Ranks agree on the pipeline]
+// A rank whose executor could not be made (a bad option, a missing stage), or
+// that was made with another schedule than its peers (another microbatch
+// count, another schedule file), used to fail alone or not at all, and its
+// peers waited for its first message until the timeout. So every executor
+// gathers, when it is made, whether each rank could make its own and a
+// fingerprint of its schedule and dtype, and every rank fails together,
+// naming the rank that differs, before any step. One small all-gather per
+// executor, on the Comm's device.
+uint64_t mix(uint64_t h, int64_t v) {
+  h ^= static_cast<uint64_t>(v) + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+  return h;
+}
+
+std::vector<int64_t> fingerprint(const schedule::Schedule& s, torch::Dtype dtype, bool ok) {
+  uint64_t h = 1469598103934665603ull;
+  for (int v : s.stage_rank)
+    h = mix(h, v);
+  for (int v : s.stage_chunk)
+    h = mix(h, v);
+  for (int v : s.microbatch_route)
+    h = mix(h, v);
+  for (const auto& list : s.actions)
+    for (const auto& a : list) {
+      h = mix(h, static_cast<int64_t>(a.op));
+      h = mix(mix(mix(mix(h, a.stage), a.microbatch), a.stage2), a.microbatch2);
+    }
+  return {ok ? 0 : 1,
+          s.num_ranks,
+          s.num_stages,
+          s.num_microbatches,
+          s.num_chunks,
+          static_cast<int64_t>(dtype),
+          static_cast<int64_t>(h & 0x7fffffffffffffffull)};
+}
+
+}  // namespace
+
+void agree_on_the_pipeline(distributed::Comm& comm, const schedule::Schedule& schedule,
+                           torch::Dtype dtype, const torch::Device& device, int rank, bool ok) {
+  const std::vector<int64_t> mine = fingerprint(schedule, dtype, ok);
+  const int n = comm.world_size();
+  const int64_t k = static_cast<int64_t>(mine.size());
+  auto out = torch::empty({n * k}, torch::TensorOptions().dtype(torch::kLong).device(device));
+  comm.all_gather(out, torch::tensor(mine, torch::kLong).to(device));
+  out = out.cpu();
+  const int64_t* all = out.data_ptr<int64_t>();
+  static const char* kField[] = {"", "ranks", "stages", "microbatches", "model chunks", "dtype"};
+  auto text = [](int64_t f, int64_t v) {
+    return f == 5 ? std::string(c10::toString(static_cast<torch::Dtype>(v))) : std::to_string(v);
+  };
+  for (int q = 0; q < n; ++q) {
+    if (q == rank || mine[0] != 0) continue;  // a rank that failed throws its own error
+    const int64_t* theirs = all + q * k;
+    TORCH_CHECK(theirs[0] == 0, "rank ", rank, ": rank ", q,
+                " could not make its pipeline (its own error says why); no rank starts");
+    for (int64_t f = 1; f < k; ++f) {
+      if (theirs[f] == mine[f]) continue;
+      if (f + 1 < k)
+        TORCH_CHECK(false, "rank ", rank, ": rank ", q, "'s pipeline has ", kField[f], " ",
+                    text(f, theirs[f]), " where this rank's has ", text(f, mine[f]),
+                    ": every rank must be given the same schedule and dtype");
+      TORCH_CHECK(false, "rank ", rank, ": rank ", q,
+                  "'s schedule differs from this rank's (another order of actions): every rank "
+                  "must be given the same schedule");
+    }
+  }
+}
+
+}  // namespace hp::pipeline
