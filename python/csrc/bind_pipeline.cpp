@@ -9,6 +9,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "bindings.h"
@@ -58,6 +59,19 @@ namespace {
 // weight gradients accumulate into their .grad, as loss.backward() would, and
 // the user's optimizer steps them.
 
+// A KeyboardInterrupt raised inside a stage's forward or the loss (Ctrl-C
+// while the user's Python runs): kept here, and step() raises it as itself
+// once the executor has unwound, as it does for one raised during a wait
+// (NOTE [Signals during a wait] in hp/distributed/comm.h). Made and dropped
+// with the GIL held.
+std::mutex g_interrupt_mu;
+std::shared_ptr<py::error_already_set> g_interrupt;
+
+std::shared_ptr<py::error_already_set> take_interrupt() {
+  std::lock_guard<std::mutex> lock(g_interrupt_mu);
+  return std::exchange(g_interrupt, nullptr);
+}
+
 // Calls `fn(args...)`; the caller holds the GIL. A Python exception becomes
 // a C++ one carrying its type and message (formatted while the GIL is held).
 template <typename... Args>
@@ -65,6 +79,11 @@ py::object call_held(const py::object& fn, const char* what, Args&&... args) {
   try {
     return fn(std::forward<Args>(args)...);
   } catch (py::error_already_set& e) {
+    if (e.matches(PyExc_KeyboardInterrupt)) {
+      std::lock_guard<std::mutex> lock(g_interrupt_mu);
+      if (!g_interrupt) g_interrupt = std::make_shared<py::error_already_set>(std::move(e));
+      throw std::runtime_error(std::string(what) + " was interrupted (KeyboardInterrupt)");
+    }
     throw std::runtime_error(std::string(what) + " raised " + e.what());
   }
 }
@@ -268,6 +287,7 @@ class Runtime {
     // A Python exception raised by a signal handler during a wait (Ctrl-C's
     // KeyboardInterrupt): made and dropped with the GIL held.
     std::shared_ptr<py::error_already_set> interrupted;
+    take_interrupt();  // one left by an earlier step is not this one's
     {
       py::gil_scoped_release release;
       inputs_ = std::move(inputs);
@@ -284,6 +304,8 @@ class Runtime {
         out = pipe_->step();
       } catch (const std::exception&) {
         inputs_.clear();
+        py::gil_scoped_acquire gil;
+        if (!interrupted) interrupted = take_interrupt();
         if (!interrupted) throw;
       }
       inputs_.clear();

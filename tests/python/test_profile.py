@@ -155,3 +155,21 @@ def test_each_action_of_a_step_is_a_torch_profiler_range(one_rank_group):
     msg = str(err.value)
     assert "rank 0 action 0F1" in msg and "the second forward broke" in msg, msg
     assert "rank 0's actions 0-3 of 4: 0F0 0B0 [0F1] 0B1" in msg, msg
+
+
+def test_ctrl_c_inside_a_forward_comes_out_of_step_as_keyboard_interrupt(one_rank_group):
+    # Ctrl-C while the user's forward runs raises KeyboardInterrupt there; the
+    # executor unwinds and step() raises that KeyboardInterrupt itself, not a
+    # RuntimeError wrapping it (python/csrc/bind_pipeline.cpp, take_interrupt).
+    sched = hp.pipeline.schedule("1f1b", ranks=1, microbatches=2)
+    lin = torch.nn.Linear(4, 4, dtype=torch.float64)
+
+    def interrupted(t):
+        raise KeyboardInterrupt
+
+    pipe = hp.pipeline.Pipeline({0: interrupted}, sched, loss_fn=torch.nn.functional.mse_loss,
+                                activation_shape=(2, 4), group=one_rank_group,
+                                parameters={0: list(lin.parameters())})
+    x = torch.randn(4, 4, dtype=torch.float64)
+    with pytest.raises(KeyboardInterrupt):
+        pipe.step(x, x)
