@@ -13,6 +13,7 @@
 
 #include <array>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <string>
 
@@ -70,7 +71,7 @@ class KeepSignalDispositions {
 };
 
 void start_interpreter() {
-  KeepSignalDispositions keep;
+  std::optional<KeepSignalDispositions> keep(std::in_place);
   PyConfig config;
   PyConfig_InitPythonConfig(&config);
   config.install_signal_handlers = 0;
@@ -88,13 +89,23 @@ void start_interpreter() {
   // pybind11 took for it under a second thread state, the others for the
   // import lock.)
   std::string error;
+  bool interrupted = false;
   try {
     py::module_::import("sys").attr("path").attr("insert")(0, HP_TORCH_SITE);
     py::module_::import("torch.distributed");
   } catch (py::error_already_set& e) {
     error = e.what();
+    interrupted = e.matches(PyExc_KeyboardInterrupt);
   }
   PyEval_SaveThread();  // release the GIL; every use takes it again
+  keep.reset();         // our dispositions are back
+  // Ctrl-C during the import reached the handler that a module on the way
+  // installed (NOTE [The embedded interpreter keeps our signals]): it ends
+  // the rank as Ctrl-C at any other time does, not as a failed rendezvous.
+  if (interrupted) {
+    ::raise(SIGINT);
+    throw std::runtime_error("interrupted (SIGINT) while Python imported torch.distributed");
+  }
   if (!error.empty())
     throw std::runtime_error("Python (" + std::string(HP_PYTHON_EXECUTABLE) +
                              ") could not import torch.distributed from " + HP_TORCH_SITE + ": " +

@@ -536,12 +536,18 @@ std::shared_ptr<Comm> gloo_comm_over_store(c10::intrusive_ptr<c10d::Store> store
   } catch (const CommError&) {
     throw;
   } catch (...) {
+    // Only a rendezvous that ran out of time says so (a Python that could
+    // not start or import torch is no timeout).
+    const std::string msg = message_of(std::current_exception());
+    const bool timed_out = contains(msg, "imeout") || contains(msg, "imed out");
     throw CommError("rank " + std::to_string(rank) + ": rendezvous of " +
-                        std::to_string(world_size) + " ranks did not complete within " +
-                        seconds(options.timeout) +
-                        " (are all ranks started, with the same WORLD_SIZE and master?): " +
-                        message_of(std::current_exception()),
-                    {}, true);
+                        std::to_string(world_size) + " ranks " +
+                        (timed_out ? "did not complete within " + seconds(options.timeout) +
+                                         " (are all ranks started, with the same WORLD_SIZE "
+                                         "and master?)"
+                                   : std::string("failed")) +
+                        ": " + msg,
+                    {}, timed_out);
   }
   return comm;
 }
