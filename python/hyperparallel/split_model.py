@@ -58,6 +58,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from .losses import add_loss
+
 __all__ = ["split_model", "ModelChunk", "moe_aux_losses"]
 
 # torchtitan's model classes (module, name) whose forward is exactly
@@ -78,7 +80,7 @@ _TITAN_MODELS = (("torchtitan.models.llama3.model.model", "Transformer"),)
 # copy, equal at the start (every rank builds the model from one seed), and
 # the Pipeline sums the copies' gradients over their ranks after each step,
 # in rank order, so the copies get the same bits and stay equal: the
-# gradient one process computes (pipeline.py's _SharedGradients).
+# gradient one process computes (_SharedGradients, below).
 _Unit = Tuple[str, nn.Module, str]
 
 
@@ -178,8 +180,6 @@ class ModelChunk(nn.Module):
         prob_sum, tok_sum, rows = _add_router_sums(sums, logits, carry, attention_mask)
         if self.index < self.num_chunks - 1:
             return h, prob_sum, tok_sum, rows
-        from .pipeline import add_loss
-
         # load_balancing_loss_func's last lines, on the sums of every layer
         tokens_per_expert = tok_sum / rows
         router_prob_per_expert = prob_sum / rows
@@ -596,8 +596,8 @@ class _SharedGradients:
 # router is E * f_e / N: the assignments of every layer, later stages'
 # included, which a stage does not have when it runs its forward. So the
 # sums travel with the activations, as a structure between stages (NOTE
-# [Pytrees between stages] in pipeline.py): each chunk adds its layers'
-# probability sums (differentiable), assignment counts and rows (forward
+# [Pytrees between stages] in pipeline/transfers.py): each chunk adds its
+# layers' probability sums (differentiable), assignment counts and rows (forward
 # only) to what it received, in layer order and with the model's own
 # operations and dtypes (float32), and the model's last chunk forms the
 # term and adds it with add_loss (NOTE [Auxiliary losses]). Its gradient
@@ -662,8 +662,6 @@ def moe_aux_losses(model: nn.Module, coef: Optional[float] = None, form: str = "
     each MoE layer adds its own term with ``add_loss`` whenever its router
     runs (in one process too, inside ``collect_losses()``). Returns the
     routers' hook handles (``handle.remove()`` on each undoes it)."""
-    from .pipeline import add_loss
-
     if form not in ("model", "layer"):
         raise ValueError(f"moe_aux_losses: form must be 'model' or 'layer', got {form!r}")
     config = getattr(model, "config", None)
