@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import pickle
+import warnings
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -317,3 +318,67 @@ def _placement_check(chunks, params: Dict[int, List[torch.Tensor]], group,
                             "own (e.g. mesh['tp'] of init_device_mesh(..., mesh_dim_names="
                             "('pp', 'tp'))) and give the Pipeline the 'pp' group")
     return None
+
+
+def _composition_error(fsdp, schedule, chunks, params, parameters, group, dp_group,
+                       activation_shape) -> Optional[str]:
+    """Why this rank's chunks cannot make this pipeline, or None: FSDP2's
+    checks, then expert parallelism's, FSDP2 stages with shapes to find, the
+    placement of parameters and groups (NOTE [Ranks agree on their
+    compositions] makes every rank stop with it)."""
+    error = None
+    if fsdp:
+        error = fsdp.pipeline_error(schedule, group, dp_group, params, parameters)
+    if error is None:
+        error = _expert_parallel_check(params, dp_group)
+    if error is None and fsdp and activation_shape is None:
+        # NOTE [FSDP2 stages need declared shapes]: finding shapes runs a
+        # stage's forward on fake tensors (or, where those fail, for real
+        # under no_grad); through FSDP2's hooks either left the unsharded
+        # parameters the steps then read garbage (NaN losses), so the
+        # composition is refused rather than run wrong.
+        error = ("FSDP2 (fully_shard) stages need declared activation shapes: give "
+                 "Pipeline(activation_shape=...) (a shape, or fn(stage, microbatch) -> "
+                 "shape); finding them runs the forward outside FSDP2's control, which left "
+                 "its unsharded parameters unset")
+    if error is None:
+        error = _placement_check(chunks, params, group, dp_group)
+    return error
+
+
+def _groups_to_agree_on(group, dp_group, fsdp, params) -> list:
+    """[(what it is for, group)]: the groups this rank's Pipeline uses, the
+    pipeline's group first (what _agree compares across the ranks)."""
+    agree_on = [("the pipeline's group", group), ("dp_group", dp_group)]
+    for c, groups in fsdp.chunk_groups.items():
+        agree_on.extend((f"FSDP2's mesh of chunk {c}", g)
+                        for pg in groups for g in fsdp.mesh_groups(pg))
+    for c, ps in params.items():
+        for q in ps:
+            mesh = getattr(q, "device_mesh", None)
+            if mesh is not None:
+                agree_on.extend((f"the DTensor mesh of chunk {c}'s parameters",
+                                 mesh.get_group(d)) for d in range(mesh.ndim))
+    return agree_on
+
+
+def _compiled_step_context(chunks, split):
+    """What every step of a split schedule runs in when chunks are
+    torch.compile'd (donated buffers off, after one RuntimeWarning: NOTE
+    [Compiled stages under a split schedule]), else None."""
+    compiled = sorted(c for c, fn in chunks.items() if _is_compiled(fn))
+    if split and compiled:
+        warnings.warn(
+            f"Pipeline: chunk(s) {compiled} are torch.compile'd and this schedule splits "
+            "backwards into I (dx) and W (dw): a compiled region's backward is one "
+            "autograd node that computes dx and dw together, so it runs whole in I and "
+            "again in W (twice per microbatch; exact, donated buffers off). A schedule "
+            "without I/W (1f1b, interleaved-1f1b, gpipe) runs it once; "
+            "hyperparallel.compile.GraphStage(module, backend='inductor') compiles a "
+            "chunk with its backward split into dx and dw graphs (NOTE [Graph stages])",
+            RuntimeWarning,
+            stacklevel=3,  # the caller of Pipeline()
+        )
+    # The whole step, forwards and backwards: AOTAutograd compiles a
+    # region's backward lazily, at its first run.
+    return _without_donated_buffers if split and compiled else None

@@ -4,7 +4,7 @@ against the pipeline, and controlled around each step (_Fsdp2Stages, NOTE
 
 from __future__ import annotations
 
-from typing import Dict, Mapping, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -185,6 +185,77 @@ class _Fsdp2Stages:
                     return (f"chunk {c}: FSDP2's root state reaches modules outside the chunk; "
                             "fully_shard each chunk on its own")
         return None
+
+    def pipeline_error(self, schedule, group, dp_group, params, parameters) -> Optional[str]:
+        """What is wrong with these FSDP2 modules in this rank's pipeline
+        (check(), parameters that dp_group would reduce too, FSDP2's own
+        initialization: root_check()), or None."""
+        holders: Dict[int, set] = {}
+        for st, c in enumerate(schedule.stage_chunk):
+            holders.setdefault(c, set()).add(schedule.stage_rank[st])
+        replicated = {c for c, h in holders.items() if len(h) > 1}
+        dp_ranks = _group_ranks(dp_group) if dp_group is not None else None
+        error = self.check(group.rank(), _group_ranks(group), dp_ranks, replicated)
+        if error is None and dp_group is not None:
+            for c in self.chunk_groups:
+                managed = self.managed(c)
+                if parameters is not None and c in parameters and any(
+                    id(q) in managed for q in parameters[c]
+                ):
+                    error = (f"chunk {c}: parameters[{c}] lists parameters that FSDP2 "
+                             "manages (fully_shard), and dp_group was given: both would "
+                             "reduce the same gradients; leave FSDP2's parameters out of "
+                             "parameters= (the runtime finds them)")
+            if error is None and all(
+                all(id(q) in self.managed(c) for q in params[c]) for c in params
+            ):
+                mesh = sorted(self.data_parallel_ranks(self.groups[0]))
+                error = ("dp_group was given, but FSDP2 (fully_shard) manages every "
+                         f"parameter of this rank's chunks {sorted(params)} and already "
+                         f"averages their gradients over ranks {mesh}: dp_group and FSDP2 "
+                         "would reduce the same parameters. Drop dp_group (the step's loss "
+                         "is averaged over FSDP2's ranks), or keep it for parameters "
+                         "FSDP2 does not manage")
+        if error is None:
+            try:  # FSDP2's own checks raise here; every rank must still agree
+                error = self.root_check()
+            except Exception as e:  # noqa: BLE001 - reported through _agree
+                error = f"FSDP2's initialization of this rank's chunks failed: {e!r}"
+        return error
+
+    def split_weights(self, params, dp_group):
+        """After the ranks agreed: the split's weights, in `params` (changed in
+        place: FSDP2's unsharded parameters for the sharded ones, and every
+        parameter FSDP2 reduces), ``{chunk: plain parameters}`` for dp_group,
+        and FSDP2's groups that the step's loss is averaged over."""
+        dp_params: Dict[int, List[torch.Tensor]] = {}
+        loss_groups = []
+        unsharded = self.unsharded_parameters()
+        for c, ps in params.items():
+            swap = unsharded.get(c, {})
+            if not swap:
+                continue
+            mine = [swap.get(id(q), q) for q in ps if q.requires_grad]
+            # FSDP2 reduces every parameter of its modules: each is a
+            # weight of the split, listed in parameters= or not.
+            seen = {id(q) for q in mine}
+            for u in swap.values():
+                if id(u) not in seen and u.requires_grad:
+                    seen.add(id(u))
+                    mine.append(u)
+            dp_params[c] = [q for q in mine if id(q) not in swap]
+            params[c] = mine
+        dp_ranks = _group_ranks(dp_group) if dp_group is not None else None
+        seen_groups = set()
+        for pg in self.groups:
+            for g in self.mesh_groups(pg):
+                ranks = _group_ranks(g)
+                if ranks in seen_groups or g.size() < 2:
+                    continue
+                seen_groups.add(ranks)
+                if dp_ranks is None or set(dp_ranks) != self.data_parallel_ranks(pg):
+                    loss_groups.append(g)
+        return dp_params, loss_groups
 
     def unsharded_parameters(self) -> Dict[int, Dict[int, torch.Tensor]]:
         """{chunk: {id(sharded parameter): unsharded parameter}}: one

@@ -32,7 +32,7 @@ import hashlib
 import math
 import pickle
 import warnings
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -45,23 +45,124 @@ from .checks import (
     _agree,
     _all_gather_bytes,
     _allreduce_max,
-    _expert_parallel_check,
-    _group_ranks,
-    _is_compiled,
+    _compiled_step_context,
+    _composition_error,
+    _groups_to_agree_on,
     _is_expert,
-    _placement_check,
     _wait,
-    _without_donated_buffers,
 )
 from .fsdp2 import _Fsdp2Stages
 from .helpers import PipelineSchedule
-from .stage_forward import _StageForward, _StepKwargs, _accepted_kwargs, _describe_kwargs, _kwargs_signature
-from .transfers import _ShapeFinder
+from .stage_forward import (
+    _StageForward,
+    _StepKwargs,
+    _accepted_kwargs,
+    _describe_kwargs,
+    _kwargs_signature,
+)
+from .transfers import _ShapeFinder, _activation_shapes
 
 __all__ = ["Pipeline"]
 
 
 Shape = Union[Sequence[int], Callable[[int, int], Sequence[int]]]
+
+
+def _check_arguments(chunks, schedule, loss_fn, receive_lookahead, p2p, fb_overlap, timeout,
+                     dtype, group, dp_group) -> dist.ProcessGroup:
+    """Pipeline's arguments checked, one by one in this order (a TypeError or
+    ValueError naming the first wrong one); the pipeline's group (the
+    world's when None)."""
+    if not isinstance(schedule, PipelineSchedule):
+        raise TypeError(
+            "schedule must be a hyperparallel Schedule "
+            f"(hyperparallel.pipeline.schedule(...)), got {type(schedule).__name__}"
+        )
+    if not isinstance(chunks, Mapping) or not chunks:
+        raise TypeError("chunks must be a non-empty dict {chunk index: module or callable}")
+    if not callable(loss_fn):
+        raise TypeError("loss_fn must be callable: loss_fn(output, target) -> tensor")
+    if (
+        not isinstance(receive_lookahead, int)
+        or isinstance(receive_lookahead, bool)
+        or receive_lookahead < 0
+    ):
+        raise ValueError(
+            f"receive_lookahead must be an int >= 0, got {receive_lookahead!r}"
+        )
+    if not isinstance(p2p, str):
+        raise TypeError(
+            f"p2p must be a str ('auto', 'group' or 'shm'), got {type(p2p).__name__}"
+        )
+    if p2p not in ("auto", "group", "shm"):
+        raise ValueError(f"p2p must be 'auto', 'group' or 'shm', got {p2p!r}")
+    if not isinstance(fb_overlap, bool):
+        raise TypeError(f"fb_overlap must be a bool, got {type(fb_overlap).__name__}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout must be a number of seconds, got {type(timeout).__name__}")
+    if not math.isfinite(timeout) or not 0 < timeout <= 7 * 24 * 3600:
+        raise ValueError(f"timeout must be a finite number of seconds in (0, 604800], got {timeout!r}")
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(
+            f"dtype must be a torch.dtype (e.g. torch.float32), got {dtype!r}"
+        )
+    if group is None:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialized: call "
+                "torch.distributed.init_process_group first (torchrun sets its variables)"
+            )
+        group = dist.group.WORLD
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            "group must be a torch.distributed.ProcessGroup (e.g. "
+            f"torch.distributed.group.WORLD after init_process_group), got {type(group)}"
+        )
+    if dp_group is not None and not isinstance(dp_group, dist.ProcessGroup):
+        raise TypeError(
+            f"dp_group must be None or a torch.distributed.ProcessGroup, got {type(dp_group)}"
+        )
+    return group
+
+
+def _forwards_and_parameters(chunks, parameters):
+    """Each chunk's forward and its weights: ``parameters[c]`` where given,
+    else a module's parameters that require grad (none for a callable)."""
+    forward: Dict[int, Callable] = {}
+    params: Dict[int, List[torch.Tensor]] = {}
+    for c, mod in chunks.items():
+        if not isinstance(c, int):
+            raise TypeError(f"chunk keys must be ints, got {c!r}")
+        if not callable(mod):
+            raise TypeError(f"chunk {c} is not callable: {type(mod).__name__}")
+        forward[c] = mod
+        if parameters is not None and c in parameters:
+            params[c] = list(parameters[c])
+        elif isinstance(mod, torch.nn.Module):
+            params[c] = [q for q in mod.parameters() if q.requires_grad]
+        else:
+            params[c] = []
+    return forward, params
+
+
+def _dtype_and_device(dtype, device, first, keep_freed_memory):
+    """The dtype and device of activations (by default the first weight's)
+    and keep_freed_memory (by default on the CPU), checked; the process then
+    keeps freed memory mapped if asked."""
+    if dtype is None:
+        dtype = first.dtype if first is not None else torch.get_default_dtype()
+    if device is None:
+        device = first.device if first is not None else torch.device("cpu")
+    device = torch.device(device)
+    if keep_freed_memory is None:
+        keep_freed_memory = device.type == "cpu"
+    if not isinstance(keep_freed_memory, bool):
+        raise TypeError(
+            f"keep_freed_memory must be None or a bool, got {type(keep_freed_memory).__name__}"
+        )
+    if keep_freed_memory:
+        _C.pipeline.keep_freed_memory_mapped()
+    return dtype, device, keep_freed_memory
 
 
 class Pipeline:
@@ -172,147 +273,17 @@ class Pipeline:
         p2p: str = "auto",
         fb_overlap: bool = False,
     ):
-        if not isinstance(schedule, PipelineSchedule):
-            raise TypeError(
-                "schedule must be a hyperparallel Schedule "
-                f"(hyperparallel.pipeline.schedule(...)), got {type(schedule).__name__}"
-            )
-        if not isinstance(chunks, Mapping) or not chunks:
-            raise TypeError("chunks must be a non-empty dict {chunk index: module or callable}")
-        if not callable(loss_fn):
-            raise TypeError("loss_fn must be callable: loss_fn(output, target) -> tensor")
-        if (
-            not isinstance(receive_lookahead, int)
-            or isinstance(receive_lookahead, bool)
-            or receive_lookahead < 0
-        ):
-            raise ValueError(
-                f"receive_lookahead must be an int >= 0, got {receive_lookahead!r}"
-            )
-        if not isinstance(p2p, str):
-            raise TypeError(
-                f"p2p must be a str ('auto', 'group' or 'shm'), got {type(p2p).__name__}"
-            )
-        if p2p not in ("auto", "group", "shm"):
-            raise ValueError(f"p2p must be 'auto', 'group' or 'shm', got {p2p!r}")
-        if not isinstance(fb_overlap, bool):
-            raise TypeError(f"fb_overlap must be a bool, got {type(fb_overlap).__name__}")
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-            raise TypeError(f"timeout must be a number of seconds, got {type(timeout).__name__}")
-        if not math.isfinite(timeout) or not 0 < timeout <= 7 * 24 * 3600:
-            raise ValueError(f"timeout must be a finite number of seconds in (0, 604800], got {timeout!r}")
-        if dtype is not None and not isinstance(dtype, torch.dtype):
-            raise TypeError(
-                f"dtype must be a torch.dtype (e.g. torch.float32), got {dtype!r}"
-            )
-        if group is None:
-            if not dist.is_initialized():
-                raise RuntimeError(
-                    "torch.distributed is not initialized: call "
-                    "torch.distributed.init_process_group first (torchrun sets its variables)"
-                )
-            group = dist.group.WORLD
-        if not isinstance(group, dist.ProcessGroup):
-            raise TypeError(
-                "group must be a torch.distributed.ProcessGroup (e.g. "
-                f"torch.distributed.group.WORLD after init_process_group), got {type(group)}"
-            )
-        if dp_group is not None and not isinstance(dp_group, dist.ProcessGroup):
-            raise TypeError(
-                f"dp_group must be None or a torch.distributed.ProcessGroup, got {type(dp_group)}"
-            )
-        forward: Dict[int, Callable] = {}
-        params: Dict[int, List[torch.Tensor]] = {}
-        for c, mod in chunks.items():
-            if not isinstance(c, int):
-                raise TypeError(f"chunk keys must be ints, got {c!r}")
-            if not callable(mod):
-                raise TypeError(f"chunk {c} is not callable: {type(mod).__name__}")
-            forward[c] = mod
-            if parameters is not None and c in parameters:
-                params[c] = list(parameters[c])
-            elif isinstance(mod, torch.nn.Module):
-                params[c] = [q for q in mod.parameters() if q.requires_grad]
-            else:
-                params[c] = []
+        group = _check_arguments(chunks, schedule, loss_fn, receive_lookahead, p2p, fb_overlap,
+                                 timeout, dtype, group, dp_group)
+        forward, params = _forwards_and_parameters(chunks, parameters)
         # Compositions (NOTE [FSDP2 stages]): every rank checks its own, then
         # all agree before the runtime's construction waits on all of them.
         fsdp = _Fsdp2Stages(chunks)
         split = schedule.has_split
-        error = None
-        if fsdp:
-            holders: Dict[int, set] = {}
-            for st, c in enumerate(schedule.stage_chunk):
-                holders.setdefault(c, set()).add(schedule.stage_rank[st])
-            replicated = {c for c, h in holders.items() if len(h) > 1}
-            dp_ranks = _group_ranks(dp_group) if dp_group is not None else None
-            error = fsdp.check(group.rank(), _group_ranks(group), dp_ranks, replicated)
-            if error is None and dp_group is not None:
-                for c in fsdp.chunk_groups:
-                    managed = fsdp.managed(c)
-                    if parameters is not None and c in parameters and any(
-                        id(q) in managed for q in parameters[c]
-                    ):
-                        error = (f"chunk {c}: parameters[{c}] lists parameters that FSDP2 "
-                                 "manages (fully_shard), and dp_group was given: both would "
-                                 "reduce the same gradients; leave FSDP2's parameters out of "
-                                 "parameters= (the runtime finds them)")
-                if error is None and all(
-                    all(id(q) in fsdp.managed(c) for q in params[c]) for c in params
-                ):
-                    mesh = sorted(fsdp.data_parallel_ranks(fsdp.groups[0]))
-                    error = ("dp_group was given, but FSDP2 (fully_shard) manages every "
-                             f"parameter of this rank's chunks {sorted(params)} and already "
-                             f"averages their gradients over ranks {mesh}: dp_group and FSDP2 "
-                             "would reduce the same parameters. Drop dp_group (the step's loss "
-                             "is averaged over FSDP2's ranks), or keep it for parameters "
-                             "FSDP2 does not manage")
-            if error is None:
-                try:  # FSDP2's own checks raise here; every rank must still agree
-                    error = fsdp.root_check()
-                except Exception as e:  # noqa: BLE001 - reported through _agree
-                    error = f"FSDP2's initialization of this rank's chunks failed: {e!r}"
-
-        if error is None:
-            error = _expert_parallel_check(params, dp_group)
-        if error is None and fsdp and activation_shape is None:
-            # NOTE [FSDP2 stages need declared shapes]: finding shapes runs a
-            # stage's forward on fake tensors (or, where those fail, for real
-            # under no_grad); through FSDP2's hooks either left the unsharded
-            # parameters the steps then read garbage (NaN losses), so the
-            # composition is refused rather than run wrong.
-            error = ("FSDP2 (fully_shard) stages need declared activation shapes: give "
-                     "Pipeline(activation_shape=...) (a shape, or fn(stage, microbatch) -> "
-                     "shape); finding them runs the forward outside FSDP2's control, which left "
-                     "its unsharded parameters unset")
-        if error is None:
-            error = _placement_check(chunks, params, group, dp_group)
-        agree_on = [("the pipeline's group", group), ("dp_group", dp_group)]
-        for c, groups in fsdp.chunk_groups.items():
-            agree_on.extend((f"FSDP2's mesh of chunk {c}", g)
-                            for pg in groups for g in fsdp.mesh_groups(pg))
-        for c, ps in params.items():
-            for q in ps:
-                mesh = getattr(q, "device_mesh", None)
-                if mesh is not None:
-                    agree_on.extend((f"the DTensor mesh of chunk {c}'s parameters",
-                                     mesh.get_group(d)) for d in range(mesh.ndim))
-        compiled = sorted(c for c, fn in chunks.items() if _is_compiled(fn))
-        # The whole step, forwards and backwards: AOTAutograd compiles a
-        # region's backward lazily, at its first run.
-        self._step_context = _without_donated_buffers if split and compiled else None
-        if split and compiled:
-            warnings.warn(
-                f"Pipeline: chunk(s) {compiled} are torch.compile'd and this schedule splits "
-                "backwards into I (dx) and W (dw): a compiled region's backward is one "
-                "autograd node that computes dx and dw together, so it runs whole in I and "
-                "again in W (twice per microbatch; exact, donated buffers off). A schedule "
-                "without I/W (1f1b, interleaved-1f1b, gpipe) runs it once; "
-                "hyperparallel.compile.GraphStage(module, backend='inductor') compiles a "
-                "chunk with its backward split into dx and dw graphs (NOTE [Graph stages])",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+        error = _composition_error(fsdp, schedule, chunks, params, parameters, group, dp_group,
+                                   activation_shape)
+        agree_on = _groups_to_agree_on(group, dp_group, fsdp, params)
+        self._step_context = _compiled_step_context(chunks, split)
         # NOTE [Auxiliary losses]: every chunk's forward collects add_loss().
         # NOTE [Keyword arguments of every stage]: and the step's kwargs.
         self._aux = _AuxiliarySum(1.0 / schedule.num_microbatches)
@@ -332,79 +303,16 @@ class Pipeline:
         self._watch_checkpoints = split
         self._loss_groups: List[dist.ProcessGroup] = []
         if self._fsdp is not None:
-            unsharded = fsdp.unsharded_parameters()
-            for c, ps in params.items():
-                swap = unsharded.get(c, {})
-                if not swap:
-                    continue
-                mine = [swap.get(id(q), q) for q in ps if q.requires_grad]
-                # FSDP2 reduces every parameter of its modules: each is a
-                # weight of the split, listed in parameters= or not.
-                seen = {id(q) for q in mine}
-                for u in swap.values():
-                    if id(u) not in seen and u.requires_grad:
-                        seen.add(id(u))
-                        mine.append(u)
-                dp_params[c] = [q for q in mine if id(q) not in swap]
-                params[c] = mine
-            dp_ranks = _group_ranks(dp_group) if dp_group is not None else None
-            seen_groups = set()
-            for pg in fsdp.groups:
-                for g in fsdp.mesh_groups(pg):
-                    ranks = _group_ranks(g)
-                    if ranks in seen_groups or g.size() < 2:
-                        continue
-                    seen_groups.add(ranks)
-                    if dp_ranks is None or set(dp_ranks) != fsdp.data_parallel_ranks(pg):
-                        self._loss_groups.append(g)
+            dp_params, self._loss_groups = fsdp.split_weights(params, dp_group)
             # Activations are in the unsharded parameters' dtype (FSDP2's param_dtype).
             first = next((q for ps in params.values() for q in ps), None)
-        if dtype is None:
-            dtype = first.dtype if first is not None else torch.get_default_dtype()
-        if device is None:
-            device = first.device if first is not None else torch.device("cpu")
-        device = torch.device(device)
+        dtype, device, keep_freed_memory = _dtype_and_device(dtype, device, first,
+                                                             keep_freed_memory)
         # FSDP2's groups take the loss where they take gradients (NCCL: CUDA).
         self._loss_device = device if device.type == "cuda" else torch.device("cpu")
-        if keep_freed_memory is None:
-            keep_freed_memory = device.type == "cpu"
-        if not isinstance(keep_freed_memory, bool):
-            raise TypeError(
-                f"keep_freed_memory must be None or a bool, got {type(keep_freed_memory).__name__}"
-            )
-        if keep_freed_memory:
-            _C.pipeline.keep_freed_memory_mapped()
-        self._finder: Optional[_ShapeFinder] = None
-        if activation_shape is None:
-            # NOTE [Shapes found, not declared]
-            self._finder = _ShapeFinder(
-                schedule, group, {c: f.probe for c, f in forward.items()}, dtype, device,
-                self._loss_device, group.rank())
-            self._finder.timeout = float(timeout)
-            shape = self._finder.shape_of
-            for f in forward.values():  # NOTE [Pytrees between stages]
-                f.finder, f.dtype = self._finder, dtype
-        elif callable(activation_shape):
-            shape_fn = activation_shape
-
-            def shape(stage: int, mb: int) -> Tuple[int, ...]:
-                got = shape_fn(stage, mb)
-                if isinstance(got, (str, bytes)) or not isinstance(got, Sequence) or not all(
-                    isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in got
-                ):
-                    raise TypeError(
-                        f"activation_shape({stage}, {mb}) must return a sequence of ints >= 0 "
-                        f"(a shape), got {got!r}"
-                    )
-                return tuple(got)
-
-        else:
-            if isinstance(activation_shape, (str, bytes)) or not isinstance(activation_shape, Sequence):
-                raise TypeError(
-                    "activation_shape must be a shape (a sequence of ints) or "
-                    f"fn(stage, microbatch) -> shape, got {activation_shape!r}"
-                )
-            shape = tuple(int(d) for d in activation_shape)  # read once by the runtime
+        finder, shape = _activation_shapes(activation_shape, schedule, group, forward, dtype,
+                                           device, self._loss_device, timeout)
+        self._finder: Optional[_ShapeFinder] = finder
         # The runtime holds the loss, which must not hold the Pipeline: that
         # cycle through a C++ object is never collected, and the group would
         # live until the interpreter's shutdown (NOTE [A Pipeline's group dies
@@ -417,7 +325,32 @@ class Pipeline:
         # summed over their holders after each step (NOTE [Parameters shared
         # by chunks] in split_model.py).
         self._shared = _SharedGradients(chunks, schedule, group, float(timeout))
-        self._runtime = _C.pipeline.Runtime(
+        self._runtime = self._make_runtime(schedule, group, forward, params, shape, dtype, device,
+                                           timeout, dp_group, receive_lookahead, p2p,
+                                           keep_freed_memory, dp_params, split, fb_overlap)
+        self.rank = self._runtime.rank
+        self._loss.rank = self.rank
+        self._group, self._timeout = group, float(timeout)
+        self._broken: Optional[str] = None  # why this rank left a step (NOTE [Arguments of a step])
+        self._kw_fp: Optional[int] = None  # the last agreed step's keyword arguments
+        self._known_kwargs = self._exchange_accepted_kwargs(chunks, group)
+        #: The point-to-point in use on this rank: "shm" (rings beside the group
+        #: to the ranks of its host that it exchanges with) or "group".
+        self.p2p = "shm" if self._runtime.backend.endswith("+shm") else "group"
+        if self._runtime.p2p_note:
+            warnings.warn(
+                f"Pipeline(p2p='auto') uses the group's point-to-point: {self._runtime.p2p_note}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        self.last_stats: Dict[str, object] = {}
+
+    def _make_runtime(self, schedule, group, forward, params, shape, dtype, device, timeout,
+                      dp_group, receive_lookahead, p2p, keep_freed_memory, dp_params, split,
+                      fb_overlap):
+        """The C++ pipeline (``_C.pipeline.Runtime``) over this rank's stage
+        forwards, weights, loss and shapes."""
+        return _C.pipeline.Runtime(
             schedule,
             group,
             forward,
@@ -441,13 +374,10 @@ class Pipeline:
             dist.distributed_c10d._world.pg_map.get(dp_group, (None, None))[1],
             fb_overlap=fb_overlap,
         )
-        self.rank = self._runtime.rank
-        self._loss.rank = self.rank
-        self._group, self._timeout = group, float(timeout)
-        self._broken: Optional[str] = None  # why this rank left a step (NOTE [Arguments of a step])
-        self._kw_fp: Optional[int] = None  # the last agreed step's keyword arguments
-        # The keyword arguments some chunk of the pipeline takes, on any rank
-        # (None: one takes any): a step's key outside them is a mistake.
+
+    def _exchange_accepted_kwargs(self, chunks, group) -> Optional[frozenset]:
+        """The keyword arguments some chunk of the pipeline takes, on any rank
+        (None: one takes any): a step's key outside them is a mistake."""
         accepts = [_accepted_kwargs(chunks[c]) for c in chunks]
         mine = None if any(a is None for a in accepts) else sorted(set().union(*accepts))
         if group.size() > 1:
@@ -456,18 +386,8 @@ class Pipeline:
                 f"rank {self.rank}: the Pipeline's exchange of its stages' keyword arguments")]
         else:
             every = [mine]
-        self._known_kwargs = (None if any(e is None for e in every)
-                              else frozenset().union(*map(frozenset, every)))
-        #: The point-to-point in use on this rank: "shm" (rings beside the group
-        #: to the ranks of its host that it exchanges with) or "group".
-        self.p2p = "shm" if self._runtime.backend.endswith("+shm") else "group"
-        if self._runtime.p2p_note:
-            warnings.warn(
-                f"Pipeline(p2p='auto') uses the group's point-to-point: {self._runtime.p2p_note}",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-        self.last_stats: Dict[str, object] = {}
+        return (None if any(e is None for e in every)
+                else frozenset().union(*map(frozenset, every)))
 
     @staticmethod
     def _split(batch, m: int, what: str) -> List[torch.Tensor]:

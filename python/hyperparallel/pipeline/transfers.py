@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import pickle
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -341,3 +341,43 @@ class _ShapeFinder:
 # dtypes an input may have when shapes are found (their index travels).
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool]
+
+
+def _activation_shapes(activation_shape, schedule, group, forward, dtype, device, comm_device,
+                       timeout):
+    """The shapes the runtime's receives are given, as (finder, shape):
+    found by a _ShapeFinder (NOTE [Shapes found, not declared]; the stage
+    forwards get it too), or declared (finder None): a function, its answers
+    checked at each call, or one shape."""
+    finder = None
+    if activation_shape is None:
+        # NOTE [Shapes found, not declared]
+        finder = _ShapeFinder(
+            schedule, group, {c: f.probe for c, f in forward.items()}, dtype, device,
+            comm_device, group.rank())
+        finder.timeout = float(timeout)
+        shape = finder.shape_of
+        for f in forward.values():  # NOTE [Pytrees between stages]
+            f.finder, f.dtype = finder, dtype
+    elif callable(activation_shape):
+        shape_fn = activation_shape
+
+        def shape(stage: int, mb: int) -> Tuple[int, ...]:
+            got = shape_fn(stage, mb)
+            if isinstance(got, (str, bytes)) or not isinstance(got, Sequence) or not all(
+                isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in got
+            ):
+                raise TypeError(
+                    f"activation_shape({stage}, {mb}) must return a sequence of ints >= 0 "
+                    f"(a shape), got {got!r}"
+                )
+            return tuple(got)
+
+    else:
+        if isinstance(activation_shape, (str, bytes)) or not isinstance(activation_shape, Sequence):
+            raise TypeError(
+                "activation_shape must be a shape (a sequence of ints) or "
+                f"fn(stage, microbatch) -> shape, got {activation_shape!r}"
+            )
+        shape = tuple(int(d) for d in activation_shape)  # read once by the runtime
+    return finder, shape
