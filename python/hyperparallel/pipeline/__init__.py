@@ -14,14 +14,15 @@ One job per file:
 
 The auxiliary losses (``add_loss``, ``collect_losses``) live in
 ``hyperparallel/losses.py``, outside this package, so that the model code
-that adds them (split_model, the MoE router losses) does not import the
-runtime; they are re-exported here, as is ``split_model``.
+that adds them (split_model.py, router_losses.py) never imports the runtime;
+they are re-exported here, as are ``split_model`` and ``moe_aux_losses``.
 """
 
 from __future__ import annotations
 
-from ..losses import _LossOfMicrobatch, add_loss, collect_losses  # noqa: F401
-from ..split_model import moe_aux_losses, split_model  # cutting one model into chunks
+from ..losses import _LossOfMicrobatch, add_loss, collect_losses  # noqa: F401  (bench uses it)
+from ..router_losses import moe_aux_losses  # a transformers MoE's router loss, pipelined
+from ..split_model import split_model  # cutting one model into chunks
 from .helpers import PipelineSchedule, cpu_cache_bytes, empty_cpu_cache, schedule
 from .runtime import Pipeline
 from .transfers import _Packing  # noqa: F401  (tests build one directly)
