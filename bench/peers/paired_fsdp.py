@@ -16,7 +16,7 @@ microbatch); the same settings on both sides. PyTorch's side: Schedule<NAME>
 over PipelineStages on the "pp" group (its own FSDP2 handling: gradient sync
 and resharding off until the stage's last backward, then post_backward).
 Ours: hyperparallel.pipeline.Pipeline over the "pp" group, no dp_group
-(NOTE [FSDP2 stages] in python/hyperparallel/pipeline.py). Data-parallel rank
+(NOTE [FSDP2 stages] in python/hyperparallel/pipeline/fsdp2.py). Data-parallel rank
 d of step k trains on the dataset's batch 2k + d; both sides report the mean
 loss over the dp ranks (ours does it inside Pipeline.step; PyTorch's side
 all-reduces it over its "dp" group inside its timed step), and the two must

@@ -10,6 +10,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from .losses import collect_losses
+
 # NOTE [Cutting a transformers decoder]
 # A decoder-only LM of transformers is an embedding, a row of decoder layers
 # (the one nn.ModuleList of the base model with config.num_hidden_layers
@@ -248,7 +250,6 @@ def probe(model: nn.Module) -> HfPlan:
     device = next((q.device for q in model.parameters()), torch.device("cpu"))
     vocab = int(getattr(config, "vocab_size", 2) or 2)
     runs = []
-    from .pipeline import collect_losses
 
     forks = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=forks), torch.enable_grad(), collect_losses():

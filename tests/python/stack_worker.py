@@ -261,7 +261,7 @@ def mode_bad(hp, out, names):
     expect_error(out, "dp-group-other-ranks", lambda: build(
         {c: mixed(c) for c in sched.chunks_of_rank(rank)}, dp_group=dist.group.WORLD))
     # FSDP2 stages without declared shapes (NOTE [FSDP2 stages need
-    # declared shapes] in python/hyperparallel/pipeline.py).
+    # declared shapes] in python/hyperparallel/pipeline/checks.py).
     expect_error(out, "fsdp-shapes-found", lambda: hp.pipeline.Pipeline(
         {c: shard_chunk(Chunk(c, 2), mesh["dp"]) for c in sched.chunks_of_rank(rank)}, sched,
         loss_fn=loss_fn, timeout=30, group=mesh.get_group("pp")))

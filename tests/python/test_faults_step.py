@@ -1,8 +1,8 @@
 """Mistakes in building a Pipeline and in its step()'s arguments are one clear
 error on every rank, quickly, never a hang or a silent difference (NOTE
-[Ranks agree on their compositions], NOTE [Arguments of a step] in
-python/hyperparallel/pipeline.py). Two real ranks, every case in one launch
-(step_fault_worker.py)."""
+[Ranks agree on their compositions] in python/hyperparallel/pipeline/checks.py,
+NOTE [Arguments of a step] in python/hyperparallel/pipeline/stage_forward.py).
+Two real ranks, every case in one launch (step_fault_worker.py)."""
 
 import os
 import re

@@ -207,7 +207,7 @@ def test_bad_input_is_a_clear_error():
 
 
 def test_auxiliary_losses_are_outputs_of_the_graphs():
-    # NOTE [Auxiliary losses] in pipeline.py: a module that calls add_loss
+    # NOTE [Auxiliary losses] in losses.py: a module that calls add_loss
     # (a MoE router's load-balancing term) trains through its graph stage
     # as it does eagerly.
     from hyperparallel.pipeline import add_loss, collect_losses

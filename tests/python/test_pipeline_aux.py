@@ -1,5 +1,5 @@
 """Auxiliary losses from any stage (hyperparallel.pipeline.add_loss, NOTE
-[Auxiliary losses] in python/hyperparallel/pipeline.py): real processes train
+[Auxiliary losses] in python/hyperparallel/losses.py): real processes train
 a float64 model whose every chunk adds a router's load-balancing loss; the
 losses, the auxiliary losses and every parameter equal single-process
 training of loss + the auxiliary terms, on schedules with fused and split

@@ -1,5 +1,5 @@
 """Structures between stages (NOTE [Pytrees between stages] in
-python/hyperparallel/pipeline.py): real processes train a float64 model whose
+python/hyperparallel/pipeline/transfers.py): real processes train a float64 model whose
 chunks hand each other tuples and dicts - a differentiable tensor, a bool
 mask, a side tensor, a string, an int, a tensor the next chunk ignores, a
 float table that takes no gradient (it travels forward only) - on

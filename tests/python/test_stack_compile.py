@@ -2,8 +2,9 @@
 Pipeline, on real processes over Gloo in float64: equal to single-process
 training to 1e-9, with the compiled backward's runs and the checkpointed
 blocks' recomputes counted (NOTE [Compiled stages under a split schedule],
-NOTE [Checkpoint under a split schedule] in python/hyperparallel/pipeline.py).
-One launch of 2 processes runs every case."""
+NOTE [Checkpoint under a split schedule] in
+python/hyperparallel/pipeline/checks.py). One launch of 2 processes runs
+every case."""
 
 import os
 import sys

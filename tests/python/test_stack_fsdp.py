@@ -1,7 +1,7 @@
 """FSDP2 (fully_shard) stages in hyperparallel's Pipeline, on real processes
 over Gloo in float64: losses and every chunk's full parameters after several
 SGD steps equal single-process training to 1e-9 (NOTE [FSDP2 stages] in
-python/hyperparallel/pipeline.py). One launch of 4 processes runs the whole
+python/hyperparallel/pipeline/fsdp2.py). One launch of 4 processes runs the whole
 schedule matrix; another the bad compositions, each refused on every rank."""
 
 import os

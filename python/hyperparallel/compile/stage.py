@@ -27,6 +27,7 @@ import torch.utils._pytree as pytree
 from torch.autograd.graph import get_gradient_edge
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from ..losses import add_loss, collect_losses
 from .passes.column_sums import ColumnSumsAsProducts
 from .passes.pipeline import PassPipeline
 from .tracer import _distinct, _train_mode_kept, check_leaf_types, run_reparametrized
@@ -39,7 +40,7 @@ __all__ = ["GraphStage", "split_joint_graph", "SplitGraphs"]
 # move). Eager stages get them from LibTorch's engine (hp/autograd, NOTE [The
 # dx/dw split]). A torch.compile'd region cannot: its backward is one autograd
 # node that computes both, so it runs whole in I and again in W (NOTE
-# [Compiled stages under a split schedule] in pipeline.py). A GraphStage
+# [Compiled stages under a split schedule] in pipeline/checks.py). A GraphStage
 # splits at the graph level instead, as torchtitan's graph_trainer
 # `split_di_dw` does:
 #   1. Capture. make_fx traces `autograd.grad(outputs, params + inputs,
@@ -395,8 +396,6 @@ class GraphStage(torch.nn.Module):
                 self._signatures[key] = sig
         outs = _StageFunction.apply(self, sig, len(state), *state, *tensors)
         if sig.num_aux:  # handed on as the module handed them (NOTE [Auxiliary losses])
-            from ..pipeline import add_loss
-
             for a in outs[len(outs) - sig.num_aux:]:
                 add_loss(a)
         full, k = [], 0
@@ -423,9 +422,7 @@ class GraphStage(torch.nn.Module):
 
         def call(flat_state, flat_inputs):
             """The module's output, and the auxiliary losses it added (NOTE
-            [Auxiliary losses] in pipeline.py): extra outputs of the graph."""
-            from ..pipeline import collect_losses
-
+            [Auxiliary losses] in losses.py): extra outputs of the graph."""
             with collect_losses() as aux:
                 out = run_reparametrized(module, fqns, aliases, flat_state, leaves, tensor_pos,
                                          flat_inputs, spec,

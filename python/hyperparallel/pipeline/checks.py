@@ -1,0 +1,384 @@
+"""What a Pipeline checks before it runs, and how its ranks agree on it:
+the collectives of the Python side with the Pipeline's timeout (_wait,
+_allreduce_max, _all_gather_bytes), the agreement on a rank's refusal
+(_agree, NOTE [Ranks agree on their compositions]), and the compositions
+checked: placement, expert parallelism, torch.compile'd stages and
+torch.utils.checkpoint under a split schedule."""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+import warnings
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+
+def _group_ranks(group) -> Tuple[int, ...]:
+    """The global ranks of `group`; a group that torch.distributed did not
+    register (made directly from a store) is known by its size only."""
+    try:
+        return tuple(dist.get_process_group_ranks(group))
+    except (KeyError, ValueError, RuntimeError):
+        return (-1 - group.size(),)
+
+
+_AGREE_ROUNDS = 4
+
+
+def _wait(work, timeout: float, what: str) -> None:
+    """Waits for a collective of the Pipeline with its timeout; a
+    RuntimeError naming `what` when it does not end in time."""
+    try:
+        work.wait(datetime.timedelta(seconds=timeout))
+    except RuntimeError as e:
+        raise RuntimeError(f"{what}: not every rank took part within {timeout} s (timeout=) "
+                           f"({e})") from e
+
+
+def _allreduce_max(group, t: torch.Tensor, device: torch.device, timeout: float,
+                   what: str) -> torch.Tensor:
+    t = t.to(device if device.type == "cuda" else torch.device("cpu"))
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MAX
+    _wait(group.allreduce([t], opts), timeout, what)
+    return t.cpu()
+
+
+def _all_gather_bytes(group, data: bytes, device: torch.device, timeout: float,
+                      what: str) -> List[bytes]:
+    """Every rank's `data` on every rank of `group`, in group rank order: two
+    all-reduces (SUM) of a tensor each rank fills its own row of."""
+    p, me = group.size(), group.rank()
+    dev = device if device.type == "cuda" else torch.device("cpu")
+    lengths = torch.zeros(p, dtype=torch.int64, device=dev)
+    lengths[me] = len(data)
+    _wait(group.allreduce([lengths]), timeout, what)
+    lengths = lengths.cpu().tolist()
+    rows = torch.zeros((p, max(max(lengths), 1)), dtype=torch.uint8)
+    if data:
+        rows[me, :len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    rows = rows.to(dev)
+    _wait(group.allreduce([rows]), timeout, what)
+    rows = rows.cpu()
+    return [rows[r, :n].numpy().tobytes() for r, n in enumerate(lengths)]
+
+
+# NOTE [Ranks agree on their compositions]
+# Building a Pipeline is collective: each rank checks what it can see alone
+# (its chunks' FSDP2 meshes, DTensor meshes, dp_group against the pipeline's
+# group), and then every rank must stop with the same error before the
+# runtime's construction waits on all of them. The ranks meet over
+# torch.distributed's world, which every other group is a part of: one
+# exchange (_all_gather_bytes) of each rank's error and of the groups its
+# Pipeline uses, named by what they are for. A rank's error then stops every
+# rank, each naming it; and a group that one rank uses while another of its
+# members does not (FSDP2 applied on one data-parallel copy only, dp_group
+# given on some copies) is the same error everywhere, at once. Before, the
+# ranks met over each group they used, in turn: a rank that used a group its
+# peer did not waited in it for the whole timeout and then asked whether a
+# rank had failed. The world exchange needs every rank of the world to build
+# its Pipeline (one at a time, in the same order), as every rank of a
+# torchrun job does. A pipeline over a group torch.distributed did not make
+# (no world) agrees over its groups in turn, as before.
+def _agree(groups, error: Optional[str], device: torch.device, timeout: float) -> None:
+    """Raises on every rank when any rank has an `error`, or when a rank uses
+    a group (`groups`: [(what it is for, group)], the pipeline's group first)
+    that one of its members does not (NOTE [Ranks agree on their
+    compositions])."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        me = dist.get_rank()
+        listed = []
+        for what, g in groups:
+            if g is not None and g.size() > 1 and (what, _group_ranks(g)) not in listed:
+                listed.append((what, _group_ranks(g)))
+        try:
+            got = _all_gather_bytes(dist.group.WORLD, pickle.dumps((error, listed)), device,
+                                    timeout, "the Pipeline's check of its compositions")
+        except RuntimeError as e:
+            raise RuntimeError(
+                f"rank {me}: the ranks of torch.distributed's world did not all reach the "
+                f"Pipeline's check of its compositions within {timeout} s (timeout=): every "
+                "rank builds its Pipeline at the same point of its script; did a rank fail "
+                f"before building its Pipeline? ({e})") from e
+        views = [pickle.loads(b) for b in got]
+        if error:
+            raise ValueError(error)
+        for r, (err, _) in enumerate(views):
+            if err:
+                raise ValueError(f"rank {r} refused this Pipeline: {err} (every rank stops "
+                                 "with it, before the first step)")
+        for r, (_, used) in enumerate(views):
+            for what, ranks in used:
+                if ranks[0] < 0:
+                    continue  # a group torch.distributed does not know
+                for q in ranks:
+                    if 0 <= q < len(views) and not any(rk == ranks for _, rk in views[q][1]):
+                        theirs = ", ".join(f"{w} {list(rk)}" for w, rk in views[q][1]) or "none"
+                        raise ValueError(
+                            f"rank {r}'s Pipeline uses {what} over ranks {list(ranks)}, but "
+                            f"rank {q}, one of them, builds its Pipeline without a group of "
+                            f"those ranks (its groups: {theirs}): the ranks of a group must "
+                            "all use it. The copies of a pipeline are built alike: "
+                            "fully_shard the chunks of every data-parallel copy or of none, "
+                            "and give every copy the same dp_group and tensor-parallel layers")
+        return
+    uniq = {}
+    groups = [g for _, g in groups]
+    pp = set(_group_ranks(groups[0])) if groups and groups[0] is not None else set()
+    for k, g in enumerate(groups):
+        if g is None or g.size() < 2:
+            continue
+        ranks = _group_ranks(g)
+        if k > 0 and len(set(ranks) & pp) > 1 and set(ranks) != pp:
+            continue
+        uniq.setdefault(ranks, g)
+    if not uniq:
+        if error:
+            raise ValueError(error)
+        return
+    flag = torch.tensor([1.0 if error else 0.0], dtype=torch.float64,
+                        device=device if device.type == "cuda" else torch.device("cpu"))
+    order = [uniq[k] for k in sorted(uniq)]
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MAX
+    for _ in range(_AGREE_ROUNDS):
+        for g in order:
+            try:
+                g.allreduce([flag], opts).wait(datetime.timedelta(seconds=timeout))
+            except RuntimeError as e:
+                raise RuntimeError(
+                    f"the ranks {list(_group_ranks(g))} did not all reach the Pipeline's check "
+                    f"of its compositions within {timeout} s (timeout=): did a rank fail "
+                    f"before building its Pipeline? ({e})"
+                ) from e
+    if error:
+        raise ValueError(error)
+    if flag[0].item() > 0:
+        raise ValueError(
+            "a rank of the pipeline's groups refused this Pipeline (its error says why); "
+            "every rank stops with it, before the first step")
+
+
+def _is_compiled(fn) -> bool:
+    """Whether `fn` is, or (an nn.Module) contains, a torch.compile'd region."""
+    def compiled(obj):
+        cls = type(obj)
+        return (cls.__name__ == "OptimizedModule" and cls.__module__.startswith("torch._dynamo")) \
+            or hasattr(obj, "_torchdynamo_orig_callable")
+
+    if compiled(fn):
+        return True
+    return isinstance(fn, torch.nn.Module) and any(compiled(m) for m in fn.modules())
+
+
+def _without_donated_buffers():
+    """AOTAutograd's donated buffers off for a step (NOTE [Compiled stages
+    under a split schedule])."""
+    import torch._functorch.config as functorch_config
+
+    return functorch_config.patch(donated_buffer=False)
+
+
+# NOTE [Compiled stages under a split schedule]
+# torch.compile turns a region's backward into one autograd node
+# (AOTAutograd's CompiledFunctionBackward) whose compiled graph computes the
+# gradients of every input of the region together, the parameters' with the
+# activations'. The dx/dw split cannot look inside it: the node leads to the
+# stage's input and to weights, so I runs it (the engine keeps only dx) and
+# W runs it again from the gradient I captured (the engine keeps only dw):
+# the compiled region's backward runs twice per microbatch (counted with a
+# counting bw_compiler in tests/python/test_stack_compile.py), with the same
+# numbers each time, so the gradients are exact. I keeps the graph for W
+# (keep_graph), which AOTAutograd refuses for a backward compiled with
+# donated buffers (its saved activations reused as scratch, which a second
+# run would read): every step of such a Pipeline runs with functorch's
+# donated_buffer off, forwards and backwards, so what compiles under the
+# Pipeline never donates. (AOTAutograd compiles a backward lazily, at its
+# first run, and decides on donation there: under DualPipeV a region's first
+# backward may be a B, and with the setting on the forwards only, its later
+# I failed.) A region whose backward
+# was compiled before, with donated buffers (e.g. a warm-up backward outside
+# the Pipeline), still fails at its first I with AOTAutograd's own error,
+# which names the setting. Fused-backward schedules (B) run it once.
+# hyperparallel.compile.GraphStage is the way to a compiled stage whose
+# backward really splits: dx and dw as graphs of their own, each compiled
+# (NOTE [Graph stages] in python/hyperparallel/compile/stage.py).
+
+
+# NOTE [Checkpoint under a split schedule]
+# torch.utils.checkpoint (non-reentrant) keeps a region's recomputed
+# activations per autograd graph task (`_current_graph_task_id`): I and W are
+# two engine calls, so a region whose saved tensors both need (a linear's
+# input: its dx needs the weight, its dw the input) recomputes in I and again
+# in W - three forwards of the region per microbatch where a fused backward
+# runs two (counted in tests/python/test_stack_compile.py). The reentrant
+# variant runs its whole backward (dx and dw) inside I, once. The Pipeline
+# cannot change torch's frames, so on a split schedule it counts, during its
+# first step, the non-reentrant regions its stages enter (by wrapping
+# torch.utils.checkpoint's generator for the duration of that step; the
+# forwards run inside it) and warns once when there are any.
+# hyperparallel.recompute.checkpoint shares one recompute: the runtime runs
+# each I and W of (stage, mb) inside recompute session (stage, mb), retaining
+# (NOTE [Recompute in the pipeline] in hp/pipeline/pipeline.cpp).
+
+
+class _CheckpointCounter:
+    """Counts torch.utils.checkpoint's non-reentrant regions entered while
+    active (NOTE [Checkpoint under a split schedule])."""
+
+    def __init__(self):
+        self.count = 0
+
+    def __enter__(self):
+        import torch.utils.checkpoint as ckpt
+
+        self._orig = ckpt._checkpoint_without_reentrant_generator
+
+        def counting(*args, **kwargs):
+            self.count += 1
+            return self._orig(*args, **kwargs)
+
+        ckpt._checkpoint_without_reentrant_generator = counting
+        return self
+
+    def __exit__(self, *exc):
+        import torch.utils.checkpoint as ckpt
+
+        ckpt._checkpoint_without_reentrant_generator = self._orig
+        return False
+
+
+def _is_expert(p: torch.Tensor) -> bool:
+    # hyperparallel.moe marks the experts it sharded (is_expert_parameter).
+    return getattr(p, "_hp_expert_group", None) is not None
+
+
+def _expert_parallel_check(params: Dict[int, List[torch.Tensor]], dp_group) -> Optional[str]:
+    """Why this rank's expert-parallel chunks cannot train with `dp_group`
+    (NOTE [Expert gradients] in hp/pipeline/pipeline.cpp), or None."""
+    groups = {getattr(q, "_hp_expert_group") for ps in params.values() for q in ps if _is_expert(q)}
+    if not groups or groups == {(0,)}:
+        return None
+    if len(groups) > 1:
+        return (f"this rank's chunks hold experts sharded over different groups {sorted(groups)}: "
+                "convert every MoE layer of a pipeline rank with one expert-parallel group")
+    (ep_ranks,) = groups
+    if dp_group is None:
+        return (f"this rank's experts are spread over the expert-parallel group {list(ep_ranks)} "
+                "but no dp_group was given: expert parallelism is carved out of data "
+                "parallelism, so give dp_group=<the expert-parallel group> (its ranks train "
+                "their own parts of the batch and average the other parameters)")
+    dp_ranks = tuple(_group_ranks(dp_group))
+    if tuple(sorted(dp_ranks)) != tuple(sorted(ep_ranks)):
+        return (f"dp_group has ranks {list(dp_ranks)} but the experts are spread over ranks "
+                f"{list(ep_ranks)}: give the expert-parallel group as dp_group (a data-parallel "
+                "group larger than the expert-parallel one, with experts replicated over it, is "
+                "not supported yet)")
+    return None
+
+
+def _placement_check(chunks, params: Dict[int, List[torch.Tensor]], group,
+                     dp_group) -> Optional[str]:
+    """Why this rank's chunks or groups cannot make a pipeline, or None:
+    parameters on the meta device, a dp_group that holds other ranks of the
+    pipeline's group, a DTensor (tensor-parallel) parameter sharded over them."""
+    for c, ps in params.items():
+        if any(q.is_meta for q in ps):
+            return (f"chunk {c}'s parameters are on the meta device (no data): materialize "
+                    "the model before the Pipeline (model.to_empty(device=...) and its "
+                    "initialization, or build it on a real device)")
+    pp = _group_ranks(group)
+    known = pp[0] >= 0
+    if dp_group is not None and known:
+        dp = _group_ranks(dp_group)
+        if dp[0] >= 0 and len(set(dp) & set(pp)) > 1:
+            return (f"dp_group has ranks {list(dp)}, which holds other ranks of the pipeline's "
+                    f"group {list(pp)}: their stages' gradients would be averaged together. "
+                    "dp_group joins this rank with the ranks that run the same stages in the "
+                    "other copies of the pipeline (e.g. mesh['dp'] of init_device_mesh(..., "
+                    "mesh_dim_names=('dp', 'pp')), with mesh['pp'] as group); without copies, "
+                    "give no dp_group")
+    if not known:
+        return None
+    for c, ps in params.items():
+        for q in ps:
+            mesh = getattr(q, "device_mesh", None)
+            if mesh is None:
+                continue
+            for d in range(mesh.ndim):
+                ranks = _group_ranks(mesh.get_group(d))
+                if ranks[0] >= 0 and len(set(ranks) & set(pp)) > 1:
+                    return (f"chunk {c} has a DTensor parameter sharded over mesh dimension {d} "
+                            f"(ranks {list(ranks)}), which holds other ranks of the pipeline's "
+                            f"group {list(pp)}: its collectives would run across pipeline "
+                            "stages. Shard tensor-parallel layers over a dimension of their "
+                            "own (e.g. mesh['tp'] of init_device_mesh(..., mesh_dim_names="
+                            "('pp', 'tp'))) and give the Pipeline the 'pp' group")
+    return None
+
+
+def _composition_error(fsdp, schedule, chunks, params, parameters, group, dp_group,
+                       activation_shape) -> Optional[str]:
+    """Why this rank's chunks cannot make this pipeline, or None: FSDP2's
+    checks, then expert parallelism's, FSDP2 stages with shapes to find, the
+    placement of parameters and groups (NOTE [Ranks agree on their
+    compositions] makes every rank stop with it)."""
+    error = None
+    if fsdp:
+        error = fsdp.pipeline_error(schedule, group, dp_group, params, parameters)
+    if error is None:
+        error = _expert_parallel_check(params, dp_group)
+    if error is None and fsdp and activation_shape is None:
+        # NOTE [FSDP2 stages need declared shapes]: finding shapes runs a
+        # stage's forward on fake tensors (or, where those fail, for real
+        # under no_grad); through FSDP2's hooks either left the unsharded
+        # parameters the steps then read garbage (NaN losses), so the
+        # composition is refused rather than run wrong.
+        error = ("FSDP2 (fully_shard) stages need declared activation shapes: give "
+                 "Pipeline(activation_shape=...) (a shape, or fn(stage, microbatch) -> "
+                 "shape); finding them runs the forward outside FSDP2's control, which left "
+                 "its unsharded parameters unset")
+    if error is None:
+        error = _placement_check(chunks, params, group, dp_group)
+    return error
+
+
+def _groups_to_agree_on(group, dp_group, fsdp, params) -> list:
+    """[(what it is for, group)]: the groups this rank's Pipeline uses, the
+    pipeline's group first (what _agree compares across the ranks)."""
+    agree_on = [("the pipeline's group", group), ("dp_group", dp_group)]
+    for c, groups in fsdp.chunk_groups.items():
+        agree_on.extend((f"FSDP2's mesh of chunk {c}", g)
+                        for pg in groups for g in fsdp.mesh_groups(pg))
+    for c, ps in params.items():
+        for q in ps:
+            mesh = getattr(q, "device_mesh", None)
+            if mesh is not None:
+                agree_on.extend((f"the DTensor mesh of chunk {c}'s parameters",
+                                 mesh.get_group(d)) for d in range(mesh.ndim))
+    return agree_on
+
+
+def _compiled_step_context(chunks, split):
+    """What every step of a split schedule runs in when chunks are
+    torch.compile'd (donated buffers off, after one RuntimeWarning: NOTE
+    [Compiled stages under a split schedule]), else None."""
+    compiled = sorted(c for c, fn in chunks.items() if _is_compiled(fn))
+    if split and compiled:
+        warnings.warn(
+            f"Pipeline: chunk(s) {compiled} are torch.compile'd and this schedule splits "
+            "backwards into I (dx) and W (dw): a compiled region's backward is one "
+            "autograd node that computes dx and dw together, so it runs whole in I and "
+            "again in W (twice per microbatch; exact, donated buffers off). A schedule "
+            "without I/W (1f1b, interleaved-1f1b, gpipe) runs it once; "
+            "hyperparallel.compile.GraphStage(module, backend='inductor') compiles a "
+            "chunk with its backward split into dx and dw graphs (NOTE [Graph stages])",
+            RuntimeWarning,
+            stacklevel=3,  # the caller of Pipeline()
+        )
+    # The whole step, forwards and backwards: AOTAutograd compiles a
+    # region's backward lazily, at its first run.
+    return _without_donated_buffers if split and compiled else None
