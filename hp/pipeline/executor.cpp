@@ -172,7 +172,7 @@ struct Executor::State {
   // NOTE [Gradients shorter than their activations]
   // What a stage hands the next may hold parts that take no gradient: the
   // Python package packs a structure's tensors into one flat activation
-  // (NOTE [Pytrees between stages] in python/hyperparallel/pipeline.py),
+  // (NOTE [Pytrees between stages] in python/hyperparallel/pipeline/transfers.py),
   // the differentiable ones first, then masks, ids and tables that need
   // none. Their gradient is zero, so only its first
   // ExecutorOptions::gradient_numel elements travel back: the sender sends

@@ -184,8 +184,9 @@ class Runtime {
     // longer blocks no one that F needs.
     // The forward is told its stage and microbatch (for the step's keyword
     // arguments and structures between stages, NOTE [Keyword arguments of
-    // every stage] and NOTE [Pytrees between stages] in
-    // python/hyperparallel/pipeline.py): F runs on the executor's thread,
+    // every stage] in python/hyperparallel/pipeline/stage_forward.py and
+    // NOTE [Pytrees between stages] in .../pipeline/transfers.py): F runs on
+    // the executor's thread,
     // one at a time, so the hook sets them for the call inside.
     po.hooks.around_forward = [this](int stage, int mb, const std::function<torch::Tensor()>& run) {
       py::gil_scoped_acquire gil;
@@ -230,7 +231,7 @@ class Runtime {
       if (p != chunk_parameters.end()) mod.parameters = p->second;
       // A chunk listed in chunk_dp_parameters has only those averaged over
       // dp_group: the others (FSDP2's, NOTE [FSDP2 stages] in
-      // python/hyperparallel/pipeline.py) are reduced by their owner.
+      // python/hyperparallel/pipeline/fsdp2.py) are reduced by their owner.
       auto own = chunk_dp_parameters.find(c);
       if (own != chunk_dp_parameters.end()) mod.dp_parameters = own->second;
       // Expert parallelism's shards: NOTE [Expert gradients] in hp/pipeline/pipeline.cpp.
