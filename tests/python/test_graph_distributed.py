@@ -272,6 +272,26 @@ def worker():
             "graphs": len(trainer.graph_modules), "fsdp_degree": trainer.fsdp_degree,
             "ops": [str(n.target) for n in gm.graph.nodes if n.op == "call_function"],
         }
+    # NOTE [Graph-mode ranks agree before they capture]: another plan, another
+    # configuration or another width on one rank is a ValueError on every
+    # rank at the first compile, naming what differs (Gloo aborted before).
+    mismatch = {}
+    for name in ("plan", "config", "width"):
+        model, cfg, rank_plan = Net(), PassConfig(), plan
+        if rank == 1 and name == "plan":
+            rank_plan = PassPlan().add_module("fc1").add_pattern("blocks.*")
+        if rank == 1 and name == "config":
+            cfg = PassConfig(bucket="parameter")
+        if rank == 1 and name == "width":
+            model.head = torch.nn.Linear(8, 4).double()
+        trainer = GraphTrainer(model, train_fn, cfg, rank_plan, {"lr": 0.01}, device="cpu")
+        x, y = batch(0, 8)
+        try:
+            trainer.train_step(x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4])
+            mismatch[name] = "trained"
+        except ValueError as e:
+            mismatch[name] = str(e)
+    result["mismatch"] = mismatch
     tp = tp_case(world, rank)
     with open(os.path.join(sys.argv[1], f"tp{rank}.json"), "w") as f:
         json.dump(tp, f)
@@ -293,6 +313,13 @@ def test_fsdp_on_two_ranks_equals_eager_training(tmp_path):
     run_ranks(RANKS, tmp_path)
     for r in range(RANKS):
         res = json.loads((tmp_path / f"rank{r}.json").read_text())
+        mismatch = res.pop("mismatch")
+        for name, what in (("plan", "PassPlan"), ("config", "PassConfig"),
+                           ("width", "model's parameters")):
+            other = 1 - r
+            msg = mismatch[name]
+            assert f"rank {other} of the FSDP group was given another {what}" in msg, (r, msg)
+            assert f"than rank {r}: every rank of the group" in msg, (r, msg)
         for name, got in res.items():
             assert got["loss_err"] <= 1e-9, (name, got["loss_err"])
             assert got["param_err"] <= 1e-9, (name, got["param_err"])

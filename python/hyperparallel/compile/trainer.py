@@ -163,6 +163,7 @@ class GraphTrainer:
             return self._compiled[key].gm
         if not self._compiled:
             self._resolve_fsdp()
+            self._agree_across_ranks()
         full_shapes = self.model.__dict__.get("_hp_fsdp_full_shapes", {})
         if self.fsdp_degree > 1:  # errors before capture
             planned_parameters(self.model, self.pass_plan, self.fsdp_degree, full_shapes)
@@ -177,6 +178,49 @@ class GraphTrainer:
         if self.optimizer is None:
             self.optimizer = self._init_optimizer()
         return gm
+
+    # NOTE [Graph-mode ranks agree before they capture]
+    # The FSDP pass shards by the plan and the parameters' shapes, and every
+    # collective of the graph is sized by them. Ranks given different plans,
+    # configurations or models (another width) captured different graphs and
+    # met in a collective of mismatched sizes: Gloo aborted the process
+    # (exit -6) with no word of why. So at the first compile the ranks of the
+    # FSDP group gather a fingerprint of each of the three and every rank
+    # raises the same ValueError, naming the rank and what differs, before
+    # any capture.
+    def _agree_across_ranks(self) -> None:
+        group = self._fsdp_group
+        if group is None or self.fsdp_degree <= 1:
+            return
+        import hashlib
+
+        plan = self.pass_plan
+        parts = {
+            "PassPlan": repr(None if plan is None else (
+                sorted(plan.fsdp_modules), sorted(plan.fsdp_patterns), plan.enabled)),
+            # a backend given as a callable: by name (its repr holds an address)
+            "PassConfig": repr(sorted(
+                (k, getattr(v, "__qualname__", repr(v)) if callable(v) else repr(v))
+                for k, v in vars(self.pass_config).items() if k != "fsdp_degree")),
+            "model's parameters (names, shapes, dtypes)": repr(
+                [(n, tuple(p.shape), str(p.dtype))
+                 for n, p in self.model.named_parameters(remove_duplicate=False)]),
+        }
+        mine = torch.tensor([int.from_bytes(hashlib.sha256(v.encode()).digest()[:7], "little")
+                             for v in parts.values()], dtype=torch.int64)
+        on = torch.device("cuda", torch.cuda.current_device()) \
+            if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        every = [torch.empty_like(mine, device=on) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(every, mine.to(on), group=group)
+        me = dist.get_rank(group)
+        for q, theirs in enumerate(every):
+            for what, a, b in zip(parts, theirs.cpu().tolist(), mine.tolist()):
+                if a != b:
+                    raise ValueError(
+                        f"GraphTrainer: rank {q} of the FSDP group was given another {what} "
+                        f"than rank {me}: every rank of the group must be given the same "
+                        "PassPlan, PassConfig and model (NOTE [Graph-mode ranks agree before "
+                        "they capture])")
 
     def _run_pre_hook(self) -> None:
         if self._pytree_pre_hook is not None and not self._hook_ran:
