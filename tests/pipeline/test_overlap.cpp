@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <mutex>
@@ -211,6 +212,10 @@ TEST(LinkModel, ParsesItsSpellingAndRefusesOthers) {
 TEST(LinkModel, MessagesArriveLateExactAndInOrderOverGloo) {
   // 40 ms latency, 1 MB/s: a 20 kB message takes 20 ms on the link.
   const LinkModel link = LinkModel::parse("40000,0.001", "test");
+  // A message is due 60 ms after its sender posted it, and the two threads
+  // leave the barrier at different moments (several ms apart on a loaded
+  // machine), so arrival is timed from the peer's posting, not one's own.
+  std::array<Clock::time_point, 2> posted_at;
   hp::testing::run_ranks_as_threads(2, [&](int r, std::shared_ptr<hp::distributed::Comm> g) {
     auto comm = hp::distributed::with_link_model(g, link);
     const int peer = 1 - r;
@@ -218,16 +223,20 @@ TEST(LinkModel, MessagesArriveLateExactAndInOrderOverGloo) {
     auto b = torch::full({3}, 7.0 + r, torch::kFloat64);
     auto ra = torch::empty_like(a), rb = torch::empty_like(b);
     comm->barrier();
-    const auto t0 = Clock::now();
+    posted_at[r] = Clock::now();
     auto works = comm->batch(
         {hp::distributed::P2POp::send(a, peer), hp::distributed::P2POp::send(b, peer),
          hp::distributed::P2POp::recv(ra, peer), hp::distributed::P2POp::recv(rb, peer)});
     works[2].wait();
-    const double first = since(t0);
+    const auto first_at = Clock::now();
     works[3].wait();
-    const double second = since(t0);
+    const auto second_at = Clock::now();
     hp::distributed::wait_all(works);
-    EXPECT_GE(first, 0.060 - 0.002) << "40 ms + 20 ms on the link";
+    comm->barrier();  // both posting times are written
+    auto seconds = [](Clock::duration d) { return std::chrono::duration<double>(d).count(); };
+    const double first = seconds(first_at - posted_at[peer]);
+    const double second = seconds(second_at - posted_at[peer]);
+    EXPECT_GE(first, 0.060) << "40 ms + 20 ms on the link, from the peer's posting";
     EXPECT_LT(first, 0.5);
     EXPECT_GE(second, first) << "a later message never overtakes";
     EXPECT_TRUE(torch::equal(ra, torch::arange(5000, torch::kFloat32) + peer));
@@ -237,9 +246,12 @@ TEST(LinkModel, MessagesArriveLateExactAndInOrderOverGloo) {
     auto out = torch::empty({3, 2}, torch::kFloat64);
     std::vector<int64_t> send = r == 0 ? std::vector<int64_t>{1, 2} : std::vector<int64_t>{2, 1};
     std::vector<int64_t> recv = r == 0 ? std::vector<int64_t>{1, 2} : std::vector<int64_t>{2, 1};
-    const auto t1 = Clock::now();
+    comm->barrier();
+    posted_at[r] = Clock::now();
     comm->all_to_all(out, recv, in, send);
-    EXPECT_GE(since(t1), 0.040 - 0.002);
+    const auto exchanged_at = Clock::now();
+    comm->barrier();
+    EXPECT_GE(seconds(exchanged_at - posted_at[peer]), 0.040);
     auto other = torch::arange(6, torch::kFloat64).view({3, 2}) + 10 * peer;
     auto expect = r == 0 ? torch::cat({in.narrow(0, 0, 1), other.narrow(0, 0, 2)})
                          : torch::cat({other.narrow(0, 1, 2), in.narrow(0, 2, 1)});
