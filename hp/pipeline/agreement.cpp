@@ -1,25 +1,27 @@
-// agree_on_the_pipeline: every rank's executor was made, with the same
+// agree_on_the_pipeline: every rank's pipeline was made, with the same
 // schedule and dtype, or every rank fails together (NOTE [Ranks agree on the
 // pipeline]).
-#include <torch/torch.h>
+#include "hp/pipeline/agreement.h"
 
 #include <string>
 #include <vector>
-
-#include "hp/pipeline/executor.h"
 
 namespace hp::pipeline {
 namespace {
 
 // NOTE [Ranks agree on the pipeline]
-// A rank whose executor could not be made (a bad option, a missing stage), or
+// A rank whose pipeline could not be made (a bad option, a missing stage), or
 // that was made with another schedule than its peers (another microbatch
 // count, another schedule file), used to fail alone or not at all, and its
-// peers waited for its first message until the timeout. So every executor
+// peers waited for its first message until the timeout. So a Pipeline
 // gathers, when it is made, whether each rank could make its own and a
 // fingerprint of its schedule and dtype, and every rank fails together,
-// naming the rank that differs, before any step. One small all-gather per
-// executor, on the Comm's device.
+// naming the rank that differs, before any step. The same all-gather carries
+// what the Pipeline needs from every rank afterwards (how many parameter
+// names it holds; over the data-parallel group, what each copy holds), so a
+// Pipeline agrees once over its group and once over `dp`: the Executor it
+// makes afterwards agrees on nothing (it was made by every rank, from what
+// they agreed on, and its own checks are the Pipeline's checks again).
 uint64_t mix(uint64_t h, int64_t v) {
   h ^= static_cast<uint64_t>(v) + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
   return h;
@@ -49,9 +51,12 @@ std::vector<int64_t> fingerprint(const schedule::Schedule& s, torch::Dtype dtype
 
 }  // namespace
 
-void agree_on_the_pipeline(distributed::Comm& comm, const schedule::Schedule& schedule,
-                           torch::Dtype dtype, const torch::Device& device, int rank, bool ok) {
-  const std::vector<int64_t> mine = fingerprint(schedule, dtype, ok);
+std::vector<std::vector<int64_t>> agree_on_the_pipeline(
+    distributed::Comm& comm, const schedule::Schedule& schedule, torch::Dtype dtype,
+    const torch::Device& device, int rank, bool ok, const std::vector<int64_t>& extra) {
+  std::vector<int64_t> mine = fingerprint(schedule, dtype, ok);
+  const int64_t checked = static_cast<int64_t>(mine.size());
+  mine.insert(mine.end(), extra.begin(), extra.end());
   const int n = comm.world_size();
   const int64_t k = static_cast<int64_t>(mine.size());
   auto out = torch::empty({n * k}, torch::TensorOptions().dtype(torch::kLong).device(device));
@@ -67,9 +72,9 @@ void agree_on_the_pipeline(distributed::Comm& comm, const schedule::Schedule& sc
     const int64_t* theirs = all + q * k;
     TORCH_CHECK(theirs[0] == 0, "rank ", rank, ": rank ", q,
                 " could not make its pipeline (its own error says why); no rank starts");
-    for (int64_t f = 1; f < k; ++f) {
+    for (int64_t f = 1; f < checked; ++f) {
       if (theirs[f] == mine[f]) continue;
-      if (f + 1 < k)
+      if (f + 1 < checked)
         TORCH_CHECK(false, "rank ", rank, ": rank ", q, "'s pipeline has ", kField[f], " ",
                     text(f, theirs[f]), " where this rank's has ", text(f, mine[f]),
                     ": every rank must be given the same schedule and dtype");
@@ -78,6 +83,10 @@ void agree_on_the_pipeline(distributed::Comm& comm, const schedule::Schedule& sc
                   "must be given the same schedule");
     }
   }
+  std::vector<std::vector<int64_t>> extras(n);
+  for (int q = 0; q < n; ++q)
+    extras[q].assign(all + q * k + checked, all + (q + 1) * k);
+  return extras;
 }
 
 }  // namespace hp::pipeline

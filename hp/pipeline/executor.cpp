@@ -572,27 +572,14 @@ struct Executor::State {
 Executor::Executor(const schedule::Schedule& schedule, int rank, PipelineStage& stage,
                    std::shared_ptr<distributed::Comm> comm, ExecutorOptions options) {
   TORCH_CHECK(comm != nullptr, "Executor: no Comm given");
-  const torch::Device device = options.device;
-  const torch::Dtype dtype = options.dtype;
-  std::shared_ptr<distributed::Comm> group = comm;
-  std::exception_ptr failed;
-  try {
-    TORCH_CHECK(rank >= 0 && rank < schedule.num_ranks, "rank ", rank, " is not in a ",
-                schedule.num_ranks, "-rank schedule");
-    TORCH_CHECK(comm->world_size() == schedule.num_ranks, "the Comm has ", comm->world_size(),
-                " ranks but the schedule has ", schedule.num_ranks);
-    for (int s = 0; s < schedule.num_stages; ++s)
-      TORCH_CHECK((schedule.stage_rank[s] == rank) == stage.holds(s), "rank ", rank,
-                  (schedule.stage_rank[s] == rank ? " must hold" : " must not hold"), " stage ", s);
-    state_ = std::make_unique<State>(schedule, rank, stage, std::move(comm), std::move(options));
-  } catch (...) {
-    failed = std::current_exception();
-  }
-  // A Comm of another size than the schedule cannot agree with it: the
-  // error above is the whole story, on every rank.
-  if (group->world_size() != schedule.num_ranks && failed) std::rethrow_exception(failed);
-  agree_on_the_pipeline(*group, schedule, dtype, device, rank, failed == nullptr);
-  if (failed) std::rethrow_exception(failed);
+  TORCH_CHECK(rank >= 0 && rank < schedule.num_ranks, "rank ", rank, " is not in a ",
+              schedule.num_ranks, "-rank schedule");
+  TORCH_CHECK(comm->world_size() == schedule.num_ranks, "the Comm has ", comm->world_size(),
+              " ranks but the schedule has ", schedule.num_ranks);
+  for (int s = 0; s < schedule.num_stages; ++s)
+    TORCH_CHECK((schedule.stage_rank[s] == rank) == stage.holds(s), "rank ", rank,
+                (schedule.stage_rank[s] == rank ? " must hold" : " must not hold"), " stage ", s);
+  state_ = std::make_unique<State>(schedule, rank, stage, std::move(comm), std::move(options));
 }
 
 Executor::~Executor() = default;

@@ -129,20 +129,13 @@ struct StepStats {
 // its length. Over a host-blocking transport (Gloo, host staging) every
 // receive's wait is one more, and the end-of-step wait for the sends another.
 
-/// The collective check of NOTE [Ranks agree on the pipeline] (executor.cpp):
-/// every rank of `comm` says whether it could make its pipeline (`ok`) and
-/// what schedule and dtype it runs; a rank that failed rethrows its own error
-/// afterwards, every other one throws here, naming the rank that failed or
-/// differs. An Executor does it when it is made; a caller with its own
-/// collectives before the executor (hp/pipeline/pipeline.h) does it first.
-void agree_on_the_pipeline(distributed::Comm& comm, const schedule::Schedule& schedule,
-                           torch::Dtype dtype, const torch::Device& device, int rank, bool ok);
-
 /// Runs one rank's lowered action list, one step per call.
 class Executor {
  public:
   /// `schedule` must be lowered; `comm` connects the pipeline's ranks (rank r
-  /// of the schedule is rank r of the Comm).
+  /// of the schedule is rank r of the Comm). Not collective: the ranks agree
+  /// on the pipeline before they make their executors (hp/pipeline/agreement.h,
+  /// which a Pipeline calls).
   Executor(const schedule::Schedule& schedule, int rank, PipelineStage& stage,
            std::shared_ptr<distributed::Comm> comm, ExecutorOptions options);
   ~Executor();

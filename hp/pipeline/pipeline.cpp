@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "hp/distributed/collectives.h"
+#include "hp/pipeline/agreement.h"
 #include "hp/recompute/checkpoint.h"
 #include "hp/recompute/session.h"
 #include "hp/schedule/lower.h"
@@ -132,11 +133,10 @@ int64_t name_hash(const std::string& name) {
   return static_cast<int64_t>(h & 0x7fffffffffffffffull);
 }
 
-/// Over the data-parallel group: every copy runs the same pipeline rank's
-/// chunks with the same expert parameters (count and sizes), else every
-/// rank throws naming the copy that differs.
-void agree_on_the_copies(distributed::Comm& dp, const torch::Device& on, int rank,
-                         const std::map<int, ChunkModule>& chunks) {
+/// What a data-parallel copy of this pipeline rank holds: its rank, its
+/// chunks and its expert parameters (count and sizes), for the agreement
+/// over `dp` (NOTE [Ranks agree on the pipeline] in agreement.cpp).
+std::vector<int64_t> what_a_copy_holds(int rank, const std::map<int, ChunkModule>& chunks) {
   int64_t experts = 0, expert_numel = 0, chunk_ids = 0;
   for (const auto& [c, chunk] : chunks) {
     chunk_ids = chunk_ids * 1000003 + c + 1;
@@ -144,22 +144,43 @@ void agree_on_the_copies(distributed::Comm& dp, const torch::Device& on, int ran
     for (const auto& t : chunk.expert_parameters)
       expert_numel += t.numel();
   }
-  const std::vector<int64_t> mine = {rank, chunk_ids, experts, expert_numel};
-  const int n = dp.world_size(), k = static_cast<int>(mine.size());
-  auto all = torch::empty({n * k}, torch::TensorOptions().dtype(torch::kLong).device(on));
-  dp.all_gather(all, torch::tensor(mine, torch::kLong).to(on));
-  all = all.cpu();
+  return {rank, chunk_ids, experts, expert_numel};
+}
+
+/// Every copy runs the same pipeline rank's chunks with the same expert
+/// parameters, else every rank throws naming the copy that differs.
+void check_the_copies(const std::vector<std::vector<int64_t>>& copies,
+                      const std::vector<int64_t>& mine, int rank) {
   static const char* kWhat[] = {"is pipeline rank", "holds other model chunks",
                                 "holds another number of expert parameters",
                                 "holds expert parameters of other sizes"};
-  for (int q = 0; q < n; ++q)
-    for (int f = 0; f < k; ++f)
-      if (all[q * k + f].item<int64_t>() != mine[f])
+  for (size_t q = 0; q < copies.size(); ++q)
+    for (size_t f = 0; f < mine.size(); ++f)
+      if (copies[q][f] != mine[f])
         invalid("pipeline rank " + std::to_string(rank) + ": its data-parallel copy " +
                 std::to_string(q) + " (rank " + std::to_string(q) + " of dp) " + kWhat[f] +
-                (f == 0 ? " " + std::to_string(all[q * k].item<int64_t>()) : "") +
+                (f == 0 ? " " + std::to_string(copies[q][0]) : "") +
                 ": every copy of a pipeline runs the same stages with the same experts' shapes "
                 "(data- and expert-parallel groups join ranks of one pipeline rank)");
+}
+
+/// This rank's parameters by name (a tensor given twice counts once).
+std::map<std::string, std::vector<torch::Tensor>> parameters_by_name(
+    const std::map<int, ChunkModule>& chunks) {
+  std::map<std::string, std::vector<torch::Tensor>> local;
+  for (const auto& [c, chunk] : chunks)
+    for (size_t i = 0; i < chunk.parameters.size(); ++i) {
+      const std::string name = chunk.names.empty()
+                                   ? "chunk" + std::to_string(c) + "." + std::to_string(i)
+                                   : chunk.names[i];
+      auto& list = local[name];
+      const auto& t = chunk.parameters[i];
+      bool seen = false;
+      for (const auto& u : list)
+        seen = seen || u.unsafeGetTensorImpl() == t.unsafeGetTensorImpl();
+      if (!seen) list.push_back(t);
+    }
+  return local;
 }
 
 }  // namespace
@@ -179,7 +200,7 @@ Pipeline::Pipeline(schedule::Schedule schedule, std::shared_ptr<distributed::Com
   if (group == nullptr) invalid("Pipeline: no group given");
   rank_ = group->rank();
   // What this rank can check alone; the ranks then agree (NOTE [Ranks agree
-  // on the pipeline] in executor.cpp) before the first collective that would
+  // on the pipeline] in agreement.cpp) before the first collective that would
   // wait for a rank that failed here.
   std::exception_ptr failed;
   distributed::PointToPoint how = distributed::PointToPoint::Auto;
@@ -243,23 +264,25 @@ Pipeline::Pipeline(schedule::Schedule schedule, std::shared_ptr<distributed::Com
   // A group of another size than the schedule cannot agree with it: the
   // error is the whole story, on every rank.
   if (failed && group->world_size() != schedule.num_ranks) std::rethrow_exception(failed);
-  {
-    // On the host, except where the group wants device tensors (NCCL); a
-    // device the rank could not use (its own error) is no place for it.
-    const torch::Device on =
-        options_.device.is_cuda() ? options_.device : torch::Device(torch::kCPU);
-    agree_on_the_pipeline(*distributed::for_device(group, on), schedule, options_.dtype, on, rank_,
-                          !failed);
-    // The copies agree too: a data-parallel group whose ranks ran other
-    // stages or schedules would mix their gradients, and an expert-parallel
-    // one (the same group) would wait in an all-to-all that a peer never
-    // starts (NOTE [The all-to-all in the backward] in hp/moe/all_to_all.h).
-    if (options_.dp) {
-      agree_on_the_pipeline(*distributed::for_device(options_.dp, on), schedule, options_.dtype, on,
-                            options_.dp->rank(), !failed);
-      if (!failed)
-        agree_on_the_copies(*distributed::for_device(options_.dp, on), on, rank_, chunks);
-    }
+  // One agreement over the group (and one over dp): NOTE [Ranks agree on
+  // the pipeline] in agreement.cpp. On the host, except where the group
+  // wants device tensors (NCCL); a device the rank could not use (its own
+  // error) is no place for it.
+  const torch::Device on = options_.device.is_cuda() ? options_.device : torch::Device(torch::kCPU);
+  const auto named = parameters_by_name(chunks);
+  const auto names_held =
+      agree_on_the_pipeline(*distributed::for_device(group, on), schedule, options_.dtype, on,
+                            rank_, !failed, {static_cast<int64_t>(named.size())});
+  // The copies agree too: a data-parallel group whose ranks ran other
+  // stages or schedules would mix their gradients, and an expert-parallel
+  // one (the same group) would wait in an all-to-all that a peer never
+  // starts (NOTE [The all-to-all in the backward] in hp/moe/all_to_all.h).
+  if (options_.dp) {
+    const auto mine = what_a_copy_holds(rank_, chunks);
+    const auto copies =
+        agree_on_the_pipeline(*distributed::for_device(options_.dp, on), schedule, options_.dtype,
+                              on, options_.dp->rank(), !failed, mine);
+    if (!failed) check_the_copies(copies, mine, rank_);
   }
   if (failed) std::rethrow_exception(failed);
 
@@ -328,8 +351,12 @@ Pipeline::Pipeline(schedule::Schedule schedule, std::shared_ptr<distributed::Com
   eo.cache_cpu_memory = options_.cache_cpu_memory;
   eo.fb_overlap = options_.fb_overlap;
   eo.defer_wgrad = options_.defer_wgrad;
-  executor_ = std::make_unique<Executor>(sched_, rank_, *stage_, comm_, std::move(eo));
-  learn_holders(chunks);
+  try {
+    executor_ = std::make_unique<Executor>(sched_, rank_, *stage_, comm_, std::move(eo));
+  } catch (...) {
+    failed = std::current_exception();
+  }
+  learn_holders(named, names_held, *distributed::for_device(group, on), on, failed);
 }
 
 Pipeline::~Pipeline() {
@@ -339,48 +366,38 @@ Pipeline::~Pipeline() {
   stage_.reset();
 }
 
-void Pipeline::learn_holders(const std::map<int, ChunkModule>& chunks) {
-  // This rank's tensors by name (a tensor given twice counts once).
-  std::map<std::string, std::vector<torch::Tensor>> local;
-  for (const auto& [c, chunk] : chunks)
-    for (size_t i = 0; i < chunk.parameters.size(); ++i) {
-      const std::string name = chunk.names.empty()
-                                   ? "chunk" + std::to_string(c) + "." + std::to_string(i)
-                                   : chunk.names[i];
-      auto& list = local[name];
-      const auto& t = chunk.parameters[i];
-      bool seen = false;
-      for (const auto& u : list)
-        seen = seen || u.unsafeGetTensorImpl() == t.unsafeGetTensorImpl();
-      if (!seen) list.push_back(t);
-    }
-  // Who holds what: every rank's name hashes, in one all-gather of a padded
-  // list (its length first).
-  const int n = comm_->world_size();
-  std::vector<int64_t> mine;
-  for (const auto& [name, list] : local)
-    mine.push_back(name_hash(name));
-  auto count = torch::tensor({static_cast<int64_t>(mine.size())}, torch::kLong);
-  std::vector<torch::Tensor> counts(n);
-  for (auto& t : counts)
-    t = torch::empty_like(count);
-  comm_->all_gather(counts, count);
+void Pipeline::learn_holders(const std::map<std::string, std::vector<torch::Tensor>>& local,
+                             const std::vector<std::vector<int64_t>>& counts,
+                             distributed::Comm& group, const torch::Device& on,
+                             std::exception_ptr failed) {
+  // Who holds what: every rank's name hashes, in one all-gather of a list
+  // padded to the longest (each rank's length came with the agreement),
+  // behind whether the rank made its executor (a peer that could not must
+  // not be waited for at the first step).
+  const int n = group.world_size();
   int64_t longest = 0;
-  for (const auto& t : counts)
-    longest = std::max(longest, t.item<int64_t>());
-  auto padded = torch::full({std::max<int64_t>(longest, 1)}, int64_t{-1}, torch::kLong);
-  std::copy(mine.begin(), mine.end(), padded.data_ptr<int64_t>());
-  std::vector<torch::Tensor> lists(n);
-  for (auto& t : lists)
-    t = torch::empty_like(padded);
-  comm_->all_gather(lists, padded);
+  for (const auto& c : counts)
+    longest = std::max(longest, c.at(0));
+  std::vector<int64_t> mine(static_cast<size_t>(longest) + 1, -1);
+  mine[0] = failed ? 1 : 0;
+  size_t k = 1;
+  for (const auto& [name, list] : local)
+    mine[k++] = name_hash(name);
+  const int64_t width = static_cast<int64_t>(mine.size());
+  auto all = torch::empty({n * width}, torch::TensorOptions().dtype(torch::kLong).device(on));
+  group.all_gather(all, torch::tensor(mine, torch::kLong).to(on));
+  all = all.cpu();
+  const int64_t* row = all.data_ptr<int64_t>();
+  if (failed) std::rethrow_exception(failed);
+  for (int r = 0; r < n; ++r)
+    if (row[r * width] != 0)
+      invalid("rank " + std::to_string(rank_) + ": rank " + std::to_string(r) +
+              " could not make its executor (its own error says why); no rank starts");
   std::map<int64_t, std::set<int>> by_hash;
-  for (int r = 0; r < n; ++r) {
-    const int64_t* h = lists[r].data_ptr<int64_t>();
-    for (int64_t k = 0; k < counts[r].item<int64_t>(); ++k)
-      by_hash[h[k]].insert(r);
-  }
-  for (auto& [name, list] : local) {
+  for (int r = 0; r < n; ++r)
+    for (int64_t j = 0; j < counts[r].at(0); ++j)
+      by_hash[row[r * width + 1 + j]].insert(r);
+  for (const auto& [name, list] : local) {
     const auto& ranks = by_hash.at(name_hash(name));
     holders_[name] = ranks;
     if (ranks.size() > 1 || list.size() > 1)
@@ -451,11 +468,17 @@ PipelineStep Pipeline::step() {
     scale_expert_gradients();
     sum_replica_gradients();
     // The loss (and the extra sum) over the pipeline's ranks, then the mean
-    // over the copies: one collective each.
+    // over the copies and the loss groups: one collective each.
     const double extra = options_.extra_sum ? options_.extra_sum() : 0.0;
     auto sums = torch::tensor({out.stats.loss_sum, extra}, torch::kFloat64);
     comm_->all_reduce(sums);
     if (options_.dp) options_.dp->all_reduce(sums, distributed::ReduceOp::Avg);
+    for (const auto& g : options_.loss_groups) {
+      // NCCL's groups (FSDP2's on GPUs) take device tensors.
+      auto t = g->backend_name() == "nccl" ? sums.to(options_.device) : sums;
+      g->all_reduce(t, distributed::ReduceOp::Avg);
+      sums = t.cpu();
+    }
     out.loss = sums[0].item<double>();
     out.extra = sums[1].item<double>();
     out.dp_exposed = reducer_ ? reducer_->exposed_seconds() : 0.0;

@@ -60,6 +60,11 @@ struct PipelineOptions {
   c10::intrusive_ptr<c10d::Store> failure_store;
   /// The data-parallel group across copies of this pipeline; null: none.
   std::shared_ptr<distributed::Comm> dp;
+  /// Further groups the step's loss (and extra sum) is averaged over, after
+  /// `dp`: groups whose ranks computed other microbatches while another owner
+  /// reduces their gradients (FSDP2's, NOTE [FSDP2 stages] in
+  /// python/hyperparallel/pipeline/fsdp2.py).
+  std::vector<std::shared_ptr<distributed::Comm>> loss_groups;
   /// Hooks around each (stage, microbatch)'s work, the caller's own.
   StageHooks hooks;
   /// Recompute sessions from I to W of each (stage, microbatch) (NOTE
@@ -139,7 +144,9 @@ class Pipeline {
   bool broken() const { return !broken_reason_.empty(); }
 
  private:
-  void learn_holders(const std::map<int, ChunkModule>& chunks);
+  void learn_holders(const std::map<std::string, std::vector<torch::Tensor>>& local,
+                     const std::vector<std::vector<int64_t>>& counts, distributed::Comm& group,
+                     const torch::Device& on, std::exception_ptr failed);
   void sum_replica_gradients();
   void clear_recompute_sessions();
   void scale_expert_gradients();
