@@ -461,6 +461,28 @@ ResumePlan plan_resume(const TrainConfig& c, const CheckpointFingerprint& fp) {
   return plan;
 }
 
+int agree_on_first_step(const TrainConfig& config, const CheckpointFingerprint& fingerprint,
+                        distributed::Comm& comm, std::unique_ptr<CheckpointLock>& lock) {
+  if (config.checkpoint_step >= 0 || config.checkpoint_dir.empty())
+    return std::max(config.checkpoint_step, 0);
+  const int rank = comm.rank();
+  if (rank == 0) lock = std::make_unique<CheckpointLock>(config.checkpoint_dir);
+  ResumePlan plan = plan_resume(config, fingerprint);
+  if (rank == 0)
+    for (const auto& note : plan.notes)
+      std::fprintf(stderr, "hp train: %s\n", note.c_str());
+  auto mine = torch::tensor({int64_t(plan.step)}, torch::kInt64);
+  std::vector<torch::Tensor> steps(comm.world_size());
+  for (auto& t : steps)
+    t = torch::empty_like(mine);
+  comm.all_gather(steps, mine);
+  for (int r = 0; r < comm.world_size(); ++r)
+    TORCH_CHECK(steps[r].item<int64_t>() == plan.step, "rank ", r, " would resume from step ",
+                steps[r].item<int64_t>(), " and rank ", rank, " from step ", plan.step,
+                ": the ranks do not see the same --checkpoint-dir");
+  return plan.step;
+}
+
 void save_checkpoint(const TrainConfig& c, const CheckpointFingerprint& fp, int step,
                      distributed::Comm& comm,
                      const std::map<std::string, std::vector<torch::Tensor>>& named,

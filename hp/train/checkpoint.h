@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -89,6 +90,16 @@ struct ResumePlan {
 /// mismatch throws naming the file and the option; a step at or past
 /// --steps throws. Reads every rank's file of the steps it examines.
 ResumePlan plan_resume(const TrainConfig& config, const CheckpointFingerprint& fingerprint);
+
+class CheckpointLock;
+
+/// Where a run starts, every rank of `comm` agreeing: --checkpoint-step when
+/// the launcher chose it, else plan_resume under rank 0's lock (kept in
+/// `lock` for the run), its notes printed by rank 0; throws on every rank
+/// whose peers would resume from another step. Collective over `comm`
+/// when it plans.
+int agree_on_first_step(const TrainConfig& config, const CheckpointFingerprint& fingerprint,
+                        distributed::Comm& comm, std::unique_ptr<CheckpointLock>& lock);
 
 /// Saves checkpoint `step` (steps done): this rank's parameters (`named`:
 /// model-wide name -> its copies on this rank; the first is saved) and the

@@ -1,6 +1,14 @@
-// Report and summary of a training run, from rank 0's TrainResult.
+// Report and summary of a training run: the last step's measurements
+// gathered on rank 0, the fit and simulation, the files.
 #include "hp/train/report.h"
+
+#include "hp/distributed/collectives.h"
+#include "hp/schedule/progress.h"
+#include "hp/schedule/render.h"
+#include "hp/schedule/simulate.h"
 #include "hp/schedule/text.h"
+#include "hp/train/checkpoint.h"
+#include "hp/train/stage_memory.h"
 
 #include <nlohmann/json.hpp>
 
@@ -18,7 +26,91 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+// Serialises measured events for the trip to rank 0.
+torch::Tensor pack_events(const std::vector<schedule::Event>& events) {
+  auto t = torch::empty({static_cast<int64_t>(events.size()), 7}, torch::kFloat64);
+  auto a = t.accessor<double, 2>();
+  for (size_t i = 0; i < events.size(); ++i) {
+    const auto& e = events[i];
+    a[i][0] = static_cast<double>(e.action.op);
+    a[i][1] = e.action.stage;
+    a[i][2] = e.action.microbatch;
+    a[i][3] = e.action.stage2;
+    a[i][4] = e.action.microbatch2;
+    a[i][5] = e.start;
+    a[i][6] = e.end;
+  }
+  return t;
+}
+
+void unpack_events(const torch::Tensor& t, int rank, std::vector<schedule::Event>& out) {
+  auto a = t.accessor<double, 2>();
+  for (int64_t i = 0; i < t.size(0); ++i) {
+    schedule::Event e;
+    e.rank = rank;
+    e.action.op = static_cast<schedule::Op>(static_cast<int>(a[i][0]));
+    e.action.stage = static_cast<int>(a[i][1]);
+    e.action.microbatch = static_cast<int>(a[i][2]);
+    e.action.stage2 = static_cast<int>(a[i][3]);
+    e.action.microbatch2 = static_cast<int>(a[i][4]);
+    e.start = a[i][5];
+    e.end = a[i][6];
+    out.push_back(e);
+  }
+}
+
 }  // namespace
+
+void gather_and_report(const TrainConfig& config, const schedule::Schedule& sched,
+                       const pipeline::StepStats& last, double peak_bytes,
+                       const std::vector<double>& stage_bytes, double comm_cost,
+                       distributed::Comm& comm, bool reporter, TrainResult& result) {
+  auto mine = torch::tensor(
+      {last.compute, last.comm_wait, last.overhead, peak_bytes, last.pair_hidden, last.pair_exposed,
+       double(last.deferred_w_in_waits), double(last.deferred_w_at_end)},
+      torch::kFloat64);
+  std::vector<torch::Tensor> all(comm.world_size());
+  for (auto& t : all)
+    t = torch::empty_like(mine);
+  comm.all_gather(all, mine);
+  auto events = distributed::gather_rows(comm, pack_events(last.events), 0);
+  if (comm.rank() != 0 || !reporter) return;
+  for (auto& t : all) {
+    result.rank_compute.push_back(t[0].item<double>());
+    result.rank_comm_wait.push_back(t[1].item<double>());
+    result.rank_overhead.push_back(t[2].item<double>());
+    result.rank_peak_bytes.push_back(t[3].item<double>());
+    result.rank_pair_hidden.push_back(t[4].item<double>());
+    result.rank_pair_exposed.push_back(t[5].item<double>());
+    result.rank_deferred_w_in_waits.push_back(static_cast<int>(t[6].item<double>()));
+    result.rank_deferred_w_at_end.push_back(static_cast<int>(t[7].item<double>()));
+  }
+  result.timeline.num_ranks = config.nproc;
+  result.timeline.title = config.schedule + " (measured, last step)";
+  for (int r = 0; r < config.nproc; ++r)
+    unpack_events(events[r], r, result.timeline.events);
+  auto measured = schedule::timeline_stats(result.timeline);
+  result.measured_bubble = measured.bubble_rate;
+  result.measured_makespan = measured.makespan;
+  result.stage_costs = schedule::costs_from_timeline(sched, result.timeline, comm_cost);
+  // NOTE [Memory measured against predicted] in stage_memory.cpp: the
+  // simulator's memory count under the measured bytes of every stage (they
+  // also land in the report's stage costs, as mem_b and mem_w in bytes).
+  if (!stage_bytes.empty()) set_stage_memory(result.stage_costs, stage_bytes);
+  auto sim = schedule::simulate(sched, result.stage_costs);
+  result.simulated_bubble = sim.bubble_rate;
+  result.simulated_makespan = sim.makespan;
+  if (!stage_bytes.empty()) predict_rank_memory(sched, stage_bytes, sim, result);
+  if (!config.trace.empty()) {
+    // The renderers read one time unit as one millisecond.
+    schedule::Timeline ms = result.timeline;
+    for (auto& e : ms.events)
+      e.start *= 1e3, e.end *= 1e3;
+    write_file_atomically(config.trace, schedule::render_chrome_trace(ms));
+    write_file_atomically(config.trace + ".svg", schedule::render_svg(ms));
+  }
+  if (!config.report.empty()) write_report(config, result, config.report);
+}
 
 std::string report_json(const TrainConfig& c, const TrainResult& r) {
   nlohmann::json j;

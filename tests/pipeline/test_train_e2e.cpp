@@ -513,7 +513,7 @@ TEST(TrainEndToEndFailures, BadConfigurationFailsBeforeAnyRankStarts) {
 
 }  // namespace
 
-// NOTE [Memory measured against predicted] (hp/train/trainer.cpp): every
+// NOTE [Memory measured against predicted] (hp/train/stage_memory.cpp): every
 // rank's measured peak activation memory against the simulator's count under
 // the stage bytes the run measured, in units of one microbatch's activations
 // on that rank. The simulator counts between ops, so it is a lower bound; the
