@@ -64,9 +64,10 @@ def rank_main(rank: int, world: int, store_path: str, args, out: str) -> None:
         loss = hp.pipeline._LossOfMicrobatch(models.gpt_loss)
         fwd = {c: (lambda mod: lambda x, mb, stage: mod(x))(mod) for c, mod in chunks.items()}
         params = {c: [q for q in mod.parameters()] for c, mod in chunks.items()}
+        options = _C.pipeline.PipelineOptions()
+        options.cache_cpu_memory, options.recompute_sessions = True, sched.has_split
         rt = _C.pipeline.Runtime(sched, dist.group.WORLD, fwd, params, loss, tuple(shape),
-                                 torch.float32, torch.device("cpu"), 300.0, None, 0, "auto",
-                                 True, {}, sched.has_split, None)
+                                 options)
 
         def step(x, y, w):
             loss.targets = list(y.chunk(m))

@@ -143,37 +143,36 @@ Held held(py::object o) {
 /// step's Python inputs into the executor's.
 class Runtime {
  public:
+  /// `options` holds the Pipeline's plain options (device, dtype, p2p, ...;
+  /// PipelineOptions as bound below); the rest are what Python gives and C++
+  /// turns into them: groups, stores and callables.
   Runtime(const schedule::Schedule& sched, const py::object& group,
           const std::map<int, py::object>& chunk_forward,
           const std::map<int, std::vector<torch::Tensor>>& chunk_parameters, py::object loss,
-          py::object activation_shape, py::object dtype, py::object device, double timeout_s,
-          const py::object& dp_group, int receive_lookahead, const std::string& p2p,
-          bool cache_cpu_memory,
-          const std::map<int, std::vector<torch::Tensor>>& chunk_dp_parameters = {},
-          bool recompute_sessions = false, py::object extra_sum = py::none(),
-          const py::object& failure_store = py::none(), py::object gradient_numel = py::none(),
-          const std::map<int, std::vector<torch::Tensor>>& chunk_expert_parameters = {},
-          const py::object& dp_failure_store = py::none(), bool fb_overlap = false) {
-    distributed::CommOptions options;
-    options.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+          py::object activation_shape, pipeline::PipelineOptions options, double timeout_s,
+          const py::object& dp_group,
+          const std::map<int, std::vector<torch::Tensor>>& chunk_dp_parameters,
+          py::object extra_sum, const py::object& failure_store, py::object gradient_numel,
+          const std::map<int, std::vector<torch::Tensor>>& chunk_expert_parameters,
+          const py::object& dp_failure_store, const std::vector<py::object>& loss_groups,
+          const std::map<int, std::vector<std::string>>& chunk_parameter_names) {
+    distributed::CommOptions comm_options;
+    comm_options.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
     auto pg = process_group_of(group);
-    auto borrowed = distributed::Comm::from_process_group(pg, options);
-    pipeline::PipelineOptions po;
+    auto borrowed = distributed::Comm::from_process_group(pg, comm_options);
+    pipeline::PipelineOptions po = std::move(options);
     po.failure_store =
         failure_store_of(failure_store, *pg);  // NOTE [The failure store of a Pipeline]
-    po.device = device.is_none() ? torch::Device(torch::kCPU) : device.cast<torch::Device>();
-    po.dtype = dtype.cast<c10::ScalarType>();
-    po.p2p = p2p;
     if (!dp_group.is_none()) {
       // NOTE [A failure reaches the expert-parallel peers] in bind_moe.cpp.
       auto dp_pg = process_group_of(dp_group);
-      po.dp = distributed::with_failure_store(distributed::Comm::from_process_group(dp_pg, options),
-                                              group_failure_store(dp_failure_store, *dp_pg));
+      po.dp = distributed::with_failure_store(
+          distributed::Comm::from_process_group(dp_pg, comm_options),
+          group_failure_store(dp_failure_store, *dp_pg));
     }
-    po.recompute_sessions = recompute_sessions;
-    po.receive_lookahead = receive_lookahead;
-    po.cache_cpu_memory = cache_cpu_memory;
-    po.fb_overlap = fb_overlap;  // NOTE [Overlapped pairs] in hp/pipeline/overlap.cpp
+    for (const auto& g : loss_groups)
+      po.loss_groups.push_back(
+          distributed::Comm::from_process_group(process_group_of(g), comm_options));
     po.link = link_from_environment();
     // NOTE [One GIL hold per forward]
     // A forward calls Python once (the stage) or twice (and the loss), and
@@ -237,6 +236,10 @@ class Runtime {
       // Expert parallelism's shards: NOTE [Expert gradients] in hp/pipeline/pipeline.cpp.
       auto experts = chunk_expert_parameters.find(c);
       if (experts != chunk_expert_parameters.end()) mod.expert_parameters = experts->second;
+      // Parameters held under one name on several ranks are summed over them
+      // (NOTE [Parameters shared by chunks] in python/hyperparallel/split_model.py).
+      auto names = chunk_parameter_names.find(c);
+      if (names != chunk_parameter_names.end()) mod.names = names->second;
       chunks.emplace(c, std::move(mod));
     }
     auto stage_loss = [loss_fn = held(loss)](const torch::Tensor& out, int mb) {
@@ -370,38 +373,39 @@ void bind_pipeline(py::module_& m) {
           "hp/core/memory.cpp).");
   sub.def("empty_cpu_cache", &empty_step_cache,
           "Hands every free block of the step cache back to malloc.");
+  // The Pipeline's plain options, said once: hp/pipeline/pipeline.h has
+  // what each means.
+  py::class_<pipeline::PipelineOptions>(sub, "PipelineOptions")
+      .def(py::init<>())
+      .def_readwrite("device", &pipeline::PipelineOptions::device)
+      .def_readwrite("dtype", &pipeline::PipelineOptions::dtype)
+      .def_readwrite("p2p", &pipeline::PipelineOptions::p2p)
+      .def_readwrite("recompute_sessions", &pipeline::PipelineOptions::recompute_sessions)
+      .def_readwrite("prefetch_recompute", &pipeline::PipelineOptions::prefetch_recompute)
+      .def_readwrite("receive_lookahead", &pipeline::PipelineOptions::receive_lookahead)
+      .def_readwrite("cache_cpu_memory", &pipeline::PipelineOptions::cache_cpu_memory)
+      .def_readwrite("fb_overlap", &pipeline::PipelineOptions::fb_overlap)
+      .def_readwrite("defer_wgrad", &pipeline::PipelineOptions::defer_wgrad);
   py::class_<Runtime>(sub, "Runtime")
-      .def(py::init([](const schedule::Schedule& sched, const py::object& group,
-                       const std::map<int, py::object>& forward,
-                       const std::map<int, std::vector<torch::Tensor>>& parameters, py::object loss,
-                       py::object shape, py::object dtype, py::object device, double timeout_s,
-                       const py::object& dp_group, int receive_lookahead, const std::string& p2p,
-                       bool cache_cpu_memory,
-                       const std::map<int, std::vector<torch::Tensor>>& dp_parameters,
-                       bool recompute_sessions, py::object extra_sum,
-                       const py::object& failure_store, py::object gradient_numel,
-                       const std::map<int, std::vector<torch::Tensor>>& expert_parameters,
-                       const py::object& dp_failure_store, bool fb_overlap) {
-             try {
-               return std::make_unique<Runtime>(
-                   sched, group, forward, parameters, loss, shape, dtype, device, timeout_s,
-                   dp_group, receive_lookahead, p2p, cache_cpu_memory, dp_parameters,
-                   recompute_sessions, extra_sum, failure_store, gradient_numel, expert_parameters,
-                   dp_failure_store, fb_overlap);
-             } catch (const std::invalid_argument& e) {
-               throw py::value_error(e.what());
-             }
-           }),
+      .def(py::init<const schedule::Schedule&, const py::object&, const std::map<int, py::object>&,
+                    const std::map<int, std::vector<torch::Tensor>>&, py::object, py::object,
+                    pipeline::PipelineOptions, double, const py::object&,
+                    const std::map<int, std::vector<torch::Tensor>>&, py::object, const py::object&,
+                    py::object, const std::map<int, std::vector<torch::Tensor>>&, const py::object&,
+                    const std::vector<py::object>&,
+                    const std::map<int, std::vector<std::string>>&>(),
+           // std::invalid_argument (a bad option) reaches Python as ValueError.
            py::arg("schedule"), py::arg("group"), py::arg("chunk_forward"),
            py::arg("chunk_parameters"), py::arg("loss"), py::arg("activation_shape"),
-           py::arg("dtype"), py::arg("device") = py::none(), py::arg("timeout_s") = 300.0,
-           py::arg("dp_group") = py::none(), py::arg("receive_lookahead") = 0,
-           py::arg("p2p") = "auto", py::arg("cache_cpu_memory") = false,
+           py::arg("options"), py::kw_only(), py::arg("timeout_s") = 300.0,
+           py::arg("dp_group") = py::none(),
            py::arg("chunk_dp_parameters") = std::map<int, std::vector<torch::Tensor>>{},
-           py::arg("recompute_sessions") = false, py::arg("extra_sum") = py::none(),
-           py::arg("failure_store") = py::none(), py::arg("gradient_numel") = py::none(),
+           py::arg("extra_sum") = py::none(), py::arg("failure_store") = py::none(),
+           py::arg("gradient_numel") = py::none(),
            py::arg("chunk_expert_parameters") = std::map<int, std::vector<torch::Tensor>>{},
-           py::arg("dp_failure_store") = py::none(), py::arg("fb_overlap") = false)
+           py::arg("dp_failure_store") = py::none(),
+           py::arg("loss_groups") = std::vector<py::object>{},
+           py::arg("chunk_parameter_names") = std::map<int, std::vector<std::string>>{})
       .def("step", &Runtime::step, py::arg("inputs"),
            "Runs one step of this rank's actions; returns the loss and timings.")
       .def("abandon", &Runtime::abandon, py::arg("why"),

@@ -81,7 +81,10 @@ _TITAN_MODELS = (("torchtitan.models.llama3.model.model", "Transformer"),)
 # copy, equal at the start (every rank builds the model from one seed), and
 # the Pipeline sums the copies' gradients over their ranks after each step,
 # in rank order, so the copies get the same bits and stay equal: the
-# gradient one process computes (_SharedGradients, below).
+# gradient one process computes. The C++ Pipeline does the sum, as for any
+# parameter held under one name on several ranks (the runtime names each
+# shared parameter by its model-wide name: _parameter_names in
+# pipeline/runtime.py).
 _Unit = Tuple[str, nn.Module, str]
 
 
@@ -519,69 +522,3 @@ def _chunk_ranks(schedule) -> Dict[int, set]:
     for st, c in enumerate(schedule.stage_chunk):
         ranks.setdefault(c, set()).add(schedule.stage_rank[st])
     return ranks
-
-
-class _SharedGradients:
-    """The Pipeline's sums of parameters that chunks of several ranks share
-    (NOTE [Parameters shared by chunks]): read from the chunks'
-    ``shared_parameters`` (split_model's ModelChunk), no communication until
-    ``sum()`` after each step."""
-
-    def __init__(self, chunks, schedule, group, timeout: float = 300.0):
-        self.group, self.timeout = group, timeout
-        ranks_of = _chunk_ranks(schedule)
-        found: Dict[str, Tuple[List[int], List[torch.Tensor]]] = {}
-        for mod in chunks.values():
-            shared = getattr(mod, "shared_parameters", None)
-            if not shared:
-                continue
-            named = dict(mod.named_model_parameters())
-            for name, holders in shared.items():
-                sets = [ranks_of.get(c, set()) for c in holders]
-                if all(s == sets[0] for s in sets):
-                    continue  # on one rank, or replicas the runtime sums (DualPipe)
-                ranks, local = found.setdefault(name, (sorted(set().union(*sets)), []))
-                if not any(q is named[name] for q in local):
-                    local.append(named[name])
-        self.work = [(n, *found[n]) for n in sorted(found)]
-
-    def __bool__(self) -> bool:
-        return bool(self.work)
-
-    def sum(self) -> None:
-        """Every holder's gradient becomes the sum over the holders, added in
-        rank order by the lowest and sent back (the same bits everywhere)."""
-        import datetime
-
-        import torch.distributed as dist
-
-        me = self.group.rank()
-        limit = datetime.timedelta(seconds=self.timeout)
-
-        def wait(work, name, peer):
-            try:
-                work.wait(limit)
-            except RuntimeError as e:
-                raise RuntimeError(
-                    f"rank {me}: the sum of the shared parameter {name}'s gradient with rank "
-                    f"{peer} did not end within {self.timeout} s (the Pipeline's timeout): {e}"
-                ) from e
-
-        for name, ranks, local in self.work:
-            grads = [q.grad if q.grad is not None else torch.zeros_like(q) for q in local]
-            g = grads[0] if len(grads) == 1 else torch.stack(grads).sum(0)
-            g = g.contiguous()
-            if me == ranks[0]:
-                total = g
-                for r in ranks[1:]:
-                    buf = torch.empty_like(g)
-                    wait(dist.irecv(buf, group=self.group, group_src=r), name, r)
-                    total = total + buf
-                for r in ranks[1:]:
-                    wait(dist.isend(total, group=self.group, group_dst=r), name, r)
-            else:
-                wait(dist.isend(g, group=self.group, group_dst=ranks[0]), name, ranks[0])
-                total = torch.empty_like(g)
-                wait(dist.irecv(total, group=self.group, group_src=ranks[0]), name, ranks[0])
-            for q in local:
-                q.grad = total if len(local) == 1 else total.clone()

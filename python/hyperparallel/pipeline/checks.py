@@ -83,11 +83,14 @@ def _all_gather_bytes(group, data: bytes, device: torch.device, timeout: float,
 # its Pipeline (one at a time, in the same order), as every rank of a
 # torchrun job does. A pipeline over a group torch.distributed did not make
 # (no world) agrees over its groups in turn, as before.
-def _agree(groups, error: Optional[str], device: torch.device, timeout: float) -> None:
+def _agree(groups, error: Optional[str], device: torch.device, timeout: float,
+           extra=None) -> Optional[list]:
     """Raises on every rank when any rank has an `error`, or when a rank uses
     a group (`groups`: [(what it is for, group)], the pipeline's group first)
     that one of its members does not (NOTE [Ranks agree on their
-    compositions])."""
+    compositions]). Over torch.distributed's world, the same exchange carries
+    `extra` (anything picklable): returns every world rank's, by rank; None
+    where the ranks met over their groups instead."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         me = dist.get_rank()
         listed = []
@@ -95,8 +98,8 @@ def _agree(groups, error: Optional[str], device: torch.device, timeout: float) -
             if g is not None and g.size() > 1 and (what, _group_ranks(g)) not in listed:
                 listed.append((what, _group_ranks(g)))
         try:
-            got = _all_gather_bytes(dist.group.WORLD, pickle.dumps((error, listed)), device,
-                                    timeout, "the Pipeline's check of its compositions")
+            got = _all_gather_bytes(dist.group.WORLD, pickle.dumps((error, listed, extra)),
+                                    device, timeout, "the Pipeline's check of its compositions")
         except RuntimeError as e:
             raise RuntimeError(
                 f"rank {me}: the ranks of torch.distributed's world did not all reach the "
@@ -106,11 +109,11 @@ def _agree(groups, error: Optional[str], device: torch.device, timeout: float) -
         views = [pickle.loads(b) for b in got]
         if error:
             raise ValueError(error)
-        for r, (err, _) in enumerate(views):
+        for r, (err, _, _) in enumerate(views):
             if err:
                 raise ValueError(f"rank {r} refused this Pipeline: {err} (every rank stops "
                                  "with it, before the first step)")
-        for r, (_, used) in enumerate(views):
+        for r, (_, used, _) in enumerate(views):
             for what, ranks in used:
                 if ranks[0] < 0:
                     continue  # a group torch.distributed does not know
@@ -124,7 +127,7 @@ def _agree(groups, error: Optional[str], device: torch.device, timeout: float) -
                             "all use it. The copies of a pipeline are built alike: "
                             "fully_shard the chunks of every data-parallel copy or of none, "
                             "and give every copy the same dp_group and tensor-parallel layers")
-        return
+        return [x for _, _, x in views]
     uniq = {}
     groups = [g for _, g in groups]
     pp = set(_group_ranks(groups[0])) if groups and groups[0] is not None else set()
@@ -138,7 +141,7 @@ def _agree(groups, error: Optional[str], device: torch.device, timeout: float) -
     if not uniq:
         if error:
             raise ValueError(error)
-        return
+        return None
     flag = torch.tensor([1.0 if error else 0.0], dtype=torch.float64,
                         device=device if device.type == "cuda" else torch.device("cpu"))
     order = [uniq[k] for k in sorted(uniq)]
@@ -160,6 +163,7 @@ def _agree(groups, error: Optional[str], device: torch.device, timeout: float) -
         raise ValueError(
             "a rank of the pipeline's groups refused this Pipeline (its error says why); "
             "every rank stops with it, before the first step")
+    return None
 
 
 def _is_compiled(fn) -> bool:

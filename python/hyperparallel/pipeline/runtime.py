@@ -39,7 +39,6 @@ import torch.distributed as dist
 
 from .. import _C
 from ..losses import _AuxiliarySum, _LossOfMicrobatch
-from ..split_model import _SharedGradients
 from .checks import (
     _CheckpointCounter,
     _agree,
@@ -47,9 +46,9 @@ from .checks import (
     _allreduce_max,
     _compiled_step_context,
     _composition_error,
+    _group_ranks,
     _groups_to_agree_on,
     _is_expert,
-    _wait,
 )
 from .fsdp2 import _Fsdp2Stages
 from .helpers import PipelineSchedule
@@ -143,6 +142,22 @@ def _forwards_and_parameters(chunks, parameters):
         else:
             params[c] = []
     return forward, params
+
+
+def _parameter_names(chunks, params) -> Dict[int, List[str]]:
+    """Names of the chunks' parameters for the C++ Pipeline, which sums the
+    gradient of a name held on several ranks over them (NOTE [Parameters
+    shared by chunks] in split_model.py): a parameter that split_model's
+    chunks share (a tied head) goes by its model-wide name, every other by
+    chunk and position, as the Pipeline names what it is not told."""
+    names: Dict[int, List[str]] = {}
+    for c, ps in params.items():
+        shared = getattr(chunks[c], "shared_parameters", None)
+        if not shared:
+            continue
+        by_id = {id(q): n for n, q in chunks[c].named_model_parameters() if n in shared}
+        names[c] = [by_id.get(id(q), f"chunk{c}.{i}") for i, q in enumerate(ps)]
+    return names
 
 
 def _dtype_and_device(dtype, device, first, keep_freed_memory):
@@ -292,10 +307,14 @@ class Pipeline:
             forward[c] = _StageForward(forward[c], self._aux, self._kwargs,
                                        _accepted_kwargs(chunks[c]))
         first = next((q for ps in params.values() for q in ps), None)
-        _agree(agree_on, error,
-               torch.device(device) if device is not None else
-               (first.device if first is not None else torch.device("cpu")),
-               float(timeout))
+        # The same exchange tells every rank which keyword arguments the
+        # chunks of the others take (a step's unknown key is a mistake).
+        accepts = [_accepted_kwargs(chunks[c]) for c in chunks]
+        accepted = None if any(a is None for a in accepts) else sorted(set().union(*accepts))
+        everyone = _agree(agree_on, error,
+                          torch.device(device) if device is not None else
+                          (first.device if first is not None else torch.device("cpu")),
+                          float(timeout), extra=accepted)
         dp_params: Dict[int, List[torch.Tensor]] = {}
         self._fsdp = fsdp if fsdp else None
         # The first step of a split schedule looks for torch.utils.checkpoint
@@ -321,19 +340,16 @@ class Pipeline:
         for f in forward.values():
             f.schedule, f.last_outputs = schedule, self._loss.last_outputs
         self.schedule = schedule
-        # Parameters that chunks of several ranks share (tied embeddings):
-        # summed over their holders after each step (NOTE [Parameters shared
-        # by chunks] in split_model.py).
-        self._shared = _SharedGradients(chunks, schedule, group, float(timeout))
-        self._runtime = self._make_runtime(schedule, group, forward, params, shape, dtype, device,
-                                           timeout, dp_group, receive_lookahead, p2p,
+        self._runtime = self._make_runtime(schedule, group, forward, params,
+                                           _parameter_names(chunks, params), shape, dtype,
+                                           device, timeout, dp_group, receive_lookahead, p2p,
                                            keep_freed_memory, dp_params, split, fb_overlap)
         self.rank = self._runtime.rank
         self._loss.rank = self.rank
         self._group, self._timeout = group, float(timeout)
         self._broken: Optional[str] = None  # why this rank left a step (NOTE [Arguments of a step])
         self._kw_fp: Optional[int] = None  # the last agreed step's keyword arguments
-        self._known_kwargs = self._exchange_accepted_kwargs(chunks, group)
+        self._known_kwargs = self._accepted_by_the_pipeline(accepted, everyone, group)
         #: The point-to-point in use on this rank: "shm" (rings beside the group
         #: to the ranks of its host that it exchanges with) or "group".
         self.p2p = "shm" if self._runtime.backend.endswith("+shm") else "group"
@@ -345,11 +361,16 @@ class Pipeline:
             )
         self.last_stats: Dict[str, object] = {}
 
-    def _make_runtime(self, schedule, group, forward, params, shape, dtype, device, timeout,
+    def _make_runtime(self, schedule, group, forward, params, names, shape, dtype, device, timeout,
                       dp_group, receive_lookahead, p2p, keep_freed_memory, dp_params, split,
                       fb_overlap):
         """The C++ pipeline (``_C.pipeline.Runtime``) over this rank's stage
         forwards, weights, loss and shapes."""
+        options = _C.pipeline.PipelineOptions()
+        options.dtype, options.device, options.p2p = dtype, device, p2p
+        options.receive_lookahead, options.cache_cpu_memory = receive_lookahead, keep_freed_memory
+        options.recompute_sessions, options.fb_overlap = split, fb_overlap
+        store_of = dist.distributed_c10d._world.pg_map.get
         return _C.pipeline.Runtime(
             schedule,
             group,
@@ -357,35 +378,34 @@ class Pipeline:
             params,
             self._loss,
             shape,
-            dtype,
-            device,
-            float(timeout),
-            dp_group,
-            receive_lookahead,
-            p2p,
-            keep_freed_memory,
-            dp_params,
-            split,
-            self._aux.take,
-            failure_store=dist.distributed_c10d._world.pg_map.get(group, (None, None))[1],
+            options,
+            timeout_s=float(timeout),
+            dp_group=dp_group,
+            chunk_dp_parameters=dp_params,
+            extra_sum=self._aux.take,
+            failure_store=store_of(group, (None, None))[1],
             gradient_numel=None if self._finder is None else self._finder.gradient_numel,
             chunk_expert_parameters={c: [q for q in ps if _is_expert(q)] for c, ps in params.items()},
-            dp_failure_store=None if dp_group is None else
-            dist.distributed_c10d._world.pg_map.get(dp_group, (None, None))[1],
-            fb_overlap=fb_overlap,
+            chunk_parameter_names=names,
+            dp_failure_store=None if dp_group is None else store_of(dp_group, (None, None))[1],
+            # The step's loss (and auxiliary losses): the mean over FSDP2's
+            # data-parallel ranks too, in the C++ step.
+            loss_groups=self._loss_groups,
         )
 
-    def _exchange_accepted_kwargs(self, chunks, group) -> Optional[frozenset]:
+    def _accepted_by_the_pipeline(self, mine, everyone, group) -> Optional[frozenset]:
         """The keyword arguments some chunk of the pipeline takes, on any rank
-        (None: one takes any): a step's key outside them is a mistake."""
-        accepts = [_accepted_kwargs(chunks[c]) for c in chunks]
-        mine = None if any(a is None for a in accepts) else sorted(set().union(*accepts))
-        if group.size() > 1:
+        (None: one takes any): from the composition check's exchange over the
+        world (`everyone`, by world rank), else from one over `group`."""
+        ranks = _group_ranks(group)
+        if group.size() == 1:
+            every = [mine]
+        elif everyone is not None and ranks[0] >= 0:
+            every = [everyone[r] for r in ranks]
+        else:
             every = [pickle.loads(b) for b in _all_gather_bytes(
                 group, pickle.dumps(mine), self._loss_device, self._timeout,
                 f"rank {self.rank}: the Pipeline's exchange of its stages' keyword arguments")]
-        else:
-            every = [mine]
         return (None if any(e is None for e in every)
                 else frozenset().union(*map(frozenset, every)))
 
@@ -562,8 +582,6 @@ class Pipeline:
                 if self._step_context is not None:
                     scope.enter_context(self._step_context())
                 stats = self._runtime.step(ins)
-                if self._shared:
-                    self._shared.sum()
             ok = True
         finally:
             self._loss.targets = []
@@ -585,16 +603,6 @@ class Pipeline:
                     RuntimeWarning,
                     stacklevel=2,
                 )
-        if self._loss_groups:
-            # The step's loss (and auxiliary losses): the mean over FSDP2's
-            # data-parallel ranks too.
-            sums = torch.tensor([stats["loss"], stats["extra"]], dtype=torch.float64,
-                                device=self._loss_device)
-            for g in self._loss_groups:
-                _wait(g.allreduce([sums]), self._timeout,
-                      f"rank {self.rank}: the step's loss over FSDP2's data-parallel ranks")
-                sums /= g.size()
-            stats["loss"], stats["extra"] = sums.tolist()
         # NOTE [Auxiliary losses]: their mean over microbatches, every rank's.
         stats["aux_loss"] = stats.pop("extra")
         self.last_stats = stats
