@@ -10,7 +10,9 @@ For README.md and every docs/*.md:
   (hp/, python/, tests/, bench/, scripts/, tools/, examples/, cmake/ and the
   top CMakeLists.txt: *.h, *.cpp, *.py, *.sh, *.cmake, CMakeLists.txt);
 - every cell of a markdown table is at most 500 characters (the long why
-  belongs in the code's NOTEs, which a cell can name);
+  belongs in the code's NOTEs, which a cell can name), and no line of text
+  follows a table's last row directly (markdown would make it one more row:
+  the rest of a cell continued below its table);
 - every relative link ``[text](path)`` points to a file or folder that
   exists, and where it names an ``#anchor`` in a markdown file, a heading
   of that file makes that anchor.
@@ -188,8 +190,8 @@ def broken_note_references():
                 where = ", ".join(named[:4]) + (f" and {len(named) - 4} more" if len(named) > 4 else "")
                 broken.append(f"{doc}:{line}: {needle} in {path}: not in {where}")
         elif not any(needle in normalized(f) for f in code):
-            broken.append(f"{doc}:{line}: {needle}: in no file of {', '.join(CODE_DIRS)}/ "
-                          "or CMakeLists.txt")
+            broken.append(f"{doc}:{line}: {needle}: in no file of "
+                          f"{', '.join(d + '/' for d in CODE_DIRS)} or CMakeLists.txt")
     return broken
 
 
@@ -242,6 +244,18 @@ def long_table_cells():
                     long.append(f"{doc}:{n}: cell {k} has {len(cell)} characters "
                                 f"(at most {CELL_LIMIT}): {cell[:60]}...")
     return long
+
+
+def rows_continued_below():
+    """Lines of text directly under a table row: markdown reads them as rows."""
+    found = []
+    for doc in doc_files():
+        lines = without_fences(read(doc)).split("\n")
+        for n in range(1, len(lines)):
+            if (lines[n - 1].lstrip().startswith("|") and lines[n].strip()
+                    and not lines[n].lstrip().startswith("|")):
+                found.append(f"{doc}:{n + 1}: {lines[n].strip()[:70]}")
+    return found
 
 
 # ---------------------------------------------------------------- links
@@ -328,6 +342,12 @@ def test_table_cells_are_short():
     assert not long, (f"{len(long)} table cell(s) over {CELL_LIMIT} characters (move the text "
                       "into a paragraph after the table, or name the NOTE that holds it):\n"
                       + "\n".join(long))
+
+
+def test_tables_end_before_the_text_below():
+    found = rows_continued_below()
+    assert not found, (f"{len(found)} line(s) of text directly under a table (a blank line "
+                       "after the table, or the text into its cell):\n" + "\n".join(found))
 
 
 def test_relative_links_resolve():
