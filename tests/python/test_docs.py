@@ -10,9 +10,9 @@ For README.md and every docs/*.md:
   (hp/, python/, tests/, bench/, scripts/, tools/, examples/, cmake/ and the
   top CMakeLists.txt: *.h, *.cpp, *.py, *.sh, *.cmake, CMakeLists.txt);
 - every cell of a markdown table is at most 500 characters (the long why
-  belongs in the code's NOTEs, which a cell can name), and no line of text
-  follows a table's last row directly (markdown would make it one more row:
-  the rest of a cell continued below its table);
+  belongs in the code's NOTEs, which a cell can name), and no row is
+  continued below its table (a line of text directly under the last row,
+  which markdown makes one more row, or a "**...** (continued):" paragraph);
 - every relative link ``[text](path)`` points to a file or folder that
   exists, and where it names an ``#anchor`` in a markdown file, a heading
   of that file makes that anchor.
@@ -247,7 +247,8 @@ def long_table_cells():
 
 
 def rows_continued_below():
-    """Lines of text directly under a table row: markdown reads them as rows."""
+    """Lines of text directly under a table row (markdown reads them as rows),
+    and a row's text carried on below the table ("**`--dp D`** (continued):")."""
     found = []
     for doc in doc_files():
         lines = without_fences(read(doc)).split("\n")
@@ -255,6 +256,9 @@ def rows_continued_below():
             if (lines[n - 1].lstrip().startswith("|") and lines[n].strip()
                     and not lines[n].lstrip().startswith("|")):
                 found.append(f"{doc}:{n + 1}: {lines[n].strip()[:70]}")
+            elif re.match(r"\s*\*\*[^*]+\*\*\s*\(continued\)", lines[n]):
+                found.append(f"{doc}:{n + 1}: a row continued below its table: "
+                             f"{lines[n].strip()[:50]}")
     return found
 
 
@@ -346,8 +350,9 @@ def test_table_cells_are_short():
 
 def test_tables_end_before_the_text_below():
     found = rows_continued_below()
-    assert not found, (f"{len(found)} line(s) of text directly under a table (a blank line "
-                       "after the table, or the text into its cell):\n" + "\n".join(found))
+    assert not found, (f"{len(found)} table row(s) continued below their table (a blank line "
+                       "after the table, the text into a short cell or a paragraph of its "
+                       "own):\n" + "\n".join(found))
 
 
 def test_relative_links_resolve():
