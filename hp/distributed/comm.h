@@ -388,7 +388,7 @@ std::shared_ptr<Comm> with_host_staging(std::shared_ptr<Comm> inner,
 
 /// `comm` as it must be to carry tensors on `device`: itself on the CPU or
 /// over NCCL, else staged through host memory (`with_host_staging`; NOTE
-/// [Ranks on devices] in hp/train/trainer.cpp).
+/// [Ranks on devices] in hp/train/config.cpp).
 std::shared_ptr<Comm> for_device(std::shared_ptr<Comm> comm, const c10::Device& device);
 
 // NOTE [A failed step reaches the peers]

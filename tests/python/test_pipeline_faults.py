@@ -1,7 +1,7 @@
 """A failure on one rank ends the step on every rank, quickly and by name,
 even when the failed rank's process lives on (NOTE [A failed step reaches the
 peers] and NOTE [Signals during a wait] in hp/distributed/comm.h; NOTE [Ranks
-agree on the pipeline] in hp/pipeline/executor.cpp). Real processes started
+agree on the pipeline] in hp/pipeline/agreement.cpp). Real processes started
 as torchrun starts them, over the default p2p (shared-memory rings) and,
 for a failed step, over the group's own point-to-point."""
 
