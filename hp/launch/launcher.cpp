@@ -350,6 +350,10 @@ LaunchResult launch_local(const LaunchOptions& o) {
   int sent_signal = 0;
   while (left > 0) {
     bool reaped = false;
+    // NOTE [The first failure of a sweep]: a rank killed by a signal and a
+    // peer that exited with an error because of it (its connection reset)
+    // are often reaped in the same sweep; the killed one is the cause.
+    int sweep_failed = -1;
     for (int r = 0; r < o.nproc; ++r) {
       if (!running[r]) continue;
       int status = 0;
@@ -369,10 +373,14 @@ LaunchResult launch_local(const LaunchOptions& o) {
                                                              : RankStatus::State::Signaled;
       }
       if (!st.ok() && result.first_failed_rank < 0 && result.interrupted_by == 0 &&
-          !result.run_timed_out) {
-        result.first_failed_rank = r;
-        grace_deadline = std::min(grace_deadline, Clock::now() + o.timeout);
-      }
+          !result.run_timed_out &&
+          (sweep_failed < 0 || (st.state == RankStatus::State::Signaled &&
+                                result.ranks[sweep_failed].state != RankStatus::State::Signaled)))
+        sweep_failed = r;
+    }
+    if (sweep_failed >= 0) {
+      result.first_failed_rank = sweep_failed;
+      grace_deadline = std::min(grace_deadline, Clock::now() + o.timeout);
     }
     if (left == 0) break;
     // A stopped rank (SIGSTOP, Ctrl-Z) can neither go on nor handle SIGTERM:
