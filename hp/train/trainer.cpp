@@ -13,13 +13,9 @@
 #include <cstdlib>
 
 #include <algorithm>
-#include <array>
 #include <chrono>
 #include <cstdio>
-#include <filesystem>
-#include <fstream>
 #include <set>
-#include <sstream>
 #include <stdexcept>
 
 #include "hp/core/memory.h"
@@ -30,11 +26,6 @@
 #include "hp/pipeline/pipeline.h"
 #include "hp/pipeline/stage.h"
 #include "hp/recompute/checkpoint.h"
-#include "hp/schedule/cost_file.h"
-#include "hp/schedule/generators.h"
-#include "hp/schedule/lower.h"
-#include "hp/schedule/progress.h"
-#include "hp/schedule/render.h"
 #include "hp/train/checkpoint.h"
 #include "hp/train/fsdp.h"
 #include "hp/train/progress.h"
@@ -44,7 +35,6 @@
 namespace hp::train {
 namespace {
 
-namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainConfig& c,

@@ -143,8 +143,7 @@ TEST_P(LaunchKill, SurvivorsFailWithinTheTimeoutNamingTheLostRank) {
     std::vector<std::string> named;
     for (std::string w; lost >> w;)
       if (w != "and") named.push_back(w.back() == ',' ? w.substr(0, w.size() - 1) : w);
-    EXPECT_NE(std::find(named.begin(), named.end(), std::to_string(c.victim)), named.end())
-        << log;
+    EXPECT_NE(std::find(named.begin(), named.end(), std::to_string(c.victim)), named.end()) << log;
   }
   EXPECT_LT(elapsed - r.ranks[c.victim].seconds, timeout_ms / 1000.0 + 5) << r.summary();
 }
