@@ -51,13 +51,14 @@ struct Executor::State {
 
   // Per step.
   struct Posted {
-    distributed::Work work;
-    torch::Tensor buffer;
+    std::vector<distributed::Work> works;  // one per tensor
+    Message buffers;
+    std::vector<bool> takes_grad;                   // forward: which leaves take a gradient
     std::optional<std::vector<int64_t>> padded_to;  // a short gradient's whole shape
   };
   std::map<std::tuple<int, int, int>, Posted> recvs;  // (kind, consumer stage, mb)
-  std::map<Key, torch::Tensor> local_grad;            // dx handed to (consumer stage, mb)
-  std::map<Key, torch::Tensor> pending_dx;            // dx waiting for its SEND_B
+  std::map<Key, Message> local_grad;                  // dx handed to (consumer stage, mb)
+  std::map<Key, Message> pending_dx;                  // dx waiting for its SEND_B
   StepStats stats;
   std::unique_ptr<StepTimer> timer;
   std::unique_ptr<SendReaper> reaper;
@@ -188,62 +189,89 @@ struct Executor::State {
     return n;
   }
 
-  // The receive of a RECV action: a fresh buffer, from the producer's rank.
-  distributed::P2POp recv_op(const Action& a, torch::Tensor& buffer,
-                             std::optional<std::vector<int64_t>>& padded_to) {
+  // What stage `stage_id` outputs for microbatch `mb` (NOTE [Messages
+  // between stages]): ExecutorOptions::layout, or one tensor that takes a
+  // gradient.
+  Layout layout_for(int stage_id, int mb) const {
+    if (opts.layout) return opts.layout(stage_id, mb);
+    return {Leaf{opts.dtype, opts.activation_shape(stage_id, mb), true}};
+  }
+
+  // The receives of a RECV action: fresh buffers, one per tensor of the
+  // message, from the producer's rank.
+  std::vector<distributed::P2POp> recv_ops(const Action& a, Posted& posted) {
     const bool fwd = a.op == Op::RECV_F;
     int producer =
         fwd ? sched.prev_stage(a.stage, a.microbatch) : sched.next_stage(a.stage, a.microbatch);
     TORCH_CHECK(producer >= 0, where(a), ": nothing on the route sends this");
     TORCH_CHECK(!recvs.count(std::make_tuple(fwd ? 0 : 1, a.stage, a.microbatch)), where(a),
                 ": received twice");
-    auto shape = opts.activation_shape(fwd ? producer : a.stage, a.microbatch);
-    if (!fwd) {  // NOTE [Gradients shorter than their activations]
-      const int64_t whole = c10::multiply_integers(shape);
-      const int64_t n = gradient_numel(a.stage, a.microbatch, whole, a);
-      if (n < whole) {
-        padded_to = shape;
-        shape = {n};
+    // A forward message is what the producer outputs; a backward one the
+    // gradients of what this stage outputs, for its leaves that take one.
+    const Layout layout = layout_for(fwd ? producer : a.stage, a.microbatch);
+    std::vector<distributed::P2POp> ops;
+    for (const Leaf& leaf : layout) {
+      if (fwd) posted.takes_grad.push_back(leaf.grad);
+      if (!fwd && !leaf.grad) continue;
+      std::vector<int64_t> shape = leaf.shape;
+      if (!fwd && opts.gradient_numel) {  // NOTE [Gradients shorter than their activations]
+        TORCH_CHECK(layout.size() == 1, where(a),
+                    ": gradient_numel is for one-tensor activations, this one has ", layout.size());
+        const int64_t whole = c10::multiply_integers(shape);
+        const int64_t n = gradient_numel(a.stage, a.microbatch, whole, a);
+        if (n < whole) {
+          posted.padded_to = shape;
+          shape = {n};
+        }
       }
+      posted.buffers.push_back(
+          torch::empty(shape, torch::TensorOptions().dtype(leaf.dtype).device(opts.device)));
+      ops.push_back(distributed::P2POp::recv(posted.buffers.back(), rank_of(producer)));
     }
-    buffer = torch::empty(shape, torch::TensorOptions().dtype(opts.dtype).device(opts.device));
-    return distributed::P2POp::recv(buffer, rank_of(producer));
+    return ops;
   }
 
-  torch::Tensor take_recv(int kind, int stage_id, int mb, const Action& consumer) {
+  Message take_recv(int kind, int stage_id, int mb, const Action& consumer,
+                    std::vector<bool>* takes_grad = nullptr) {
     auto it = recvs.find(std::make_tuple(kind, stage_id, mb));
     TORCH_CHECK(it != recvs.end(), where(consumer), ": its input was never received (no ",
                 kind == 0 ? "RECV_F" : "RECV_B", " before it in the action list)");
-    const bool blocks = it->second.work.blocks_host();
+    Posted& posted = it->second;
+    bool blocks = false;
     const int start = timer->mark();
-    it->second.work.wait();
+    for (distributed::Work& w : posted.works) {
+      blocks = blocks || w.blocks_host();
+      w.wait();
+    }
     const int end = timer->mark();
     if (blocks) ++stats.host_syncs;
     comm_spans.emplace_back(start, end);
     // The wait is the receive's event (NOTE [Compute events exclude waits]).
     spans.push_back({Action::make(kind == 0 ? Op::RECV_F : Op::RECV_B, stage_id, mb), start, end});
     if (waits_of_running != nullptr) waits_of_running->emplace_back(start, end);
-    torch::Tensor buffer = std::move(it->second.buffer);
-    if (it->second.padded_to) {  // NOTE [Gradients shorter than their activations]
-      torch::Tensor whole = torch::zeros(*it->second.padded_to, buffer.options());
-      whole.view(-1).narrow(0, 0, buffer.numel()).copy_(buffer);
-      buffer = std::move(whole);
+    Message buffers = std::move(posted.buffers);
+    if (posted.padded_to) {  // NOTE [Gradients shorter than their activations]
+      torch::Tensor whole = torch::zeros(*posted.padded_to, buffers[0].options());
+      whole.view(-1).narrow(0, 0, buffers[0].numel()).copy_(buffers[0]);
+      buffers[0] = std::move(whole);
     }
+    if (takes_grad != nullptr) *takes_grad = std::move(posted.takes_grad);
     recvs.erase(it);
-    return buffer;
+    return buffers;
   }
 
-  // The send of a SEND action: the output (F) or input gradient (I/B) it
-  // names, to the consumer's rank; `on_done` frees a sent output.
-  distributed::P2POp send_op(const Action& a, std::function<void()>& on_done) {
+  // The sends of a SEND action: the output (F) or input gradients (I/B) it
+  // names, one per tensor, to the consumer's rank; `on_done` frees a sent
+  // output.
+  std::vector<distributed::P2POp> send_ops(const Action& a, std::function<void()>& on_done) {
     const bool fwd = a.op == Op::SEND_F;
     const int mb = a.microbatch;
     int consumer = fwd ? sched.next_stage(a.stage, mb) : sched.prev_stage(a.stage, mb);
     TORCH_CHECK(consumer >= 0, where(a), ": nothing on the route receives this");
-    torch::Tensor t;
+    Message m;
     if (fwd) {
-      t = stage.output(a.stage, mb);
-      TORCH_INTERNAL_ASSERT(t.is_contiguous(), where(a), ": outputs are contiguous");
+      m = stage.output(a.stage, mb);
+      if (opts.layout) check_layout(a, m, opts.layout(a.stage, mb));
       if (opts.release_sent_outputs) {
         PipelineStage* st = &stage;
         int s = a.stage;
@@ -253,12 +281,33 @@ struct Executor::State {
       auto it = pending_dx.find({a.stage, mb});
       TORCH_CHECK(it != pending_dx.end(), where(a),
                   ": no input gradient to send (I must run first)");
-      t = std::move(it->second);
+      m = std::move(it->second);
       pending_dx.erase(it);
-      const int64_t n = gradient_numel(consumer, mb, t.numel(), a);
-      if (n < t.numel()) t = t.view(-1).narrow(0, 0, n);  // NOTE [Gradients shorter than ...]
+      if (opts.gradient_numel && m.size() == 1) {  // NOTE [Gradients shorter than ...]
+        const int64_t n = gradient_numel(consumer, mb, m[0].numel(), a);
+        if (n < m[0].numel()) m[0] = m[0].view(-1).narrow(0, 0, n);
+      }
     }
-    return distributed::P2POp::send(t, rank_of(consumer));
+    std::vector<distributed::P2POp> ops;
+    for (const torch::Tensor& t : m) {
+      TORCH_INTERNAL_ASSERT(t.is_contiguous(), where(a), ": what is sent is contiguous");
+      ops.push_back(distributed::P2POp::send(t, rank_of(consumer)));
+    }
+    return ops;
+  }
+
+  // A stage's output against the layout its receiver posted buffers for.
+  void check_layout(const Action& a, const Message& m, const Layout& want) const {
+    const Layout got = layout_of(m);
+    if (got == want) return;
+    std::string which;
+    for (size_t i = 0; i < std::max(got.size(), want.size()); ++i)
+      if (i >= got.size() || i >= want.size() || got[i] != want[i]) {
+        which = "tensor " + std::to_string(i) + " differs first";
+        break;
+      }
+    TORCH_CHECK(false, where(a), ": stage ", a.stage, " microbatch ", a.microbatch, " output ",
+                to_string(got), " where its layout says ", to_string(want), " (", which, ")");
   }
 
   // NOTE [Receives posted ahead]
@@ -303,24 +352,30 @@ struct Executor::State {
         }
     if (which.empty()) return;
     std::vector<distributed::P2POp> ops;
-    std::vector<torch::Tensor> buffers(which.size());
-    std::vector<std::optional<std::vector<int64_t>>> padded_to(which.size());
+    std::vector<size_t> first_op(which.size() + 1,
+                                 0);  // action n's ops: [first_op[n], first_op[n+1])
+    std::vector<Posted> posted(which.size());
     std::vector<std::function<void()>> on_done(which.size());
     for (size_t n = 0; n < which.size(); ++n) {
       const Action& a = actions[which[n]];
-      ops.push_back(is_send(a.op) ? send_op(a, on_done[n]) : recv_op(a, buffers[n], padded_to[n]));
+      auto mine = is_send(a.op) ? send_ops(a, on_done[n]) : recv_ops(a, posted[n]);
+      ops.insert(ops.end(), mine.begin(), mine.end());
+      first_op[n + 1] = ops.size();
     }
     auto works = comm->batch(ops);
     for (size_t n = 0; n < which.size(); ++n) {
       const Action& a = actions[which[n]];
       if (is_send(a.op)) {
-        // The reaper holds the sent tensor while the send runs; the data is
-        // freed by on_done (outputs: their storage is swapped out) or when
-        // the reaper drops it (gradients).
-        reaper->add(works[n], ops[n].tensor, std::move(on_done[n]));
+        // The reaper holds each sent tensor while its send runs; the data is
+        // freed by on_done after the message's last send (outputs: their
+        // storage is swapped out) or when the reaper drops it (gradients).
+        for (size_t k = first_op[n]; k < first_op[n + 1]; ++k)
+          reaper->add(works[k], ops[k].tensor,
+                      k + 1 == first_op[n + 1] ? std::move(on_done[n]) : std::function<void()>());
       } else {
+        posted[n].works.assign(works.begin() + first_op[n], works.begin() + first_op[n + 1]);
         recvs.emplace(std::make_tuple(a.op == Op::RECV_F ? 0 : 1, a.stage, a.microbatch),
-                      Posted{works[n], buffers[n], std::move(padded_to[n])});
+                      std::move(posted[n]));
       }
     }
   }
@@ -330,23 +385,25 @@ struct Executor::State {
   // action waits for]).
   void forward(int s, int mb, const Action& a) {
     const schedule::InputSource in = schedule::forward_input(sched, s, mb);
-    torch::Tensor input;
+    Message input;
+    std::vector<bool> takes_grad;  // the model's input takes none
     switch (in.kind) {
       case schedule::InputSource::Kind::Data:
-        input = opts.input(mb);
+        input = opts.input_message ? opts.input_message(mb) : Message{opts.input(mb)};
         break;
       case schedule::InputSource::Kind::Local:
         input = stage.output(in.stage, mb);
+        takes_grad = stage.output_takes_grad(in.stage, mb);
         break;
       default:
-        input = take_recv(0, s, mb, a);
+        input = take_recv(0, s, mb, a, &takes_grad);
     }
-    stage.forward(s, mb, input, /*input_needs_grad=*/in.kind != schedule::InputSource::Kind::Data,
+    stage.forward(s, mb, input, takes_grad,
                   /*is_last=*/schedule::backward_input(sched, s, mb).kind ==
                       schedule::InputSource::Kind::Loss);
   }
 
-  torch::Tensor grad_for(int s, int mb, const Action& a) {
+  Message grad_for(int s, int mb, const Action& a) {
     stage.prepare_backward(s, mb);
     const schedule::InputSource in = schedule::backward_input(sched, s, mb);
     if (in.kind == schedule::InputSource::Kind::Loss) return {};
@@ -354,21 +411,22 @@ struct Executor::State {
       auto it = local_grad.find({s, mb});
       TORCH_CHECK(it != local_grad.end(), where(a), ": the output gradient from stage ", in.stage,
                   " (same rank) is not there yet; its I must run first");
-      torch::Tensor g = std::move(it->second);
+      Message g = std::move(it->second);
       local_grad.erase(it);
       return g;
     }
     return take_recv(1, s, mb, a);
   }
 
-  void store_dx(int s, int mb, torch::Tensor dx) {
+  void store_dx(int s, int mb, Message dx) {
     int prev = sched.prev_stage(s, mb);
     if (prev < 0) return;
-    TORCH_INTERNAL_ASSERT(dx.defined(), "stage ", s, " microbatch ", mb, ": dx missing");
     if (rank_of(prev) == rank) {
       local_grad[{prev, mb}] = std::move(dx);
     } else {
-      pending_dx[{s, mb}] = dx.contiguous();
+      for (torch::Tensor& t : dx)
+        t = t.contiguous();
+      pending_dx[{s, mb}] = std::move(dx);
     }
   }
 
@@ -393,7 +451,7 @@ struct Executor::State {
         auto run_f = [&] { forward(a.stage, a.microbatch, a); };
         const bool defer = opts.fb_overlap && opts.defer_wgrad;
         auto run_b = [&] {
-          torch::Tensor g = grad_for(b.stage, b.microbatch, b);
+          Message g = grad_for(b.stage, b.microbatch, b);
           if (!defer) {
             store_dx(b.stage, b.microbatch, stage.backward(b.stage, b.microbatch, g));
             return;

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "hp/distributed/comm.h"
+#include "hp/pipeline/message.h"
 #include "hp/pipeline/stage.h"
 #include "hp/pipeline/step_timer.h"
 #include "hp/schedule/schedule.h"
@@ -20,17 +21,25 @@ namespace hp::pipeline {
 
 /// What the executor needs to know about the data flowing between stages.
 struct ExecutorOptions {
-  /// The model input of microbatch `mb` (read by the first stage of its route).
+  /// The model input of microbatch `mb` (read by the first stage of its
+  /// route): one tensor, or with `input_message` set, a message.
   std::function<torch::Tensor(int mb)> input;
-  /// Shape of the activation stage `stage` outputs for microbatch `mb` (the
-  /// receive buffer of the next stage; also the shape of its output gradient).
+  std::function<Message(int mb)> input_message;
+  /// What stage `stage` outputs for microbatch `mb` (the next stage's receive
+  /// buffers; its leaves that take a gradient shape the gradients that come
+  /// back): NOTE [Messages between stages] in message.h. Unset: one tensor of
+  /// `activation_shape` and `dtype` that takes a gradient.
+  std::function<Layout(int stage, int mb)> layout;
+  /// Shape of the one-tensor activation stage `stage` outputs for microbatch
+  /// `mb` (where `layout` is unset).
   std::function<std::vector<int64_t>(int stage, int mb)> activation_shape;
   /// Elements of the gradient of stage `stage`'s output for microbatch `mb`
   /// that travel back: the first ones of the flattened gradient, the rest
   /// being zero (NOTE [Gradients shorter than their activations] in
-  /// executor.cpp). Unset: the whole gradient travels.
+  /// executor.cpp); for one-tensor activations only. Unset: the whole
+  /// gradient travels.
   std::function<int64_t(int stage, int mb)> gradient_numel;
-  /// dtype of activations and gradients.
+  /// dtype of one-tensor activations and gradients (where `layout` is unset).
   torch::Dtype dtype = torch::kFloat32;
   /// The stages' device: receive buffers are allocated there, and the step
   /// runs with it as the current device.
@@ -103,6 +112,8 @@ struct StepStats {
 //   [Receives posted ahead] in executor.cpp).
 // * A RECV's buffer is waited for by its consumer (F for RECV_F, I/B for
 //   RECV_B); the wait is the receive's timed event.
+// * A transfer is a Message (NOTE [Messages between stages] in message.h):
+//   one send or receive per tensor, all posted in the action's batch.
 // * A SEND's data is the output (F) or input gradient (I/B) it names; a
 //   helper thread waits for sends in order and frees each sent output (NOTE
 //   [Releasing a sent output]), except a send complete when posted, finished

@@ -65,9 +65,9 @@ StageHooks recompute_hooks(bool prefetch, uint32_t pipeline) {
   const auto retain = recompute::SessionOptions().retain_on_unpack(true);
   StageHooks h;
   if (prefetch) {
-    h.around_forward = [handles](int st, int mb, const std::function<torch::Tensor()>& run) {
+    h.around_forward = [handles](int st, int mb, const std::function<Message()>& run) {
       recompute::HandleCollector collector;
-      torch::Tensor out = run();
+      Message out = run();
       (*handles)[{st, mb}] = collector.take();
       return out;
     };
@@ -102,7 +102,7 @@ Hook join(const Hook& outer, const Hook& inner, Both both) {
 /// `outer` around `inner`: each hook runs outer's part outside inner's
 /// (on_done: inner's first, then outer's).
 StageHooks nest(const StageHooks& outer, const StageHooks& inner) {
-  using Run = std::function<torch::Tensor()>;
+  using Run = std::function<Message()>;
   using Part = std::function<void()>;
   StageHooks h;
   h.around_forward = join(outer.around_forward, inner.around_forward, [](auto o, auto i) {
@@ -236,7 +236,8 @@ Pipeline::Pipeline(schedule::Schedule schedule, std::shared_ptr<distributed::Com
         invalid("p2p='shm' would bypass the link model: use p2p='group' or 'auto'");
       how = distributed::PointToPoint::Group;
     }
-    if (!options_.activation_shape) invalid("Pipeline: no activation_shape given");
+    if (!options_.activation_shape && !options_.layout)
+      invalid("Pipeline: give a layout or an activation_shape");
     // This rank's stages and their chunks: every chunk they compute, no other.
     std::set<int> used;
     for (int st : sched_.stages_of_rank(rank_)) {
@@ -248,11 +249,13 @@ Pipeline::Pipeline(schedule::Schedule schedule, std::shared_ptr<distributed::Com
                 ", which computes model chunk " + std::to_string(c) +
                 ", but no module was given for chunk " + std::to_string(c) +
                 " (give one for each of chunks_of_rank())");
-      if (!it->second.forward) invalid("chunk " + std::to_string(c) + " has no forward");
+      if (!it->second.forward && !it->second.forward_message)
+        invalid("chunk " + std::to_string(c) + " has no forward");
       if (!it->second.names.empty() && it->second.names.size() != it->second.parameters.size())
         invalid("chunk " + std::to_string(c) + " names " + std::to_string(it->second.names.size()) +
                 " parameters but has " + std::to_string(it->second.parameters.size()));
-      modules[st] = StageModule{it->second.forward, it->second.parameters};
+      modules[st] =
+          StageModule{it->second.forward, it->second.parameters, it->second.forward_message};
     }
     for (const auto& [c, chunk] : chunks)
       if (!used.count(c))
@@ -343,6 +346,8 @@ Pipeline::Pipeline(schedule::Schedule schedule, std::shared_ptr<distributed::Com
                                            1.0 / sched_.num_microbatches);
   ExecutorOptions eo;
   eo.input = options_.input;
+  eo.input_message = options_.input_message;
+  eo.layout = options_.layout;
   eo.activation_shape = options_.activation_shape;
   eo.gradient_numel = options_.gradient_numel;
   eo.dtype = options_.dtype;

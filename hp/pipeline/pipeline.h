@@ -29,7 +29,10 @@ namespace hp::pipeline {
 /// (a DualPipe mirror, a tied head). Unnamed parameters are named by chunk
 /// and position, so a chunk held by several ranks is a replica of itself.
 struct ChunkModule {
+  /// One tensor in, one out; or, where `forward_message` is set, a message
+  /// (NOTE [Messages between stages] in message.h).
   std::function<torch::Tensor(const torch::Tensor&)> forward;
+  std::function<Message(const Message&)> forward_message;
   std::vector<torch::Tensor> parameters;
   std::vector<std::string> names;  ///< empty, or one per parameter
   /// The parameters data parallelism averages (NOTE [Gradient reduction in
@@ -47,7 +50,8 @@ struct ChunkModule {
 struct PipelineOptions {
   /// Where the stages compute; receive buffers are made there.
   torch::Device device = torch::kCPU;
-  torch::Dtype dtype = torch::kFloat32;  ///< dtype of activations and gradients
+  /// dtype of one-tensor activations and gradients (where `layout` is unset)
+  torch::Dtype dtype = torch::kFloat32;
   /// Point-to-point between the pipeline's ranks (NOTE [Choosing the
   /// point-to-point] in hp/distributed/shm_p2p.cpp): "group", "shm", "auto".
   std::string p2p = "auto";
@@ -81,9 +85,13 @@ struct PipelineOptions {
   /// ("auto" does not choose the rings, "shm" is refused): the rings would
   /// bypass it.
   distributed::LinkModel link;
-  /// The input of microbatch `mb` of the running step (first stages only).
+  /// The input of microbatch `mb` of the running step (first stages only):
+  /// one tensor, or where `input_message` is set, a message.
   std::function<torch::Tensor(int mb)> input;
-  /// The shape of what stage `stage` outputs for microbatch `mb`.
+  std::function<Message(int mb)> input_message;
+  /// What stage `stage` outputs for microbatch `mb` (ExecutorOptions::layout);
+  /// unset: one tensor of `activation_shape` and `dtype`.
+  std::function<Layout(int stage, int mb)> layout;
   std::function<std::vector<int64_t>(int stage, int mb)> activation_shape;
   /// ExecutorOptions::gradient_numel (unset: whole gradients travel).
   std::function<int64_t(int stage, int mb)> gradient_numel;

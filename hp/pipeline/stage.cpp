@@ -2,6 +2,7 @@
 // and the GradFunction from F until W; gradients accumulate in .grad().
 #include "hp/pipeline/stage.h"
 
+#include <algorithm>
 #include <cmath>
 
 namespace hp::pipeline {
@@ -31,10 +32,20 @@ PipelineStage::PipelineStage(std::map<int, StageModule> modules, LossFn loss, St
 // otherwise. In the overhead setting of the peer benchmark (a last stage's
 // microbatch is about 3 ms there) the division and the four operations cost
 // 35-40 us a microbatch (measured alone, 2026-12-01).
-autograd::TensorList PipelineStage::seed(const Slot& s, const torch::Tensor& grad_output) const {
-  if (grad_output.defined()) return {grad_output};
-  if (!s.is_last || loss_scale_ == 1.0) return {};
-  return {torch::full_like(s.output, loss_scale_, torch::MemoryFormat::Contiguous)};
+autograd::TensorList PipelineStage::seed(const Slot& s, const Message& grad_output, int stage,
+                                         int mb) const {
+  if (s.is_last) {
+    TORCH_CHECK(grad_output.empty(), "stage ", stage, " microbatch ", mb,
+                ": its output is the loss; it takes no output gradient");
+    if (loss_scale_ == 1.0) return {};
+    return {torch::full_like(s.output[0], loss_scale_, torch::MemoryFormat::Contiguous)};
+  }
+  const size_t want =
+      static_cast<size_t>(std::count(s.output_grad.begin(), s.output_grad.end(), true));
+  TORCH_CHECK(grad_output.size() == want, "stage ", stage, " microbatch ", mb, ": ",
+              grad_output.size(), " output gradients for its ", want,
+              " output tensors that take a gradient");
+  return grad_output;
 }
 
 PipelineStage::Slot& PipelineStage::slot(int stage, int mb, const char* what) {
@@ -45,8 +56,8 @@ PipelineStage::Slot& PipelineStage::slot(int stage, int mb, const char* what) {
   return it->second;
 }
 
-torch::Tensor PipelineStage::forward(int stage, int mb, const torch::Tensor& input,
-                                     bool input_needs_grad, bool is_last) {
+const Message& PipelineStage::forward(int stage, int mb, const Message& input,
+                                      const std::vector<bool>& takes_grad, bool is_last) {
   auto mod = modules_.find(stage);
   TORCH_CHECK(mod != modules_.end(), "stage ", stage, " microbatch ", mb,
               ": this rank does not hold stage ", stage);
@@ -55,47 +66,84 @@ torch::Tensor PipelineStage::forward(int stage, int mb, const torch::Tensor& inp
     TORCH_CHECK(!slots_.count({stage, mb}), "stage ", stage, " microbatch ", mb,
                 ": F ran twice in one step");
   }
+  TORCH_CHECK(takes_grad.empty() || takes_grad.size() == input.size(), "stage ", stage,
+              " microbatch ", mb, ": ", takes_grad.size(), " gradient flags for ", input.size(),
+              " input tensors");
   Slot s;
-  s.input = input_needs_grad ? input.detach().requires_grad_(true) : input;
-  auto run = [&] {
-    torch::Tensor out = mod->second.forward(s.input);
-    if (is_last) out = loss_(out, mb);
-    return out;
+  autograd::TensorList grad_inputs;  // the inputs whose gradients travel back
+  s.input.reserve(input.size());
+  for (size_t i = 0; i < input.size(); ++i) {
+    if (!takes_grad.empty() && takes_grad[i]) {
+      s.input.push_back(input[i].detach().requires_grad_(true));
+      grad_inputs.push_back(s.input.back());
+    } else {
+      s.input.push_back(input[i]);
+    }
+  }
+  const StageModule& module = mod->second;
+  auto run = [&]() -> Message {
+    Message out = module.forward_message ? module.forward_message(s.input)
+                                         : Message{module.forward(s.input.at(0))};
+    if (!is_last) return out;
+    TORCH_CHECK(out.size() == 1, "stage ", stage, " microbatch ", mb, ": a last stage returns ",
+                "one tensor for the loss, not ", out.size());
+    return {loss_(out[0], mb)};
   };
   s.output = hooks_.around_forward ? hooks_.around_forward(stage, mb, run) : run();
-  TORCH_CHECK(s.output.requires_grad(), "stage ", stage, " microbatch ", mb,
-              ": the output does not require grad (does the stage have parameters?)");
-  // What is sent must be dense. A stage may legally return a strided view
-  // (y.t().contiguous().t()); it is copied once, inside the graph, so the
-  // copy's backward hands the gradient on and the copy is what gets released.
-  if (!is_last && !s.output.is_contiguous()) s.output = s.output.contiguous();
+  autograd::TensorList grad_outputs;
+  s.output_grad.reserve(s.output.size());
+  for (size_t i = 0; i < s.output.size(); ++i) {
+    torch::Tensor& out = s.output[i];
+    TORCH_CHECK(out.defined(), "stage ", stage, " microbatch ", mb, ": output ", i,
+                " is undefined");
+    // What is sent must be dense. A stage may legally return a strided view
+    // (y.t().contiguous().t()); it is copied once, inside the graph, so the
+    // copy's backward hands the gradient on and the copy is what gets released.
+    if (!is_last && !out.is_contiguous()) out = out.contiguous();
+    // NOTE [Releasing the leaves of a message]
+    // release_output swaps a sent output's storage for an empty one, which is
+    // safe only where nothing in the stage's graph saved that tensor. A lone
+    // output is the end of its stage's graph; in a message of several, one
+    // leaf may be another's input (hidden states that also make a gate), and
+    // a leaf that takes no gradient may be this stage's own input passed on
+    // (a mask) or a saved index. So in a message of several tensors each leaf
+    // that takes a gradient is copied once, inside the graph (a copy's
+    // backward saves nothing), and the copy is what is sent and released;
+    // leaves that take none, usually small, are never released. The Python
+    // package's packing copied every leaf into one flat tensor for the same
+    // reason.
+    if (!is_last && s.output.size() > 1 && out.requires_grad()) out = out.clone();
+    s.output_grad.push_back(out.requires_grad());
+    if (out.requires_grad()) grad_outputs.push_back(out);
+  }
+  TORCH_CHECK(!grad_outputs.empty(), "stage ", stage, " microbatch ", mb,
+              ": no output requires grad (does the stage have parameters?)");
   if (is_last) {
     s.is_last = true;
-    if (s.output.device().is_cpu()) {
-      loss_sum_host_ += s.output.item<double>() * loss_scale_;
+    const torch::Tensor& loss = s.output[0];
+    if (loss.device().is_cpu()) {
+      loss_sum_host_ += loss.item<double>() * loss_scale_;
     } else {
       // On the loss's device, in float64 (each float32 loss converts exactly,
       // so the sum has the bits of summing item<double>() values).
       torch::NoGradGuard no_grad;
-      torch::Tensor l = s.output.detach().to(torch::kFloat64).reshape({}) * loss_scale_;
+      torch::Tensor l = loss.detach().to(torch::kFloat64).reshape({}) * loss_scale_;
       loss_sum_ = loss_sum_.defined() ? loss_sum_ + l : l;
     }
   }
-  s.grad_fn.emplace(autograd::TensorList{s.output},
-                    input_needs_grad ? autograd::TensorList{s.input} : autograd::TensorList{},
-                    mod->second.parameters);
+  s.grad_fn.emplace(std::move(grad_outputs), std::move(grad_inputs), module.parameters);
   std::lock_guard<std::mutex> lock(mutex_);
   return slots_.emplace(std::make_pair(stage, mb), std::move(s)).first->second.output;
 }
 
-torch::Tensor PipelineStage::backward_input(int stage, int mb, const torch::Tensor& grad_output) {
+Message PipelineStage::backward_input(int stage, int mb, const Message& grad_output) {
   Slot& s = slot(stage, mb, "I");
   TORCH_CHECK(!s.input_done, "stage ", stage, " microbatch ", mb, ": I ran twice");
   autograd::TensorList dx;
-  auto run = [&] { dx = s.grad_fn->compute_input_grad(seed(s, grad_output)); };
+  auto run = [&] { dx = s.grad_fn->compute_input_grad(seed(s, grad_output, stage, mb)); };
   hooks_.around_backward ? hooks_.around_backward(stage, mb, 'I', run) : run();
   s.input_done = true;
-  return dx.empty() ? torch::Tensor() : dx[0];
+  return dx;
 }
 
 void PipelineStage::backward_weight(int stage, int mb) {
@@ -106,13 +154,12 @@ void PipelineStage::backward_weight(int stage, int mb) {
   finish(stage, mb);
 }
 
-torch::Tensor PipelineStage::backward(int stage, int mb, const torch::Tensor& grad_output) {
+Message PipelineStage::backward(int stage, int mb, const Message& grad_output) {
   Slot& s = slot(stage, mb, "B");
   TORCH_CHECK(!s.input_done, "stage ", stage, " microbatch ", mb, ": B after I");
-  autograd::TensorList dxs;
-  auto run = [&] { dxs = s.grad_fn->backward_into_grad(seed(s, grad_output)); };
+  autograd::TensorList dx;
+  auto run = [&] { dx = s.grad_fn->backward_into_grad(seed(s, grad_output, stage, mb)); };
   hooks_.around_backward ? hooks_.around_backward(stage, mb, 'B', run) : run();
-  torch::Tensor dx = dxs.empty() ? torch::Tensor() : dxs[0];
   finish(stage, mb);
   return dx;
 }
@@ -125,7 +172,7 @@ void PipelineStage::finish(int stage, int mb) {
   if (hooks_.on_done) hooks_.on_done(stage, mb);
 }
 
-const torch::Tensor& PipelineStage::output(int stage, int mb) const {
+const Message& PipelineStage::output(int stage, int mb) const {
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = slots_.find({stage, mb});
   TORCH_CHECK(it != slots_.end(), "stage ", stage, " microbatch ", mb,
@@ -133,19 +180,28 @@ const torch::Tensor& PipelineStage::output(int stage, int mb) const {
   return it->second.output;
 }
 
+std::vector<bool> PipelineStage::output_takes_grad(int stage, int mb) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = slots_.find({stage, mb});
+  TORCH_CHECK(it != slots_.end(), "stage ", stage, " microbatch ", mb,
+              ": its output was asked for before its F ran");
+  return it->second.output_grad;
+}
+
 void PipelineStage::release_output(int stage, int mb) {
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = slots_.find({stage, mb});
   if (it == slots_.end()) return;  // already finished: nothing left to free
-  torch::Tensor& out = it->second.output;
   // NOTE [Releasing a sent output]
   // After the send, only the output's grad_fn matters: the backward is rooted
   // at its gradient edge, and GradFunction recorded its shape at construction.
   // Swapping in an empty storage frees the activation now instead of at W.
   // If the last op saved its own result (e.g. tanh), autograd holds another
   // reference to the storage and nothing is freed; results never change.
+  // NOTE [Releasing the leaves of a message]: those that take a gradient.
   torch::NoGradGuard no_grad;
-  out.set_data(torch::empty({0}, out.options()));
+  for (torch::Tensor& out : it->second.output)
+    if (out.requires_grad()) out.set_data(torch::empty({0}, out.options()));
 }
 
 size_t PipelineStage::in_flight() const {

@@ -13,13 +13,18 @@
 #include <vector>
 
 #include "hp/autograd/grad_function.h"
+#include "hp/pipeline/message.h"
 
 namespace hp::pipeline {
 
 /// What a rank runs for one virtual stage: a forward and its weights.
 struct StageModule {
+  /// One tensor in, one out (one-leaf messages).
   std::function<torch::Tensor(const torch::Tensor&)> forward;
   std::vector<torch::Tensor> parameters;
+  /// Or: a message in, a message out (NOTE [Messages between stages] in
+  /// message.h); used instead of `forward` where set.
+  std::function<Message(const Message&)> forward_message;
 };
 
 /// The loss of microbatch `mb` from the last stage's output. It counts
@@ -32,8 +37,7 @@ using LossFn = std::function<torch::Tensor(const torch::Tensor& output, int mb)>
 /// (e.g. recompute sessions). All optional.
 struct StageHooks {
   /// Wraps the forward of (stage, mb): called with a function that runs it.
-  std::function<torch::Tensor(int stage, int mb, const std::function<torch::Tensor()>&)>
-      around_forward;
+  std::function<Message(int stage, int mb, const std::function<Message()>&)> around_forward;
   /// Called before the executor waits for the output gradient of (stage, mb)
   /// (e.g. to prefetch a recompute while the gradient is in flight).
   std::function<void(int stage, int mb)> before_backward;
@@ -51,27 +55,31 @@ class PipelineStage {
   PipelineStage(std::map<int, StageModule> modules, LossFn loss, StageHooks hooks = {},
                 double loss_scale = 1.0);
 
-  /// F: runs `stage` on `input`. When `input_needs_grad` the input is a
-  /// received (or handed-off) activation whose dx will be sent back. When
-  /// `is_last` the output is turned into the microbatch's loss. Returns the
-  /// output activation (or the loss).
-  torch::Tensor forward(int stage, int mb, const torch::Tensor& input, bool input_needs_grad,
-                        bool is_last);
+  /// F: runs `stage` on `input`. `takes_grad` says which input leaves are
+  /// received (or handed-off) activations whose gradients will be sent back
+  /// (empty: none, the model's input). When `is_last` the output, one
+  /// tensor, is turned into the microbatch's loss. Returns the output (or
+  /// the loss).
+  const Message& forward(int stage, int mb, const Message& input,
+                         const std::vector<bool>& takes_grad, bool is_last);
   /// Runs the before_backward hook of (stage, mb), if any.
   void prepare_backward(int stage, int mb) {
     if (hooks_.before_backward) hooks_.before_backward(stage, mb);
   }
-  /// I: dx of (stage, mb) given the gradient of its output (undefined on the
-  /// last stage, whose output is the loss). Returns dx (undefined when the
-  /// input needs no gradient).
-  torch::Tensor backward_input(int stage, int mb, const torch::Tensor& grad_output);
+  /// I: the input gradients of (stage, mb), one per input leaf that takes a
+  /// gradient, given the gradients of its output leaves that take one (empty
+  /// on the last stage, whose output is the loss).
+  Message backward_input(int stage, int mb, const Message& grad_output);
   /// W: dw of (stage, mb), accumulated into the parameters' .grad().
   void backward_weight(int stage, int mb);
-  /// B: I and W in one fused backward. Returns dx like backward_input.
-  torch::Tensor backward(int stage, int mb, const torch::Tensor& grad_output);
+  /// B: I and W in one fused backward. Returns the input gradients like
+  /// backward_input.
+  Message backward(int stage, int mb, const Message& grad_output);
 
   /// The output of F (for a send or a local hand-off).
-  const torch::Tensor& output(int stage, int mb) const;
+  const Message& output(int stage, int mb) const;
+  /// Which of the output's leaves take a gradient (require grad).
+  std::vector<bool> output_takes_grad(int stage, int mb) const;
   /// Frees the storage of a sent output: only its autograd history is needed
   /// for the backward. Thread-safe against the other calls.
   void release_output(int stage, int mb);
@@ -91,14 +99,15 @@ class PipelineStage {
 
  private:
   struct Slot {
-    torch::Tensor input, output;
+    Message input, output;
+    std::vector<bool> output_grad;  // which output leaves take a gradient
     std::optional<autograd::GradFunction> grad_fn;
     bool input_done = false;
     bool is_last = false;  // the output is the loss
   };
-  /// The gradient a backward of `s` starts from: `grad_output`, or for a
+  /// The gradients a backward of `s` starts from: `grad_output`, or for a
   /// loss, loss_scale (empty when 1: the engine's own ones).
-  autograd::TensorList seed(const Slot& s, const torch::Tensor& grad_output) const;
+  autograd::TensorList seed(const Slot& s, const Message& grad_output, int stage, int mb) const;
   Slot& slot(int stage, int mb, const char* what);
   void finish(int stage, int mb);
 

@@ -72,15 +72,16 @@ std::vector<double> measure_activation_bytes(
       return std::max<int64_t>(0, peak_memory_allocated() - at);
     };
     auto forward = [&](int mb) {
-      torch::Tensor input = first ? data_input(0) : torch::randn(act_shape, act_options);
-      stage.forward(st, mb, input, /*input_needs_grad=*/!first, last);
-      input = torch::Tensor();
+      pipeline::Message input = {first ? data_input(0) : torch::randn(act_shape, act_options)};
+      stage.forward(st, mb, input, /*takes_grad=*/{!first}, last);
+      input.clear();
       if (!last) stage.release_output(st, mb);
     };
     auto backward = [&](int mb, bool fused) {
       stage.prepare_backward(st, mb);
-      torch::Tensor g = last ? torch::Tensor() : torch::randn(act_shape, act_options);
-      torch::Tensor dx = fused ? stage.backward(st, mb, g) : stage.backward_input(st, mb, g);
+      pipeline::Message g;
+      if (!last) g.push_back(torch::randn(act_shape, act_options));
+      pipeline::Message dx = fused ? stage.backward(st, mb, g) : stage.backward_input(st, mb, g);
     };
     std::array<int64_t, kStageMemFields> v{};
     for (int round = 0; round < 2; ++round) {

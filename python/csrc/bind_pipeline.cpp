@@ -187,7 +187,8 @@ class Runtime {
     // NOTE [Pytrees between stages] in .../pipeline/transfers.py): F runs on
     // the executor's thread,
     // one at a time, so the hook sets them for the call inside.
-    po.hooks.around_forward = [this](int stage, int mb, const std::function<torch::Tensor()>& run) {
+    po.hooks.around_forward = [this](int stage, int mb,
+                                     const std::function<pipeline::Message()>& run) {
       py::gil_scoped_acquire gil;
       forward_stage_ = stage, forward_mb_ = mb;
       return run();

@@ -1,0 +1,226 @@
+// Messages between stages (NOTE [Messages between stages] in
+// hp/pipeline/message.h): a stage hands the next a float64 activation, an
+// int64 leaf of 2^40 + 1 and a bfloat16 activation; the pipeline's gradients
+// and loss equal plain autograd's in one process, the int64 arrives exact, the
+// leaf that takes no gradient travels forward only, and an output that
+// differs from its declared layout is an error naming stage and leaf.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <atomic>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "hp/distributed/comm.h"
+#include "hp/pipeline/pipeline.h"
+#include "hp/schedule/generators.h"
+#include "tests/common/forwarding_comm.h"
+#include "tests/common/threads_as_ranks.h"
+
+namespace {
+
+using hp::distributed::Comm;
+using hp::pipeline::Leaf;
+using hp::pipeline::Message;
+
+constexpr int64_t kBig = (int64_t{1} << 40) + 1;  // not a float32, nor a float64 sum's rounding
+
+// Counts the tensors this rank sends, by dtype.
+class SendCounter : public hp::testing::ForwardingComm {
+ public:
+  using ForwardingComm::ForwardingComm;
+  std::vector<hp::distributed::Work> batch(
+      const std::vector<hp::distributed::P2POp>& ops) override {
+    for (const auto& op : ops)
+      if (op.kind == hp::distributed::P2POp::Kind::Send) ++sent[op.tensor.scalar_type()];
+    return ForwardingComm::batch(ops);
+  }
+  std::map<c10::ScalarType, int> sent;
+};
+
+struct Weights {
+  torch::Tensor w, a, b;
+};
+
+Weights weights_of(int chunk) {
+  torch::manual_seed(100 + chunk);
+  return {torch::randn({4, 4}, torch::kFloat64).requires_grad_(),
+          torch::randn({4}, torch::kFloat64).requires_grad_(),
+          torch::randn({4}, torch::kFloat64).requires_grad_()};
+}
+
+// Chunk c of `chunks`: [h f64, ids int64, s bf16] -> the same (the last: one
+// tensor for the loss). It reads the ids as numbers: a lost low bit changes
+// the result, and it checks them exactly.
+Message chunk_forward(const Weights& p, int chunk, int chunks, const Message& in) {
+  const torch::Tensor& h = in.at(0);
+  const torch::Tensor& ids = in.at(1);
+  const torch::Tensor& s = in.at(2);
+  TORCH_CHECK(ids.scalar_type() == torch::kInt64 && s.scalar_type() == torch::kBFloat16, "chunk ",
+              chunk, " got ", ids.scalar_type(), " and ", s.scalar_type());
+  TORCH_CHECK(!ids.requires_grad(), "chunk ", chunk, ": the ids take no gradient");
+  TORCH_CHECK(ids.min().item<int64_t>() >= kBig + chunk, "chunk ", chunk, ": ids arrived as ",
+              ids.min().item<int64_t>(), ", not at least ", kBig + chunk);
+  const torch::Tensor offset =
+      (ids - (kBig - 1)).to(torch::kFloat64).unsqueeze(1);  // mb + chunk + 1
+  torch::Tensor h2 = torch::tanh(h.matmul(p.w) + s.to(torch::kFloat64) * p.a) * offset / 4;
+  if (chunk == chunks - 1) return {h2};
+  torch::Tensor s2 = (h2 * p.b).to(torch::kBFloat16);
+  return {h2, ids + 1, s2};
+}
+
+Message input_of(int mb) {
+  torch::manual_seed(7 + mb);
+  return {torch::randn({2, 4}, torch::kFloat64),
+          torch::full({2}, kBig + 0, torch::kInt64) + torch::tensor({mb, 2 * mb}),
+          torch::randn({2, 4}, torch::kFloat64).to(torch::kBFloat16)};
+}
+
+torch::Tensor loss_fn(const torch::Tensor& out, int) {
+  return out.pow(2).sum();
+}
+
+struct Case {
+  std::string schedule;
+  int ranks, microbatches;
+  bool overlap;
+  std::string p2p = "group";
+};
+
+class MessagesOfSeveralTensors : public ::testing::TestWithParam<Case> {};
+
+TEST_P(MessagesOfSeveralTensors, TrainLikeOneProcessExactly) {
+  const Case c = GetParam();
+  const auto sched = hp::schedule::build(c.schedule, c.ranks, c.microbatches);
+  const int chunks = sched.num_stages;
+  // The reference: every microbatch through every chunk in one process.
+  std::vector<Weights> ref;
+  for (int ch = 0; ch < chunks; ++ch)
+    ref.push_back(weights_of(ch));
+  double ref_loss = 0;
+  for (int mb = 0; mb < c.microbatches; ++mb) {
+    Message x = input_of(mb);
+    for (int ch = 0; ch < chunks; ++ch)
+      x = chunk_forward(ref[ch], ch, chunks, x);
+    torch::Tensor loss = loss_fn(x[0], mb) / c.microbatches;
+    loss.backward();
+    ref_loss += loss.item<double>();
+  }
+
+  std::vector<std::map<int, Weights>> held(c.ranks);
+  std::vector<std::map<c10::ScalarType, int>> sent(c.ranks);
+  std::vector<double> losses(c.ranks);
+  hp::testing::run_ranks_as_threads(c.ranks, [&](int r, std::shared_ptr<Comm> world) {
+    auto group = std::make_shared<SendCounter>(world);
+    std::map<int, hp::pipeline::ChunkModule> modules;
+    for (int st : sched.stages_of_rank(r)) {
+      const int ch = sched.stage_chunk[st];
+      Weights p = weights_of(ch);
+      held[r][ch] = p;
+      hp::pipeline::ChunkModule m;
+      m.forward_message = [p, ch, chunks](const Message& in) {
+        return chunk_forward(p, ch, chunks, in);
+      };
+      m.parameters = {p.w, p.a, p.b};
+      modules[ch] = m;
+    }
+    hp::pipeline::PipelineOptions o;
+    o.p2p = c.p2p;
+    o.fb_overlap = c.overlap;
+    o.input_message = input_of;
+    o.layout = [](int, int) {
+      return hp::pipeline::Layout{Leaf{torch::kFloat64, {2, 4}, true},
+                                  Leaf{torch::kInt64, {2}, false},
+                                  Leaf{torch::kBFloat16, {2, 4}, true}};
+    };
+    hp::pipeline::Pipeline pipeline(sched, group, modules, loss_fn, o);
+    losses[r] = pipeline.step().loss;
+    sent[r] = group->sent;
+  });
+  for (int r = 0; r < c.ranks; ++r)
+    EXPECT_NEAR(losses[r], ref_loss, 1e-12 * ref_loss) << "rank " << r;
+  for (int r = 0; r < c.ranks; ++r)
+    for (const auto& [ch, p] : held[r]) {
+      SCOPED_TRACE("rank " + std::to_string(r) + " chunk " + std::to_string(ch));
+      const Weights& want = ref[ch];
+      for (auto [got, w] : {std::make_pair(p.w, want.w), {p.a, want.a}, {p.b, want.b}}) {
+        ASSERT_TRUE(got.grad().defined());
+        // The bfloat16 leaf's gradient travels in bfloat16, as it does in
+        // one process: the same numbers, up to the order of float64 sums.
+        // (The last chunk does not use b: the pipeline gives it zeros.)
+        const torch::Tensor want_grad = w.grad().defined() ? w.grad() : torch::zeros_like(w);
+        EXPECT_LE((got.grad() - want_grad).abs().max().item<double>(),
+                  1e-12 * std::max(1.0, want_grad.abs().max().item<double>()));
+      }
+    }
+  // Every transfer between ranks: the ids (int64) travel forward only; the
+  // float64 and bfloat16 leaves go forward and their gradients come back.
+  // (Over the shared-memory rings the group sees none of them.)
+  if (c.p2p != "group") return;
+  int ids = 0, f64 = 0, bf16 = 0;
+  for (const auto& s : sent) {
+    ids += s.count(torch::kInt64) ? s.at(torch::kInt64) : 0;
+    f64 += s.count(torch::kFloat64) ? s.at(torch::kFloat64) : 0;
+    bf16 += s.count(torch::kBFloat16) ? s.at(torch::kBFloat16) : 0;
+  }
+  int forward_transfers = 0;  // route edges between ranks, over all microbatches
+  for (int mb = 0; mb < c.microbatches; ++mb) {
+    const auto& route = sched.routes.at(sched.microbatch_route.at(mb));
+    for (size_t i = 0; i + 1 < route.size(); ++i)
+      forward_transfers += sched.stage_rank[route[i]] != sched.stage_rank[route[i + 1]];
+  }
+  EXPECT_GT(forward_transfers, 0);
+  EXPECT_EQ(ids, forward_transfers);
+  EXPECT_EQ(f64, 2 * forward_transfers);
+  EXPECT_EQ(bf16, 2 * forward_transfers);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Schedules, MessagesOfSeveralTensors,
+    ::testing::Values(Case{"1f1b", 2, 4, false}, Case{"1f1b", 2, 4, false, "shm"},
+                      Case{"dualpipev", 2, 8, false}, Case{"dualpipev", 2, 8, true}),
+    [](const auto& info) {
+      return info.param.schedule + (info.param.overlap ? "_overlap" : "") + "_" + info.param.p2p;
+    });
+
+// A stage whose output differs from its layout fails its step naming the
+// stage, microbatch and first differing tensor; its peer fails too.
+TEST(MessagesOfSeveralTensors, AnOutputUnlikeItsLayoutIsAnError) {
+  const auto sched = hp::schedule::build("1f1b", 2, 2);
+  std::vector<std::string> errors(2);
+  hp::testing::run_ranks_as_threads(
+      2,
+      [&](int r, std::shared_ptr<Comm> group) {
+        std::map<int, hp::pipeline::ChunkModule> modules;
+        Weights p = weights_of(r);
+        hp::pipeline::ChunkModule m;
+        m.forward_message = [p, r](const Message& in) { return chunk_forward(p, r, 2, in); };
+        m.parameters = {p.w, p.a, p.b};
+        modules[r] = m;
+        hp::pipeline::PipelineOptions o;
+        o.p2p = "group";
+        o.input_message = input_of;
+        o.layout = [](int, int) {  // says the ids are int32
+          return hp::pipeline::Layout{Leaf{torch::kFloat64, {2, 4}, true},
+                                      Leaf{torch::kInt32, {2}, false},
+                                      Leaf{torch::kBFloat16, {2, 4}, true}};
+        };
+        hp::pipeline::Pipeline pipeline(sched, group, modules, loss_fn, o);
+        try {
+          pipeline.step();
+        } catch (const std::exception& e) {
+          errors[r] = e.what();
+        }
+      },
+      std::chrono::seconds(20));
+  EXPECT_NE(errors[0].find("stage 0 microbatch 0 output [Double [2, 4] grad, Long [2], "
+                           "BFloat16 [2, 4] grad] where its layout says [Double [2, 4] grad, "
+                           "Int [2], BFloat16 [2, 4] grad] (tensor 1 differs first)"),
+            std::string::npos)
+      << errors[0];
+  EXPECT_FALSE(errors[1].empty()) << "the peer of the failed rank fails too";
+}
+
+}  // namespace
