@@ -23,6 +23,7 @@
 #include <utility>
 
 #include "hp/core/memory.h"
+#include "hp/pipeline/frames.h"
 #include "hp/pipeline/overlap.h"
 #include "hp/pipeline/send_reaper.h"
 #include "hp/schedule/action.h"
@@ -55,6 +56,8 @@ struct Executor::State {
     Message buffers;
     std::vector<bool> takes_grad;                   // forward: which leaves take a gradient
     std::optional<std::vector<int64_t>> padded_to;  // a short gradient's whole shape
+    int peer = -1;        // framed: the sender's rank (NOTE [Messages that describe themselves])
+    uint64_t number = 0;  // framed: the message's number from that rank
   };
   std::map<std::tuple<int, int, int>, Posted> recvs;  // (kind, consumer stage, mb)
   std::map<Key, Message> local_grad;                  // dx handed to (consumer stage, mb)
@@ -81,6 +84,8 @@ struct Executor::State {
   std::map<size_t, size_t> batch_at;
   size_t lookahead = 0;
   std::vector<char> posted_ahead;
+  // Messages that describe themselves (no layout declared): their frames.
+  std::unique_ptr<Frames> frames;
 
   State(const schedule::Schedule& s, int r, PipelineStage& st, std::shared_ptr<distributed::Comm> c,
         ExecutorOptions o)
@@ -117,6 +122,12 @@ struct Executor::State {
                 "operations run in posting order, as on NCCL, they would hold back its sends; "
                 "NOTE [Receives posted ahead])");
     lookahead = size_t(opts.receive_lookahead);
+    if (!opts.layout && !opts.activation_shape) {
+      TORCH_CHECK(!opts.gradient_numel,
+                  "ExecutorOptions::gradient_numel needs declared one-tensor activations "
+                  "(activation_shape); without a layout, messages describe themselves");
+      frames = std::make_unique<Frames>(s.num_ranks, opts.device, opts.first_frame_bytes);
+    }
   }
 
   int rank_of(int stage_id) const { return sched.stage_rank.at(stage_id); }
@@ -208,6 +219,10 @@ struct Executor::State {
                 ": received twice");
     // A forward message is what the producer outputs; a backward one the
     // gradients of what this stage outputs, for its leaves that take one.
+    if (frames) {  // NOTE [Messages that describe themselves] in frames.h
+      posted.peer = rank_of(producer);
+      return {frames->expect(posted.peer, &posted.number)};
+    }
     const Layout layout = layout_for(fwd ? producer : a.stage, a.microbatch);
     std::vector<distributed::P2POp> ops;
     for (const Leaf& leaf : layout) {
@@ -239,9 +254,18 @@ struct Executor::State {
     Posted& posted = it->second;
     bool blocks = false;
     const int start = timer->mark();
-    for (distributed::Work& w : posted.works) {
-      blocks = blocks || w.blocks_host();
-      w.wait();
+    Message buffers;
+    if (frames) {
+      blocks = !opts.device.is_cpu() || (!posted.works.empty() && posted.works[0].blocks_host());
+      buffers = frames->take(posted.peer, posted.number, takes_grad,
+                             [this](const distributed::P2POp& op) { return comm->batch({op})[0]; });
+    } else {
+      for (distributed::Work& w : posted.works) {
+        blocks = blocks || w.blocks_host();
+        w.wait();
+      }
+      buffers = std::move(posted.buffers);
+      if (takes_grad != nullptr) *takes_grad = std::move(posted.takes_grad);
     }
     const int end = timer->mark();
     if (blocks) ++stats.host_syncs;
@@ -249,13 +273,11 @@ struct Executor::State {
     // The wait is the receive's event (NOTE [Compute events exclude waits]).
     spans.push_back({Action::make(kind == 0 ? Op::RECV_F : Op::RECV_B, stage_id, mb), start, end});
     if (waits_of_running != nullptr) waits_of_running->emplace_back(start, end);
-    Message buffers = std::move(posted.buffers);
     if (posted.padded_to) {  // NOTE [Gradients shorter than their activations]
       torch::Tensor whole = torch::zeros(*posted.padded_to, buffers[0].options());
       whole.view(-1).narrow(0, 0, buffers[0].numel()).copy_(buffers[0]);
       buffers[0] = std::move(whole);
     }
-    if (takes_grad != nullptr) *takes_grad = std::move(posted.takes_grad);
     recvs.erase(it);
     return buffers;
   }
@@ -269,8 +291,10 @@ struct Executor::State {
     int consumer = fwd ? sched.next_stage(a.stage, mb) : sched.prev_stage(a.stage, mb);
     TORCH_CHECK(consumer >= 0, where(a), ": nothing on the route receives this");
     Message m;
+    std::vector<bool> grad;
     if (fwd) {
       m = stage.output(a.stage, mb);
+      if (frames) grad = stage.output_takes_grad(a.stage, mb);
       if (opts.layout) check_layout(a, m, opts.layout(a.stage, mb));
       if (opts.release_sent_outputs) {
         PipelineStage* st = &stage;
@@ -287,6 +311,10 @@ struct Executor::State {
         const int64_t n = gradient_numel(consumer, mb, m[0].numel(), a);
         if (n < m[0].numel()) m[0] = m[0].view(-1).narrow(0, 0, n);
       }
+    }
+    if (frames) {  // gradients take none
+      if (!fwd) grad.assign(m.size(), false);
+      return frames->send(m, grad, rank_of(consumer));
     }
     std::vector<distributed::P2POp> ops;
     for (const torch::Tensor& t : m) {
@@ -374,6 +402,7 @@ struct Executor::State {
                       k + 1 == first_op[n + 1] ? std::move(on_done[n]) : std::function<void()>());
       } else {
         posted[n].works.assign(works.begin() + first_op[n], works.begin() + first_op[n + 1]);
+        if (frames) frames->posted(posted[n].peer, posted[n].works.at(0));
         recvs.emplace(std::make_tuple(a.op == Op::RECV_F ? 0 : 1, a.stage, a.microbatch),
                       std::move(posted[n]));
       }
@@ -614,6 +643,7 @@ struct Executor::State {
     comm_spans.emplace_back(drain_start, last);
     if (reaper->took_host_blocking_sends()) ++stats.host_syncs;
     reaper.reset();
+    if (frames) frames->end_step();
     TORCH_CHECK(recvs.empty() && local_grad.empty() && pending_dx.empty(), "rank ", rank,
                 ": the step ended with ", recvs.size(), " unread receives, ", local_grad.size(),
                 " unused local gradients and ", pending_dx.size(),
@@ -647,6 +677,7 @@ StepStats Executor::run_step() {
     return state_->run();
   } catch (const std::exception& e) {
     // NOTE [A failed step reaches the peers] in hp/distributed/comm.h.
+    if (state_->frames) state_->frames->abandon_step();
     const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
     state_->comm->abandon("rank " + std::to_string(state_->rank) + "'s step failed: " +
                           (c10_error ? c10_error->what_without_backtrace() : e.what()));

@@ -31,8 +31,12 @@ struct ExecutorOptions {
   /// `activation_shape` and `dtype` that takes a gradient.
   std::function<Layout(int stage, int mb)> layout;
   /// Shape of the one-tensor activation stage `stage` outputs for microbatch
-  /// `mb` (where `layout` is unset).
+  /// `mb` (where `layout` is unset). Neither set: messages describe
+  /// themselves (NOTE [Messages that describe themselves] in frames.h).
   std::function<std::vector<int64_t>(int stage, int mb)> activation_shape;
+  /// Messages that describe themselves: each channel's frame size before it
+  /// saw a message (it then grows to the largest message seen).
+  int64_t first_frame_bytes = 64 << 10;
   /// Elements of the gradient of stage `stage`'s output for microbatch `mb`
   /// that travel back: the first ones of the flattened gradient, the rest
   /// being zero (NOTE [Gradients shorter than their activations] in

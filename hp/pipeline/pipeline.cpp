@@ -236,8 +236,6 @@ Pipeline::Pipeline(schedule::Schedule schedule, std::shared_ptr<distributed::Com
         invalid("p2p='shm' would bypass the link model: use p2p='group' or 'auto'");
       how = distributed::PointToPoint::Group;
     }
-    if (!options_.activation_shape && !options_.layout)
-      invalid("Pipeline: give a layout or an activation_shape");
     // This rank's stages and their chunks: every chunk they compute, no other.
     std::set<int> used;
     for (int st : sched_.stages_of_rank(rank_)) {
@@ -349,6 +347,7 @@ Pipeline::Pipeline(schedule::Schedule schedule, std::shared_ptr<distributed::Com
   eo.input_message = options_.input_message;
   eo.layout = options_.layout;
   eo.activation_shape = options_.activation_shape;
+  eo.first_frame_bytes = options_.first_frame_bytes;
   eo.gradient_numel = options_.gradient_numel;
   eo.dtype = options_.dtype;
   eo.device = options_.device;

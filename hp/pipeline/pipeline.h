@@ -90,9 +90,11 @@ struct PipelineOptions {
   std::function<torch::Tensor(int mb)> input;
   std::function<Message(int mb)> input_message;
   /// What stage `stage` outputs for microbatch `mb` (ExecutorOptions::layout);
-  /// unset: one tensor of `activation_shape` and `dtype`.
+  /// unset: one tensor of `activation_shape` and `dtype`; neither: messages
+  /// describe themselves (NOTE [Messages that describe themselves] in frames.h).
   std::function<Layout(int stage, int mb)> layout;
   std::function<std::vector<int64_t>(int stage, int mb)> activation_shape;
+  int64_t first_frame_bytes = 64 << 10;  ///< ExecutorOptions::first_frame_bytes
   /// ExecutorOptions::gradient_numel (unset: whole gradients travel).
   std::function<int64_t(int stage, int mb)> gradient_numel;
   /// This rank's share of a per-step sum reported beside the loss (e.g.

@@ -4,6 +4,7 @@
 // and loss equal plain autograd's in one process, the int64 arrives exact, the
 // leaf that takes no gradient travels forward only, and an output that
 // differs from its declared layout is an error naming stage and leaf.
+#include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -44,11 +45,16 @@ struct Weights {
   torch::Tensor w, a, b;
 };
 
+// Ranks are threads: each draw has a generator of its own (the global one,
+// seeded by two threads at once, once gave one rank the other's weights).
+torch::Tensor draw(std::vector<int64_t> shape, uint64_t seed) {
+  return torch::randn(shape, at::detail::createCPUGenerator(seed),
+                      torch::TensorOptions().dtype(torch::kFloat64));
+}
+
 Weights weights_of(int chunk) {
-  torch::manual_seed(100 + chunk);
-  return {torch::randn({4, 4}, torch::kFloat64).requires_grad_(),
-          torch::randn({4}, torch::kFloat64).requires_grad_(),
-          torch::randn({4}, torch::kFloat64).requires_grad_()};
+  return {draw({4, 4}, 100 + chunk).requires_grad_(), draw({4}, 200 + chunk).requires_grad_(),
+          draw({4}, 300 + chunk).requires_grad_()};
 }
 
 // Chunk c of `chunks`: [h f64, ids int64, s bf16] -> the same (the last: one
@@ -71,11 +77,20 @@ Message chunk_forward(const Weights& p, int chunk, int chunks, const Message& in
   return {h2, ids + 1, s2};
 }
 
+// Microbatches of 2, 3 and 4 rows: messages of three sizes.
+int64_t rows(int mb) {
+  return 2 + mb % 3;
+}
+
 Message input_of(int mb) {
-  torch::manual_seed(7 + mb);
-  return {torch::randn({2, 4}, torch::kFloat64),
-          torch::full({2}, kBig + 0, torch::kInt64) + torch::tensor({mb, 2 * mb}),
-          torch::randn({2, 4}, torch::kFloat64).to(torch::kBFloat16)};
+  return {draw({rows(mb), 4}, 7 + mb),
+          torch::full({rows(mb)}, kBig + 0, torch::kInt64) + torch::arange(rows(mb)) * mb,
+          draw({rows(mb), 4}, 50 + mb).to(torch::kBFloat16)};
+}
+
+hp::pipeline::Layout layout_of_mb(int mb) {
+  return {Leaf{torch::kFloat64, {rows(mb), 4}, true}, Leaf{torch::kInt64, {rows(mb)}, false},
+          Leaf{torch::kBFloat16, {rows(mb), 4}, true}};
 }
 
 torch::Tensor loss_fn(const torch::Tensor& out, int) {
@@ -87,6 +102,9 @@ struct Case {
   int ranks, microbatches;
   bool overlap;
   std::string p2p = "group";
+  /// No layout declared: the messages describe themselves, in frames of at
+  /// first 256 bytes (smaller than a message: several frames each).
+  bool described = false;
 };
 
 class MessagesOfSeveralTensors : public ::testing::TestWithParam<Case> {};
@@ -111,7 +129,8 @@ TEST_P(MessagesOfSeveralTensors, TrainLikeOneProcessExactly) {
 
   std::vector<std::map<int, Weights>> held(c.ranks);
   std::vector<std::map<c10::ScalarType, int>> sent(c.ranks);
-  std::vector<double> losses(c.ranks);
+  std::vector<double> losses(c.ranks), second_losses(c.ranks);
+  std::vector<std::map<c10::ScalarType, int>> second_sent(c.ranks);
   hp::testing::run_ranks_as_threads(c.ranks, [&](int r, std::shared_ptr<Comm> world) {
     auto group = std::make_shared<SendCounter>(world);
     std::map<int, hp::pipeline::ChunkModule> modules;
@@ -130,17 +149,28 @@ TEST_P(MessagesOfSeveralTensors, TrainLikeOneProcessExactly) {
     o.p2p = c.p2p;
     o.fb_overlap = c.overlap;
     o.input_message = input_of;
-    o.layout = [](int, int) {
-      return hp::pipeline::Layout{Leaf{torch::kFloat64, {2, 4}, true},
-                                  Leaf{torch::kInt64, {2}, false},
-                                  Leaf{torch::kBFloat16, {2, 4}, true}};
-    };
+    if (c.described) {
+      o.first_frame_bytes = 256;
+    } else {
+      o.layout = [](int, int mb) { return layout_of_mb(mb); };
+    }
     hp::pipeline::Pipeline pipeline(sched, group, modules, loss_fn, o);
     losses[r] = pipeline.step().loss;
     sent[r] = group->sent;
+    if (!c.described) return;
+    // A second step: every channel's frames now hold its largest message,
+    // so each message is one frame; the same gradients again.
+    for (const auto& [ch, p] : held[r])
+      for (auto t : {p.w, p.a, p.b})
+        t.mutable_grad().zero_();
+    group->sent.clear();
+    second_losses[r] = pipeline.step().loss;
+    second_sent[r] = group->sent;
   });
-  for (int r = 0; r < c.ranks; ++r)
+  for (int r = 0; r < c.ranks; ++r) {
     EXPECT_NEAR(losses[r], ref_loss, 1e-12 * ref_loss) << "rank " << r;
+    if (c.described) EXPECT_NEAR(second_losses[r], ref_loss, 1e-12 * ref_loss) << "rank " << r;
+  }
   for (int r = 0; r < c.ranks; ++r)
     for (const auto& [ch, p] : held[r]) {
       SCOPED_TRACE("rank " + std::to_string(r) + " chunk " + std::to_string(ch));
@@ -172,18 +202,36 @@ TEST_P(MessagesOfSeveralTensors, TrainLikeOneProcessExactly) {
       forward_transfers += sched.stage_rank[route[i]] != sched.stage_rank[route[i + 1]];
   }
   EXPECT_GT(forward_transfers, 0);
+  if (c.described) {
+    // Frames only; the first step's messages took several each, the
+    // second's one each, forward and back.
+    int first = 0, second = 0;
+    for (int r = 0; r < c.ranks; ++r) {
+      EXPECT_EQ(sent[r].size(), 1u);
+      first += sent[r].count(torch::kUInt8) ? sent[r].at(torch::kUInt8) : 0;
+      second += second_sent[r].count(torch::kUInt8) ? second_sent[r].at(torch::kUInt8) : 0;
+    }
+    EXPECT_GT(first, 2 * forward_transfers);
+    EXPECT_EQ(second, 2 * forward_transfers);
+    return;
+  }
   EXPECT_EQ(ids, forward_transfers);
   EXPECT_EQ(f64, 2 * forward_transfers);
   EXPECT_EQ(bf16, 2 * forward_transfers);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Schedules, MessagesOfSeveralTensors,
-    ::testing::Values(Case{"1f1b", 2, 4, false}, Case{"1f1b", 2, 4, false, "shm"},
-                      Case{"dualpipev", 2, 8, false}, Case{"dualpipev", 2, 8, true}),
-    [](const auto& info) {
-      return info.param.schedule + (info.param.overlap ? "_overlap" : "") + "_" + info.param.p2p;
-    });
+INSTANTIATE_TEST_SUITE_P(Schedules, MessagesOfSeveralTensors,
+                         ::testing::Values(Case{"1f1b", 2, 4, false},
+                                           Case{"1f1b", 2, 4, false, "shm"},
+                                           Case{"dualpipev", 2, 8, false},
+                                           Case{"dualpipev", 2, 8, true},
+                                           Case{"1f1b", 2, 4, false, "group", true},
+                                           Case{"1f1b", 2, 4, false, "shm", true},
+                                           Case{"dualpipev", 2, 8, true, "group", true}),
+                         [](const auto& info) {
+                           return info.param.schedule + (info.param.overlap ? "_overlap" : "") +
+                                  "_" + info.param.p2p + (info.param.described ? "_described" : "");
+                         });
 
 // A stage whose output differs from its layout fails its step naming the
 // stage, microbatch and first differing tensor; its peer fails too.
@@ -202,10 +250,10 @@ TEST(MessagesOfSeveralTensors, AnOutputUnlikeItsLayoutIsAnError) {
         hp::pipeline::PipelineOptions o;
         o.p2p = "group";
         o.input_message = input_of;
-        o.layout = [](int, int) {  // says the ids are int32
-          return hp::pipeline::Layout{Leaf{torch::kFloat64, {2, 4}, true},
-                                      Leaf{torch::kInt32, {2}, false},
-                                      Leaf{torch::kBFloat16, {2, 4}, true}};
+        o.layout = [](int, int mb) {  // says the ids are int32
+          auto l = layout_of_mb(mb);
+          l[1].dtype = torch::kInt32;
+          return l;
         };
         hp::pipeline::Pipeline pipeline(sched, group, modules, loss_fn, o);
         try {
