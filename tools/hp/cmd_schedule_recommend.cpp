@@ -170,7 +170,7 @@ void run_recommend(const RecommendArgs& a) {
                 per.c_str(), row.fits ? "" : "  (over limit)");
   }
   if (!a.search.empty())
-    std::printf("\nthe search first, then the fixed schedules on one stage per rank.");
+    std::printf("\nthe search first, then the fixed schedules on one stage per rank:");
   std::printf(
       "\nwithin the limit first, then by step time (makespan, the costs' time unit); bubble: "
       "the\nZero Bubble paper's rate; memory in the file's mem_b unit. Other cuts than one "
