@@ -1,7 +1,7 @@
-// hp/schedule/budget.h: schedules at any memory budget: the search `auto`
-// (the best schedule under a per-rank memory limit, on one stage per rank or
-// on the V), the smallest limit any schedule can meet, per-stage costs carried
-// over to other cuts, and the ranking `hp schedule recommend` prints.
+// hp/schedule/budget.h: what the memory budget of a search and a ranking
+// needs: per-stage costs carried over to other cuts, the smallest limit any
+// schedule can meet, the generators' work estimates, and the ranking `hp
+// schedule recommend` prints. The search `auto` itself: search/search.h.
 #pragma once
 
 #include <string>
@@ -11,26 +11,6 @@
 #include "hp/schedule/simulate.h"
 
 namespace hp::schedule {
-
-/// Options of budget_search().
-struct BudgetOptions {
-  /// Work budget of the whole search in simulated actions (NOTE [Budget of
-  /// the memory search]); deterministic (NOTE [Deterministic search]).
-  long long max_work = 6'000'000;
-};
-
-/// What budget_search() did (for tests, benchmarks and `--json`).
-struct BudgetStats {
-  std::string winner;      ///< the candidate the result came from ("v-min", "zb-auto", ...)
-  int candidates = 0;      ///< candidates simulated
-  int fitting = 0;         ///< of those, within the limit
-  long long work = 0;      ///< simulated actions spent
-  double span_before = 0;  ///< the winner's longest span before the local search
-  double span_after = 0;   ///< ... and after it
-  /// Candidates the work budget left out (empty: the search ran whole; then
-  /// the result is never slower than a fitting fixed schedule).
-  std::vector<std::string> left_out;
-};
 
 /// Per-stage costs of a cut into q p stages (q >= 1, every vector of the same
 /// length) folded into a p-stage cut: loop stage j sums the F, I, W and memory
@@ -56,25 +36,10 @@ CostModel costs_for_cut(const CostModel& costs, const Schedule& s);
 /// smaller.
 double smallest_feasible_memory(int ranks, int microbatches, const CostModel& costs);
 
-/// The memory-budget search `auto`: the schedule with the shortest step time
-/// (makespan; ties: the longest span, then peak memory) whose peak activation
-/// memory on every rank stays within `mem_limit` (0: p mem_b, 1F1B's). The
-/// candidates: every fixed generator (1F1B, ZB-H1, ZB-H2, V-Min, V-Half,
-/// V-ZB, the hand-made ZB-V, interleaved, DualPipe(V), GPipe, naive) that
-/// fits; zb-auto's heuristics and the V sweep of zbv at this limit; V-Min's
-/// block stretched to longer periods; the memory-capped V list scheduler
-/// (greedy_v) over a grid of warmup depths and with the V blocks as priorities;
-/// then local search (refine()) on the best of one stage per rank and the
-/// best on the V. Never slower than a fitting fixed schedule under the same
-/// costs. `costs` describe a p-stage cut, or one folded into it
-/// (costs_per_rank); the result's costs are costs_for_cut(costs, result). Each
-/// candidate is tried only while its estimated work fits what is left of
-/// `options.max_work` (naive and the V's naive, the floors, always are), so the
-/// search ends in seconds at every size the one size rule admits; what the
-/// bound left out is named in `stats->left_out`. Throws
-/// std::invalid_argument naming smallest_feasible_memory() when the limit is below it.
-Schedule budget_search(int ranks, int microbatches, const CostModel& costs, double mem_limit = 0,
-                       const BudgetOptions& options = {}, BudgetStats* stats = nullptr);
+/// The V's naive schedule: one microbatch at a time down and up the V, fused
+/// backwards (a rank holds both of its stages' activations of one microbatch):
+/// the smallest memory on the V.
+Schedule v_naive(int ranks, int microbatches);
 
 /// One row of recommend().
 struct Recommendation {
@@ -84,7 +49,7 @@ struct Recommendation {
   bool fits = false;  ///< max_peak_memory within the limit
 };
 
-/// Every generator of names() (the search included, at `mem_limit`) built for
+/// Every generator of names() (the searches included, at `mem_limit`) built for
 /// p ranks and m microbatches, simulated under `costs` (a p-stage cut), sorted
 /// fitting first, then by step time (makespan), then by the longest span.
 /// Generators whose constraints are not met are left out and named in
@@ -97,8 +62,8 @@ std::vector<Recommendation> recommend(int ranks, int microbatches, const CostMod
                                       long long max_work = 60'000'000);
 
 /// The estimated work of build(name, p, m) and of simulating its result, in
-/// simulated actions (NOTE [Budget of the memory search]); for the searches
-/// (zb-auto, zbv, auto), their bounds.
+/// simulated actions (NOTE [Budget of the memory search] in search/search.cpp);
+/// for the searches (zb-auto, zbv-auto, auto), their bounds.
 long long estimated_work(const std::string& name, int ranks, int microbatches, int chunks = 2);
 
 }  // namespace hp::schedule

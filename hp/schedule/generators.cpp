@@ -7,9 +7,9 @@
 #include <stdexcept>
 #include <utility>
 
-#include "hp/schedule/budget.h"
+#include "hp/schedule/search/heuristics.h"
+#include "hp/schedule/search/search.h"
 #include "hp/schedule/vshape.h"
-#include "hp/schedule/zb_auto.h"
 
 namespace hp::schedule {
 
@@ -183,7 +183,7 @@ Schedule zb_h2(int p, int m) {
 
 // ZB-V: V placement (rank r holds stages r and 2p-1-r); warmup on the down
 // leg, then alternating F I W on both legs, W deferred in the cooldown.
-Schedule zbv_handmade(int p, int m) {
+Schedule zbv(int p, int m) {
   check_basic("zbv", p, m);
   Schedule s = make_v_layout(p, m);
   s.name = "zbv";
@@ -391,6 +391,7 @@ const std::vector<std::string>& names() {
                                              "dualpipe",
                                              "dualpipev",
                                              "zb-auto",
+                                             "zbv-auto",
                                              "v-min",
                                              "v-half",
                                              "v-zb",
@@ -408,11 +409,13 @@ std::string describe(const std::string& name) {
     return "v chunks per rank, depth-first with W split off and deferred (PyTorch)";
   if (name == "zb-h1") return "1F1B with W split off into the bubbles, 1F1B memory";
   if (name == "zb-h2") return "zero bubble when F = B = W, about 2x 1F1B memory";
-  if (name == "zbv") return "V placement searched under the costs (transfers covered), 1F1B memory";
+  if (name == "zbv") return "the Zero Bubble paper's ZB-V: V placement, zero bubble at F = B = W";
   if (name == "dualpipe") return "two directions over mirrored stage copies (DeepSeek)";
   if (name == "dualpipev") return "DualPipe folded onto a V (one model copy)";
   if (name == "zb-auto")
     return "the Zero Bubble paper's search plus local search, under a memory limit";
+  if (name == "zbv-auto")
+    return "ZB-V searched under the costs (transfers covered), 1F1B memory by default";
   if (name == "v-min")
     return "V-shape block, about 1/3 of 1F1B's memory (controllable-memory paper)";
   if (name == "v-half")
@@ -425,13 +428,14 @@ std::string describe(const std::string& name) {
 }
 
 namespace {
-// A search's options from build()'s: its work bound split between the
-// candidates and the local search.
-SearchOptions search_options(const BuildOptions& o) {
+// A search's options from build()'s: zb-auto's and zbv-auto's work bound split
+// between the candidates and the local search; auto's local search gets what
+// the candidates left (NOTE [Budget of the memory search]).
+SearchOptions search_options(Preset preset, const BuildOptions& o) {
   SearchOptions so;
   if (o.search_work > 0) {
-    so.candidate_work = o.search_work / 2;
-    so.refine_work = o.search_work - so.candidate_work;
+    so.candidate_work = preset == Preset::Auto ? o.search_work : o.search_work / 2;
+    if (preset != Preset::Auto) so.refine_work = o.search_work - so.candidate_work;
   }
   so.cut_note = o.search_note;
   return so;
@@ -443,8 +447,8 @@ Schedule build(const std::string& name, int ranks, int microbatches, const Build
   // NOTE [One size rule]: the interleaved ones take o.chunks stages per rank,
   // the V and DualPipe ones two, the rest one.
   const bool interleaved_kind = name.rfind("interleaved", 0) == 0;
-  const bool two = name == "zbv" || name == "dualpipe" || name == "dualpipev" ||
-                   name.rfind("v-", 0) == 0 || name == "auto";
+  const bool two = name == "zbv" || name == "zbv-auto" || name == "dualpipe" ||
+                   name == "dualpipev" || name.rfind("v-", 0) == 0 || name == "auto";
   check_schedule_size("schedule '" + name + "'", ranks, microbatches,
                       interleaved_kind ? std::max(1, o.chunks)
                       : two            ? 2
@@ -467,41 +471,22 @@ Schedule build(const std::string& name, int ranks, int microbatches, const Build
   } else if (name == "zb-h2") {
     s = zb_h2(ranks, microbatches);
   } else if (name == "zbv") {
-    s = zbv_auto(ranks, microbatches, o.costs, o.mem_limit, search_options(o));
+    s = zbv(ranks, microbatches);
   } else if (name == "dualpipe") {
     s = dualpipe(ranks, microbatches);
   } else if (name == "dualpipev") {
     s = dualpipev(ranks, microbatches);
-  } else if (name == "zb-auto") {
-    s = zb_auto(ranks, microbatches, o.costs, o.mem_limit, search_options(o));
+  } else if (name == "zb-auto" || name == "zbv-auto" || name == "auto") {
+    const Preset preset = name == "zb-auto"    ? Preset::ZbAuto
+                          : name == "zbv-auto" ? Preset::ZbvAuto
+                                               : Preset::Auto;
+    s = search(preset, ranks, microbatches, o.costs, o.mem_limit, search_options(preset, o));
   } else if (name == "v-min") {
     s = v_block_schedule(VBlock::Min, ranks, microbatches);
   } else if (name == "v-half") {
     s = v_block_schedule(VBlock::Half, ranks, microbatches);
   } else if (name == "v-zb") {
     s = v_block_schedule(VBlock::ZB, ranks, microbatches);
-  } else if (name == "auto") {
-    BudgetOptions bo;
-    if (o.search_work > 0) bo.max_work = o.search_work;
-    BudgetStats st;
-    s = budget_search(ranks, microbatches, o.costs, o.mem_limit, bo, &st);
-    if (o.search_note && !st.left_out.empty()) {
-      std::string left;  // runs of one kind counted: "9 x v-block"
-      auto kind_of = [](const std::string& n) {
-        return n.rfind("v-block ", 0) == 0 ? std::string("v-block") : n;
-      };
-      for (size_t i = 0; i < st.left_out.size();) {
-        const std::string kind = kind_of(st.left_out[i]);
-        size_t j = i;
-        while (j < st.left_out.size() && kind_of(st.left_out[j]) == kind)
-          ++j;
-        left += (left.empty() ? "" : ", ") +
-                (j - i > 1 ? std::to_string(j - i) + " x " + kind : st.left_out[i]);
-        i = j;
-      }
-      *o.search_note += (o.search_note->empty() ? "" : "; ") +
-                        std::string("auto: the work bound left out ") + left;
-    }
   } else {
     std::string known;
     for (const auto& n : names())

@@ -3,7 +3,7 @@
 #include "hp/schedule/paper.h"
 
 #include "hp/schedule/generators.h"
-#include "hp/schedule/zb_auto.h"
+#include "hp/schedule/search/search.h"
 
 namespace hp::schedule {
 
@@ -64,9 +64,10 @@ const std::vector<PaperRow>& paper_table8() {
         {"28.3B", 32, 128, 1, 0.9818, 0.7536, 0.0460, 6144, 48, 0.2204, 0.1111, 0.0478},
         {"28.3B", 32, 256, 1, 0.9818, 0.7465, 0.0460, 6144, 48, 0.1362, 0.0593, 0.0251},
     };
-    const double zbv[] = {0.0697, 0.0533, 0.0274, 0.0638, 0.0483, 0.0250, 0.0593, 0.0451, 0.0236};
+    const double zbv_rates[] = {0.0697, 0.0533, 0.0274, 0.0638, 0.0483,
+                                0.0250, 0.0593, 0.0451, 0.0236};
     for (size_t i = 0; i < r.size(); ++i)
-      r[i].r_zbv = zbv[i];
+      r[i].r_zbv = zbv_rates[i];
     return r;
   }();
   return rows;

@@ -42,7 +42,7 @@ CostModel paper_costs(const PaperRow& row);
 struct PaperResult {
   double r_1f1b = 0, r_zbh1 = 0, r_zbh2 = 0;      ///< our hand-made schedules
   double r_zb1p = -1, r_zb2p = -1;                ///< zb-auto under p M_B and 2p M_B (Table 5)
-  double r_zbv = -1;                              ///< zbv under p M_B (Table 8)
+  double r_zbv = -1;                              ///< zbv-auto under p M_B (Table 8)
   double peak_1p = 0, peak_2p = 0, peak_zbv = 0;  ///< their peak memory, in M_B
   /// The bubble rate of span_lower_bound() under p M_B and 2p M_B (Table 5):
   /// no loop schedule within that memory does better.

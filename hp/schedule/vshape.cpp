@@ -1,6 +1,5 @@
 // hp/schedule/vshape.cpp: V-Min, V-Half and V-ZB from the controllable-memory
-// paper's building blocks (repeat, fill W, squeeze, read off the order), and
-// the memory-capped list scheduler on the V placement.
+// paper's building blocks (repeat, fill W, squeeze, read off the order).
 #include "hp/schedule/vshape.h"
 
 #include <algorithm>
@@ -9,8 +8,6 @@
 #include <deque>
 #include <limits>
 #include <stdexcept>
-
-#include "hp/schedule/time_order.h"
 
 namespace hp::schedule {
 
@@ -59,13 +56,11 @@ namespace hp::schedule {
 // holds about 6/P as many microbatches in flight, at 6/P of the throughput in
 // the steady state: e.g. p = 8, m = 24 at a third of 1F1B's memory (2.67 of
 // V-Min's 4) gives a bubble rate of about 0.45 (V-Min itself: 0.16). The
-// memory-budget search (budget.h) tries V-Min's block at several periods.
+// search `auto` (search/search.h) tries V-Min's block at several periods.
 
 namespace {
 
 constexpr int kTypes = 4;  // f_down, f_up, i_up, i_down; W's are kept apart
-constexpr double kInf = std::numeric_limits<double>::infinity();
-constexpr double kEps = 1e-9;
 
 std::vector<BlockOffsets> family(int p, int a, int b, int u, int g1, int g2) {
   std::vector<BlockOffsets> out(p);
@@ -432,188 +427,6 @@ Schedule v_block_schedule(VBlock kind, int p, int m) {
                                 "': needs p >= 1 and m >= 1 (got p=" + std::to_string(p) +
                                 ", m=" + std::to_string(m) + ")");
   return schedule_from_v_block(v_block_offsets(kind, p), p, m, name);
-}
-
-// NOTE [Admission on the V]
-// A rank holds a microbatch's down-stage activations from its down F until
-// its down I, which comes only after the microbatch went down the V, turned,
-// came back up through this rank's up stage and went down again. If a rank
-// let its memory fill with down forwards, the up forward it waits for could
-// find no room, and nothing would ever free any: a deadlock. So a down F
-// admits a microbatch only when the rank keeps room for one up forward after
-// it (mem + mem_b(down) + mem_b(up) within the limit). After every admission
-// one up F fits; up F's run in microbatch order, so the room goes to the
-// oldest microbatch without its up F here, and every microbatch older than
-// that one already holds its up activations and frees them with its I and W,
-// which need no room (mem_w <= mem_b). By induction on age the oldest
-// microbatch in flight can always take its next step: any limit that holds
-// one microbatch on every rank (both stages) finishes. (Reserving room for
-// every admitted microbatch's up F is safe too but left rank 0 with half the
-// microbatches in flight: 23 % bubble where V-Min's block has 16 %.)
-// NOTE [Blocks as priorities]
-// A block's order run as a fixed list waits whenever its next op's input is
-// late: under F != B or with transfers V-Min's tight block loses most of its
-// advantage (p = 16, m = 128: bubble 7 % at unit costs, 37 % at F = 1.3, W =
-// 0.7, comm 0.1). As priorities in the list scheduler, a rank runs the
-// earliest-slot op that is ready instead, and the admission rule caps memory
-// at any limit, so one block family covers every budget between V-Min's and
-// 1F1B's memory and below V-Min's (down to one microbatch per rank). A
-// `window` keeps a rank near the block's order (an op runs only within that
-// many slots of the earliest next op that memory allows): at p = 8, m = 24,
-// F = 1.3, W = 0.7, comm 0.1 under V-Min's memory, window 12 gives a bubble
-// rate of 0.35, any ready op 0.41, the fixed order 0.40. A window can leave
-// every rank waiting on an op it excludes; the stuck guard then refuses the
-// run and the search goes on without it.
-Schedule greedy_v(int p, int m, const CostModel& costs, const VGreedyParams& vp) {
-  if (p < 1 || m < 1)
-    throw std::invalid_argument("greedy V: needs p >= 1 and m >= 1 (got p=" + std::to_string(p) +
-                                ", m=" + std::to_string(m) + ")");
-  costs.check(2 * p);
-  if (static_cast<int>(vp.warmup.size()) != p && vp.priority.empty())
-    throw std::invalid_argument("greedy V: warmup needs one entry per rank");
-  if (!vp.priority.empty() && static_cast<int>(vp.priority.size()) != p)
-    throw std::invalid_argument("greedy V: the priority block needs one entry per rank");
-  Schedule s = make_v_layout(p, m);
-  s.name = "v-greedy";
-  const int S = 2 * p;
-  std::vector<double> fc(S), ic(S), wc(S), mb(S), mw(S), hop(S, 0.0);
-  double min_cost = kInf, min_hop = kInf;
-  for (int st = 0; st < S; ++st) {
-    fc[st] = costs.stage_cost(s, Op::F, st);
-    ic[st] = costs.stage_cost(s, Op::I, st);
-    wc[st] = costs.stage_cost(s, Op::W, st);
-    mb[st] = costs.stage_mem_b_of(s, st);
-    mw[st] = costs.stage_mem_w_of(s, st);
-    if (st + 1 < S) {
-      hop[st] = costs.boundary_cost(s, st, st + 1);
-      if (st != p - 1) min_hop = std::min(min_hop, hop[st]);
-    }
-    min_cost = std::min({min_cost, fc[st], ic[st], wc[st]});
-  }
-  if (!(min_hop < kInf)) min_hop = 0;
-  const double slack = kEps * std::max(1.0, vp.mem_limit);
-  for (int r = 0; r < p; ++r) {
-    const double need = mb[r] + mb[S - 1 - r];
-    if (need > vp.mem_limit + slack)
-      throw std::invalid_argument("memory limit " + std::to_string(vp.mem_limit) +
-                                  " cannot hold one microbatch on rank " + std::to_string(r) +
-                                  " of the V (both of its stages: " + std::to_string(need) +
-                                  "); raise --mem-limit");
-  }
-  std::vector<std::vector<double>> f_arr(S, std::vector<double>(m, kInf)), g_arr(f_arr);
-  for (int k = 0; k < m; ++k)
-    f_arr[0][k] = 0.0;
-  std::vector<int> nf(S, 0), ni(S, 0);
-  std::vector<double> mem(p, 0.0);
-  std::vector<std::deque<std::pair<int, int>>> pend(p);
-  std::vector<int> done(p, 0);  // W's run
-  // NOTE [Greedy heuristic and time order] (zb_auto.cpp)
-  detail::RankClocks clocks(p, min_cost + min_hop);
-  long long waits = 0;  // consecutive decisions to wait: all ranks blocked means stuck
-  for (int r = clocks.next(); r >= 0; r = clocks.next()) {
-    const double T = clocks.clock(r);
-    if (!(T < kInf))
-      throw std::invalid_argument("greedy V: stuck on rank " + std::to_string(r) +
-                                  " under memory limit " + std::to_string(vp.mem_limit) +
-                                  "; raise --mem-limit");
-    const int dn = r, up = S - 1 - r;
-    const bool up_room = mem[r] + mb[up] <= vp.mem_limit + slack;
-    const bool up_f = nf[up] < nf[dn] && f_arr[up][nf[up]] <= T + kEps && up_room;
-    const bool dn_avail = nf[dn] < m && f_arr[dn][nf[dn]] <= T + kEps;
-    const bool dn_room = mem[r] + mb[dn] + mb[up] <= vp.mem_limit + slack;
-    const bool i_up = ni[up] < nf[up] && g_arr[up][ni[up]] <= T + kEps;
-    const bool i_dn = ni[dn] < ni[up] && g_arr[dn][ni[dn]] <= T + kEps;
-    const bool in_warmup = !vp.warmup.empty() && nf[dn] - ni[dn] < vp.warmup[r];
-    int op = -1;  // 0 down F, 1 up F, 2 up I, 3 down I, 4 W
-    if (!vp.priority.empty()) {
-      const BlockOffsets& o = vp.priority[r];
-      long long best = std::numeric_limits<long long>::max();
-      long long first = best;  // the earliest slot among the next ops with room, ready or not
-      if (nf[dn] < m && dn_room) first = std::min(first, o.f_down + 6LL * nf[dn]);
-      if (nf[up] < nf[dn] && up_room) first = std::min(first, o.f_up + 6LL * nf[up]);
-      if (ni[up] < nf[up]) first = std::min(first, o.i_up + 6LL * ni[up]);
-      if (ni[dn] < ni[up]) first = std::min(first, o.i_down + 6LL * ni[dn]);
-      auto offer = [&](bool ok, int which, int offset, int k) {
-        const long long key = offset + 6LL * k;
-        if (ok && key < best && key <= first + vp.window) {
-          best = key;
-          op = which;
-        }
-      };
-      offer(dn_avail && dn_room, 0, o.f_down, nf[dn]);
-      offer(up_f, 1, o.f_up, nf[up]);
-      offer(i_up, 2, o.i_up, ni[up]);
-      offer(i_dn, 3, o.i_down, ni[dn]);
-      if (op < 0 && !pend[r].empty()) op = 4;
-    } else if (up_f) {
-      op = 1;
-    } else if (dn_avail && dn_room && in_warmup) {
-      op = 0;
-    } else if (i_dn || i_up) {
-      if (i_dn && i_up)
-        op = g_arr[dn][ni[dn]] <= g_arr[up][ni[up]] ? 3 : 2;
-      else
-        op = i_dn ? 3 : 2;
-    } else if (!pend[r].empty()) {
-      op = 4;
-    } else if (dn_avail && dn_room) {
-      op = 0;
-    }
-    if (op < 0) {
-      if (++waits > 64LL * p + 1024)
-        throw std::invalid_argument("greedy V: no rank can proceed under memory limit " +
-                                    std::to_string(vp.mem_limit) + "; raise --mem-limit");
-      double next = kInf;
-      if (nf[up] < nf[dn] && up_room) next = std::min(next, f_arr[up][nf[up]]);
-      if (nf[dn] < m && dn_room) next = std::min(next, f_arr[dn][nf[dn]]);
-      if (ni[up] < nf[up]) next = std::min(next, g_arr[up][ni[up]]);
-      if (ni[dn] < ni[up]) next = std::min(next, g_arr[dn][ni[dn]]);
-      if (next <= T + kEps) next = kInf;  // known but blocked (memory): wait for others
-      clocks.waited(r, next);
-      continue;
-    }
-    waits = 0;
-    double end = T;
-    if (op == 0) {
-      const int k = nf[dn]++;
-      end = T + fc[dn];
-      mem[r] += mb[dn];
-      s.actions[r].push_back(Action::make(Op::F, dn, k));
-      f_arr[dn + 1][k] = end + hop[dn];  // dn + 1 is on rank r + 1, or the turn (free)
-      if (r + 1 < p) clocks.delivered(r + 1, end + hop[dn]);
-    } else if (op == 1) {
-      const int k = nf[up]++;
-      end = T + fc[up];
-      mem[r] += mb[up];
-      s.actions[r].push_back(Action::make(Op::F, up, k));
-      if (up + 1 < S) {
-        f_arr[up + 1][k] = end + hop[up];
-        clocks.delivered(r - 1, end + hop[up]);  // stage up + 1 is on rank r - 1
-      } else
-        g_arr[up][k] = end;  // the loss: the last stage's own gradient
-    } else if (op == 2 || op == 3) {
-      const int st = op == 2 ? up : dn;
-      const int k = ni[st]++;
-      end = T + ic[st];
-      mem[r] += mw[st] - mb[st];
-      s.actions[r].push_back(Action::make(Op::I, st, k));
-      pend[r].emplace_back(st, k);
-      if (st > 0) {
-        g_arr[st - 1][k] = end + hop[st - 1];
-        if (st != p) clocks.delivered(st - 1 < p ? st - 1 : S - st, end + hop[st - 1]);
-      }
-    } else {
-      const auto [st, k] = pend[r].front();
-      pend[r].pop_front();
-      end = T + wc[st];
-      mem[r] -= mw[st];
-      s.actions[r].push_back(Action::make(Op::W, st, k));
-      ++done[r];
-    }
-    clocks.acted(r, end);
-    if (done[r] == 2 * m) clocks.finished(r);
-  }
-  return s;
 }
 
 }  // namespace hp::schedule

@@ -247,7 +247,7 @@ torch::Device TrainConfig::resolve_device(int local_rank) const {
 
 schedule::Schedule TrainConfig::build_schedule() const {
   if (!schedule_file.empty()) {
-    // A schedule someone made (hp schedule tune): read strictly, checked
+    // A schedule someone made (hp schedule recommend -o): read strictly, checked
     // against this run, lowered when it is not yet.
     schedule::Schedule s =
         schedule::from_csv(schedule::read_input_file(schedule_file), schedule_file);

@@ -34,7 +34,7 @@ struct TrainConfig {
   /// gradients] in hp/pipeline/pipeline.cpp).
   int ep = 1;
   std::string schedule = "1f1b";  ///< any hp/schedule generator name
-  /// A schedule CSV to run instead of a generator (`hp schedule tune -o`,
+  /// A schedule CSV to run instead of a generator (`hp schedule recommend -o`,
   /// `hp schedule show --csv`); its ranks and microbatches must be nproc and
   /// microbatches.
   std::string schedule_file;
@@ -138,7 +138,7 @@ struct TrainResult {
   std::vector<double> rank_predicted_peak_transient_bytes;
   /// Per-stage F, I, W (seconds per microbatch) measured from the last step's
   /// timeline and the measured transfer latency: the report's "stage_costs",
-  /// which `hp schedule tune --costs` reads (NOTE [Stage cost file]).
+  /// which `hp schedule recommend --costs` reads (NOTE [Stage cost file]).
   schedule::CostModel stage_costs;
   schedule::Timeline timeline;  ///< executed timeline of the last step (rank 0: all ranks)
   std::vector<schedule::Action> executed;  ///< this rank's compute actions, last step, in run order

@@ -263,7 +263,7 @@ std::vector<SchedulePrediction> predict_schedules(const schedule::CostModel& cos
     pr.schedule = name;
     try {
       // Built on one rank's share first (to learn its number of stages), then
-      // on the per-stage costs of its own cut (zb-auto and zbv search under
+      // on the per-stage costs of its own cut (zb-auto and zbv-auto search under
       // them; NOTE [Per-stage costs of other cuts]).
       schedule::BuildOptions o;
       o.costs = scalar;

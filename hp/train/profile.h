@@ -81,7 +81,7 @@ std::vector<std::string> default_prediction_schedules();
 /// vectors, when set, hold p entries (stages measured for a cut into p
 /// chunks) and are carried over to schedules that cut the model into more
 /// stages (NOTE [Per-stage costs of other cuts] in profile.cpp). zb-auto and
-/// zbv search under these costs (default memory limits). A schedule that
+/// zbv-auto search under these costs (default memory limits). A schedule that
 /// cannot be built at this p and m gets ok = false and the reason.
 std::vector<SchedulePrediction> predict_schedules(const schedule::CostModel& costs, int p, int m,
                                                   const std::vector<std::string>& names);

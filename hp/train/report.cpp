@@ -166,7 +166,7 @@ std::string report_json(const TrainConfig& c, const TrainResult& r) {
     j["simulated_bubble"] = r.simulated_bubble;
     j["measured_makespan_seconds"] = r.measured_makespan;
     j["simulated_makespan_seconds"] = r.simulated_makespan;
-    // NOTE [Stage cost file]: what `hp schedule tune --costs REPORT` reads.
+    // NOTE [Stage cost file]: what `hp schedule recommend --costs REPORT` reads.
     nlohmann::json stages = nlohmann::json::array();
     const auto& sc = r.stage_costs;
     for (size_t st = 0; st < sc.stage_f.size(); ++st)

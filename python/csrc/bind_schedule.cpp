@@ -32,9 +32,9 @@
 #include "hp/schedule/lower.h"
 #include "hp/schedule/render.h"
 #include "hp/schedule/schedule.h"
+#include "hp/schedule/search/search.h"
 #include "hp/schedule/simulate.h"
 #include "hp/schedule/text.h"
-#include "hp/schedule/zb_auto.h"
 
 namespace hp::python {
 
@@ -721,8 +721,8 @@ void bind_schedule(py::module_& m) {
       py::arg("name"), py::arg("ranks"), py::arg("microbatches"), py::kw_only(),
       py::arg("chunks") = 2, py::arg("costs") = hs::CostModel{}, py::arg("mem_limit") = 0.0,
       "Builds the named schedule (compute actions only). chunks: v of interleaved-*; costs and "
-      "mem_limit: what zb-auto and zbv search under (0: their default limit). ValueError "
-      "states any unmet constraint and a value that works.");
+      "mem_limit: what zb-auto, zbv-auto and auto search under (0: their default limit). "
+      "ValueError states any unmet constraint and a value that works.");
   sub.def(
       "zb_auto",
       [](int ranks, int microbatches, hs::CostModel costs, double mem_limit,

@@ -91,9 +91,10 @@ def mem_limit_value(mem_limit: MemLimit, ranks: int, costs: CostModel | None = N
     """A memory limit as the number the C++ generators take.
 
     ``None`` or 0: the generator's default (zb-auto: 2 p mem_b, the Zero
-    Bubble paper's ZB-2p; zbv: p mem_b). A number: that limit, in the units of
-    ``costs.mem_b``. A string ``"Kx"``: K times ``ranks * costs.mem_b``, as the
-    CLI's ``--mem-limit 2x`` (``"1x"`` is the paper's ZB-1p)."""
+    Bubble paper's ZB-2p; zbv-auto and auto: p mem_b). A number: that limit,
+    in the units of ``costs.mem_b``. A string ``"Kx"``: K times ``ranks *
+    costs.mem_b``, as the CLI's ``--mem-limit 2x`` (``"1x"`` is the paper's
+    ZB-1p)."""
     if mem_limit is None:
         return 0.0
     if isinstance(mem_limit, bool):
@@ -134,8 +135,8 @@ def build(
     """Builds the named schedule (compute actions only; ``lower`` adds SEND/RECV).
 
     ``chunks`` is v, the stages per rank of the interleaved schedules;
-    ``costs`` and ``mem_limit`` are what zb-auto and zbv search under (see
-    :func:`mem_limit_value`). ``names()`` lists the generators. An unmet
+    ``costs`` and ``mem_limit`` are what the searches (zb-auto, zbv-auto, auto)
+    search under (see :func:`mem_limit_value`). ``names()`` lists the generators. An unmet
     constraint is a ValueError that says what to change, e.g. ``needs
     microbatches divisible by ranks (m % p == 0); got m=6, p=4; use m=8``."""
     costs = costs if costs is not None else CostModel()
@@ -281,7 +282,7 @@ def write_csv(schedule: Schedule, path: str | os.PathLike) -> None:
 
 
 def read_stage_costs(path: str | os.PathLike) -> CostModel:
-    """A CostModel from a stage cost file (``hp schedule tune --costs``)."""
+    """A CostModel from a stage cost file (``hp schedule recommend --costs``)."""
     path = os.fspath(path)
     with open(path, "rb") as f:
         data = f.read(MAX_INPUT_BYTES + 1)

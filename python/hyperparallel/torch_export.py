@@ -5,7 +5,8 @@ runs any per-rank list of its ``_Action`` s: F, I (BACKWARD_INPUT), W
 (BACKWARD_WEIGHT), B (FULL_BACKWARD), OVERLAP_F_B, and SEND_F/RECV_F/SEND_B/
 RECV_B. Its action text is ours (``2F0``, ``1I3``, ``0SEND_B2``: SEND names the
 producing stage, RECV the consuming one), so a schedule PyTorch does not ship
-(zb-auto, ZB-H2, DualPipeV, our cost-searched ZB-V, ...) runs there as it is:
+(zb-auto, ZB-H2, DualPipeV, zbv-auto: our cost-searched ZB-V, ...) runs there
+as it is:
 
 >>> from hyperparallel import schedule as hs, torch_export as te
 >>> s = hs.build("zb-auto", ranks=2, microbatches=8, mem_limit="1x")

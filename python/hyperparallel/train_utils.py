@@ -22,7 +22,7 @@ __all__ = ["Progress", "gather_step_stats", "measured_timeline", "step_summary",
 #: The schedules the example scripts offer (every generator but afab, gpipe's alias).
 EXAMPLE_SCHEDULES = ["naive", "gpipe", "1f1b", "interleaved-1f1b", "interleaved-bfs",
                      "interleaved-zb", "zb-h1", "zb-h2", "zbv", "dualpipe", "dualpipev", "zb-auto",
-                     "v-min", "v-half", "v-zb", "auto"]
+                     "zbv-auto", "v-min", "v-half", "v-zb", "auto"]
 
 
 def positive(what: str):

@@ -445,8 +445,9 @@ TEST(TrainEndToEnd, PipelineTimesFsdpEqualsSingleProcessTraining) {
 }
 
 // The tuning loop of issue 17: a run's report carries the per-stage costs
-// it measured, `hp schedule tune --costs` makes a schedule for them, and
-// `hp train --schedule-file` runs it, still equal to single-process training.
+// it measured, `hp schedule recommend --search zb-auto --costs` makes a
+// schedule for them, and `hp train --schedule-file` runs it, still equal to
+// single-process training.
 TEST(TrainEndToEnd, ATunedScheduleFromAReportTrainsLikeOneProcess) {
   TrainConfig c = small("1f1b", 2);
   auto dir = fresh_dir("tuned");
@@ -459,8 +460,8 @@ TEST(TrainEndToEnd, ATunedScheduleFromAReportTrainsLikeOneProcess) {
   for (const auto& st : costs["stages"])
     for (const char* k : {"f", "i", "w"})
       EXPECT_GT(st[k].get<double>(), 0.0) << k;
-  HpRun tune = run_hp("schedule tune --costs " + report + " -m " + std::to_string(c.microbatches) +
-                      " -o " + csv);
+  HpRun tune = run_hp("schedule recommend --search zb-auto --mem-limit 2x --costs " + report +
+                      " -m " + std::to_string(c.microbatches) + " -o " + csv);
   ASSERT_EQ(tune.exit_code, 0) << tune.output;
   std::string no_schedule = train_flags(c);
   no_schedule.erase(no_schedule.find(" -s 1f1b"), std::string(" -s 1f1b").size());

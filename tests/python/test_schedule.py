@@ -25,8 +25,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # The generators docs/schedules.md lists, in its order.
 DOCUMENTED = [
     "naive", "gpipe", "1f1b", "interleaved-1f1b", "interleaved-bfs", "interleaved-zb",
-    "zb-h1", "zb-h2", "zbv", "dualpipe", "dualpipev", "zb-auto", "v-min", "v-half", "v-zb",
-    "auto",
+    "zb-h1", "zb-h2", "zbv", "dualpipe", "dualpipev", "zb-auto", "zbv-auto", "v-min", "v-half",
+    "v-zb", "auto",
 ]
 
 
@@ -103,7 +103,7 @@ def test_layouts_as_documented():
     # Loop placement: stage s on rank s % p, one route through every stage.
     assert s["1f1b"].stage_rank == [0, 1, 2, 3] and s["1f1b"].routes == [[0, 1, 2, 3]]
     # V placement: rank r holds stages r and 2p-1-r.
-    for name in ("zbv", "dualpipev"):
+    for name in ("zbv", "zbv-auto", "dualpipev"):
         v = s[name]
         assert v.num_stages == 8 and v.routes == [list(range(8))]
         for r in range(4):

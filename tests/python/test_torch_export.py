@@ -4,9 +4,9 @@ The export (hyperparallel.torch_export) is checked three ways: the action
 lists against torch's own validator and lowering, the refusals (DualPipe,
 out-of-order last-stage forwards) by their messages, and real training: 2 and
 4 processes over Gloo run torch's _PipelineScheduleRuntime driven by our
-zb-h2, zb-auto, dualpipev, zbv and the other generators, and their losses and
-final parameters equal single-process training (plain autograd, gradients
-accumulated over the microbatches) to 1e-9 in float64.
+zb-h2, zb-auto, dualpipev, zbv-auto and the other generators, and their
+losses and final parameters equal single-process training (plain autograd,
+gradients accumulated over the microbatches) to 1e-9 in float64.
 
 Run as a script (``--worker``) this file is one rank of that training.
 """
@@ -276,7 +276,7 @@ def p2_cases(tmp_path) -> list[dict]:
         "zb-auto": hs.build("zb-auto", p, 4, costs=SKEWED, mem_limit="1x"),
         "zb-auto-2x": hs.build("zb-auto", p, 8, costs=SKEWED, mem_limit="2x"),
         "dualpipev": hs.build("dualpipev", p, 4),
-        "zbv": hs.build("zbv", p, 4, costs=SKEWED),
+        "zbv-auto": hs.build("zbv-auto", p, 4, costs=SKEWED),
         "zb-h1": hs.build("zb-h1", p, 4),
         "interleaved-zb": hs.build("interleaved-zb", p, 4, chunks=2),
         "interleaved-1f1b": hs.build("interleaved-1f1b", p, 4, chunks=2),
@@ -361,8 +361,9 @@ def test_every_generator_but_dualpipe_passes_torchs_checks(p, m):
 )
 def test_torchs_own_generators_give_our_lists(torch_name, ours, p, m):
     # docs/schedules.md: interleaved-zb is PyTorch's ScheduleInterleavedZeroBubble
-    # construction, zbv starts from its ScheduleZBVZeroBubble, DualPipeV and
-    # Interleaved1F1B follow the same papers. torch builds them here itself.
+    # construction, zbv its ScheduleZBVZeroBubble (zbv-auto's first candidate),
+    # DualPipeV and Interleaved1F1B follow the same papers. torch builds them
+    # here itself.
     from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
     per_rank = None if torch_name == "GPipe" else 2

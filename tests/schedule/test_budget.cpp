@@ -12,6 +12,8 @@
 #include "hp/schedule/budget.h"
 #include "hp/schedule/generators.h"
 #include "hp/schedule/lower.h"
+#include "hp/schedule/search/heuristics.h"
+#include "hp/schedule/search/search.h"
 #include "hp/schedule/vshape.h"
 
 namespace hs = hp::schedule;
@@ -37,13 +39,12 @@ constexpr double kTol = 1e-9;
 std::vector<std::pair<std::string, hs::Schedule>> fixed_schedules(int p, int m) {
   std::vector<std::pair<std::string, hs::Schedule>> out;
   for (const auto& n : hs::names()) {
-    if (n == "zb-auto" || n == "zbv" || n == "auto") continue;
+    if (n == "zb-auto" || n == "zbv-auto" || n == "auto") continue;
     try {
       out.emplace_back(n, hs::build(n, p, m));
     } catch (const std::invalid_argument&) {
     }
   }
-  out.emplace_back("zbv (hand-made)", hs::zbv_handmade(p, m));
   return out;
 }
 
@@ -80,9 +81,9 @@ TEST_P(VFamily, MatchesThePapersFormulas) {
     EXPECT_GE(bubble, w.lo - kTol);
     EXPECT_LE(bubble, w.hi + kTol);
     // The search at the block's own memory is at or below it.
-    hs::BudgetOptions fast;
-    fast.max_work = 1'000'000;
-    const hs::SimResult a = sim(hs::budget_search(p, m, c, r.max_peak_memory, fast), c);
+    hs::SearchOptions fast;
+    fast.candidate_work = 1'000'000;
+    const hs::SimResult a = sim(hs::auto_search(p, m, c, r.max_peak_memory, fast), c);
     EXPECT_LE(a.max_peak_memory, r.max_peak_memory + kTol);
     EXPECT_LE(a.makespan, r.makespan + kTol);
     EXPECT_LE(a.bubble_rate, r.bubble_rate + kTol);
@@ -98,9 +99,9 @@ TEST_P(VFamily, SearchAtOneThirdHalfAndOneOfOneF1BIsAtOrBelowEveryFit) {
   const auto fixed = fixed_schedules(p, m);
   for (double frac : {1.0 / 3, 0.5, 1.0}) {
     const double limit = frac * p;
-    hs::BudgetOptions fast;
-    fast.max_work = 1'000'000;
-    const hs::Schedule a = hs::budget_search(p, m, c, limit, fast);
+    hs::SearchOptions fast;
+    fast.candidate_work = 1'000'000;
+    const hs::Schedule a = hs::auto_search(p, m, c, limit, fast);
     ASSERT_NO_THROW(hs::validate(hs::lower(a)));
     const hs::SimResult ra = sim(a, c);
     EXPECT_LE(ra.max_peak_memory, limit + kTol);
@@ -150,8 +151,8 @@ TEST(BudgetSearch, NeverWorseThanAFixedScheduleThatFitsOnRandomCosts) {
     SCOPED_TRACE("trial " + std::to_string(trial) + " p=" + std::to_string(p) +
                  " m=" + std::to_string(m) + " limit=" + std::to_string(limit));
     const std::clock_t t0 = std::clock();
-    hs::BudgetStats st;
-    const hs::Schedule a = hs::budget_search(p, m, c, limit, {}, &st);
+    hs::SearchStats st;
+    const hs::Schedule a = hs::auto_search(p, m, c, limit, {}, &st);
     const double cpu = static_cast<double>(std::clock() - t0) / CLOCKS_PER_SEC;
     EXPECT_LT(cpu, 1.0);
     ASSERT_NO_THROW(hs::validate(hs::lower(a)));
@@ -179,11 +180,11 @@ TEST(BudgetSearch, UnderItsTimeBudgetAtP16M128) {
   }
   for (double frac : {0.34, 1.0}) {
     const std::clock_t t0 = std::clock();
-    hs::BudgetStats st;
-    hs::budget_search(16, 128, c, frac * 16, {}, &st);
+    hs::SearchStats st;
+    hs::auto_search(16, 128, c, frac * 16, {}, &st);
     const double cpu = static_cast<double>(std::clock() - t0) / CLOCKS_PER_SEC;
     EXPECT_LT(cpu, 1.0) << frac;
-    EXPECT_LE(st.work, hs::BudgetOptions{}.max_work * 2) << frac;
+    EXPECT_LE(st.work, hs::kAutoWork * 2) << frac;
   }
 #else
   GTEST_SKIP() << "timing is checked in optimised builds";
@@ -196,8 +197,8 @@ TEST(BudgetSearch, IsDeterministic) {
   c.f = 1.3;
   c.w = 0.7;
   c.comm = 0.1;
-  const hs::Schedule a = hs::budget_search(4, 12, c, 2.0);
-  const hs::Schedule b = hs::budget_search(4, 12, c, 2.0);
+  const hs::Schedule a = hs::auto_search(4, 12, c, 2.0);
+  const hs::Schedule b = hs::auto_search(4, 12, c, 2.0);
   EXPECT_EQ(a.actions, b.actions);
   EXPECT_EQ(a.stage_rank, b.stage_rank);
 }
@@ -207,7 +208,7 @@ TEST(BudgetSearch, RefusesALimitBelowTheSmallestFeasible) {
   hs::CostModel c;
   EXPECT_NEAR(hs::smallest_feasible_memory(8, 24, c), 1.0, kTol);  // one microbatch
   try {
-    hs::budget_search(8, 24, c, 0.9);
+    hs::auto_search(8, 24, c, 0.9);
     ADD_FAILURE() << "no error";
   } catch (const std::invalid_argument& e) {
     const std::string msg = e.what();
@@ -215,7 +216,7 @@ TEST(BudgetSearch, RefusesALimitBelowTheSmallestFeasible) {
     EXPECT_NE(msg.find("at least 1"), std::string::npos) << msg;
   }
   // At the bound itself the search still finds a schedule.
-  const hs::Schedule s = hs::budget_search(8, 24, c, 1.0);
+  const hs::Schedule s = hs::auto_search(8, 24, c, 1.0);
   EXPECT_LE(sim(s, c).max_peak_memory, 1.0 + kTol);
   hs::BuildOptions o;
   o.mem_limit = 0.5;
@@ -228,7 +229,7 @@ TEST(BudgetSearch, RefusesCostsThatDoNotDescribeTheCut) {
   c.stage_b = {1, 1, 1};
   c.stage_w = {1, 1, 1};
   try {
-    hs::budget_search(4, 8, c, 4.0);
+    hs::auto_search(4, 8, c, 4.0);
     ADD_FAILURE() << "no error";
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("stage_f has 3 entries; a p-stage cut needs p=4"),
@@ -242,10 +243,10 @@ TEST(BudgetSearch, RefusesCostsThatDoNotDescribeTheCut) {
   v.stage_w = v.stage_f;
   const hs::CostModel folded = hs::costs_per_rank(v, 4);
   EXPECT_EQ(folded.stage_f, (std::vector<double>{1, 1, 1, 1}));
-  EXPECT_NO_THROW(hs::budget_search(4, 8, v, 4.0));
+  EXPECT_NO_THROW(hs::auto_search(4, 8, v, 4.0));
   hs::CostModel neg;
   neg.f = -1;
-  EXPECT_THROW(hs::budget_search(4, 8, neg, 4.0), std::invalid_argument);
+  EXPECT_THROW(hs::auto_search(4, 8, neg, 4.0), std::invalid_argument);
 }
 
 TEST(VBlocks, AnyMicrobatchCountBuildsAndSmallOnesAreRefusedClearly) {

@@ -17,6 +17,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <iterator>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -162,25 +163,41 @@ TEST(Cli, CompareLeadsWithStepTimeAndIdle) {
   EXPECT_NE(r.out.find("total idle time / (p x step time)"), std::string::npos);
 }
 
-TEST(Cli, TuneWritesACsvThatShowReads) {
-  const std::string costs = temp("costs.json"), out = temp("tuned.csv");
+// recommend --search: one search beside the fixed schedules, written as CSV
+// (what `tune`, now its alias, did).
+TEST(Cli, RecommendSearchWritesACsvThatShowReads) {
+  const std::string costs = temp("costs.json"), out = temp("tuned.csv"), old = temp("old.csv");
   write(costs,
         R"({"stages": [{"f": 1.4, "i": 1.4, "w": 0.7, "comm": 0.3},
                        {"f": 1, "i": 1, "w": 0.8, "comm": 0.3},
                        {"f": 1, "i": 1, "w": 0.8, "comm": 0.3},
                        {"f": 1.9, "i": 2.1, "w": 1.0, "mem_b": 1.5, "mem_w": 0.7}]})");
-  CliRun t = hp("schedule tune --costs " + costs + " -m 16 --mem-limit 1x -o " + out);
+  CliRun t = hp("schedule recommend --search zb-auto --costs " + costs +
+                " -m 16 --mem-limit 1x -o " + out);
   ASSERT_EQ(t.status, 0) << t.out;
-  EXPECT_NE(t.out.find("tuned (zb-auto)"), std::string::npos) << t.out;
+  EXPECT_NE(t.out.find("wrote " + out + " (zb-auto)"), std::string::npos) << t.out;
   CliRun s = hp("schedule show --from " + out + " --no-color");
   EXPECT_EQ(s.status, 0) << s.out;
-  EXPECT_NE(s.out.find("tuned  p=4 m=16"), std::string::npos) << s.out;
-  // The stage count must match -p.
-  CliRun bad = hp("schedule tune --costs " + costs + " -p 3 -o " + out);
+  EXPECT_NE(s.out.find("zb-auto  p=4 m=16"), std::string::npos) << s.out;
+  // tune, its alias, writes the same schedule and says what it is now.
+  CliRun alias = hp("schedule tune --costs " + costs + " -m 16 --mem-limit 1x -o " + old);
+  ASSERT_EQ(alias.status, 0) << alias.out;
+  EXPECT_NE(alias.out.find("hp schedule tune is `hp schedule recommend --search zb-auto`"),
+            std::string::npos)
+      << alias.out;
+  std::ifstream a(out), b(old);
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(a), {}),
+            std::string(std::istreambuf_iterator<char>(b), {}));
+  // The stage count must match -p; --search names a search.
+  CliRun bad = hp("schedule recommend --search zb-auto --costs " + costs + " -p 3 -o " + out);
   EXPECT_EQ(bad.status, 1);
   EXPECT_NE(bad.out.find("has 4 stages but -p is 3"), std::string::npos) << bad.out;
+  CliRun fixed = hp("schedule recommend --search zbv --costs " + costs + " -o " + out);
+  EXPECT_EQ(fixed.status, 1);
+  EXPECT_NE(fixed.out.find("give zb-auto, zbv-auto or auto"), std::string::npos) << fixed.out;
   std::remove(costs.c_str());
   std::remove(out.c_str());
+  std::remove(old.c_str());
 }
 
 // Issue 32: every schedule under the limit, fastest first, the top one as CSV;
@@ -261,12 +278,14 @@ TEST(Cli, SizesAndCostsBeyondTheRulesAreRefusedAtOnce) {
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 10.0);
   const std::string costs = temp("huge_costs.json");
   write(costs, R"({"stages": [{"f": 1e308, "i": 1e308, "w": 1e308}, {"f": 1, "i": 1, "w": 1}]})");
-  CliRun huge = hp("schedule tune --costs " + costs + " -m 4 -o " + temp("tuned.csv"));
+  CliRun huge =
+      hp("schedule recommend --search zb-auto --costs " + costs + " -m 4 -o " + temp("tuned.csv"));
   EXPECT_EQ(huge.status, 1) << huge.out;
   EXPECT_NE(huge.out.find("\"f\" must be positive and at most 1e12"), std::string::npos)
       << huge.out;
   write(costs, "{\"stages\": [" + std::string(2 << 20, ' ') + "]}");
-  CliRun big = hp("schedule tune --costs " + costs + " -m 4 -o " + temp("tuned.csv"));
+  CliRun big =
+      hp("schedule recommend --search zb-auto --costs " + costs + " -m 4 -o " + temp("tuned.csv"));
   EXPECT_EQ(big.status, 1) << big.out;
   EXPECT_NE(big.out.find("a cost file is at most 1048576"), std::string::npos) << big.out;
   std::remove(costs.c_str());
@@ -295,7 +314,8 @@ TEST(Cli, OutputPathsAreRefusedBeforeAnyWork) {
   write(costs, R"({"stages": [{"f": 1, "i": 1, "w": 1}, {"f": 1, "i": 1, "w": 1}]})");
   const std::string folder = temp("out_folder");
   ::mkdir(folder.c_str(), 0755);
-  for (const std::string& cmd : {std::string("tune"), std::string("recommend")}) {
+  for (const std::string& cmd :
+       {std::string("recommend --search zb-auto"), std::string("recommend")}) {
     CliRun r = hp("schedule " + cmd + " --costs " + costs + " -m 4 -o " + folder);
     EXPECT_EQ(r.status, 1) << cmd << "\n" << r.out;
     EXPECT_NE(r.out.find("(-o): it is a folder; give a file name"), std::string::npos) << r.out;

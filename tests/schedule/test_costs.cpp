@@ -14,8 +14,8 @@
 #include "hp/schedule/generators.h"
 #include "hp/schedule/lower.h"
 #include "hp/schedule/refine.h"
+#include "hp/schedule/search/search.h"
 #include "hp/schedule/simulate.h"
-#include "hp/schedule/zb_auto.h"
 
 namespace hs = hp::schedule;
 
@@ -62,7 +62,7 @@ TEST(PerStage, CommIsPerBoundary) {
   hs::SimResult r = hs::simulate(s, c);
   EXPECT_NEAR(r.makespan - base.makespan, 2 * (0.5 + 0.25), 1e-12);
   // A V turn is on one rank: no latency even with a large entry.
-  hs::Schedule v = hs::zbv_handmade(1, 2);
+  hs::Schedule v = hs::zbv(1, 2);
   hs::CostModel cv;
   hs::SimResult v0 = hs::simulate(v, cv);
   cv.stage_comm = {9, 9};
@@ -88,10 +88,10 @@ TEST(PerStage, VectorsMustHaveOneEntryPerStage) {
   c.stage_comm = {0.1, -1, 0.1, 0.1};
   EXPECT_NE(error_of([&] { hs::simulate(hs::build("1f1b", 4, 4), c); }).find("stage comm"),
             std::string::npos);
-  // zbv's virtual stages are 2p: p entries are refused, not silently ignored.
+  // zbv-auto's virtual stages are 2p: p entries are refused, not silently ignored.
   hs::BuildOptions o;
   o.costs.stage_f = {1, 1, 1, 1};
-  EXPECT_NE(error_of([&] { hs::build("zbv", 4, 8, o); }).find("8 stages"), std::string::npos);
+  EXPECT_NE(error_of([&] { hs::build("zbv-auto", 4, 8, o); }).find("8 stages"), std::string::npos);
 }
 
 // The searches honour per-stage costs: every schedule they return is valid,
@@ -122,7 +122,7 @@ TEST(PerStage, SearchesStayValidUnderRandomStageCosts) {
         for (int rk = 0; rk < p; ++rk)
           EXPECT_NEAR(r.rank_busy[rk], m * (c.stage_f[rk] + c.stage_b[rk] + c.stage_w[rk]), 1e-9);
       }
-      // zbv with one entry per virtual stage (2p).
+      // zbv-auto with one entry per virtual stage (2p).
       hs::CostModel v;
       for (int s = 0; s < 2 * p; ++s) {
         v.stage_f.push_back(u(rng));
@@ -133,7 +133,7 @@ TEST(PerStage, SearchesStayValidUnderRandomStageCosts) {
       hs::BuildOptions o;
       o.costs = v;
       o.mem_limit = 2.0 * p;  // 2x the hand-made ZB-V's peak at these memory defaults
-      hs::Schedule z = hs::build("zbv", p, m, o);
+      hs::Schedule z = hs::build("zbv-auto", p, m, o);
       ASSERT_NO_THROW(hs::validate(hs::lower(z)));
       EXPECT_LE(hs::simulate(z, v).max_peak_memory, o.mem_limit + 1e-9);
     }

@@ -11,8 +11,8 @@
 
 #include "hp/schedule/generators.h"
 #include "hp/schedule/lower.h"
+#include "hp/schedule/search/heuristics.h"
 #include "hp/schedule/simulate.h"
-#include "hp/schedule/zb_auto.h"
 
 namespace hs = hp::schedule;
 
@@ -270,9 +270,9 @@ TEST(Constraints, EveryRefusalSaysWhatToChange) {
 
 TEST(Names, ListsEveryGenerator) {
   const auto& n = hs::names();
-  for (const char* want :
-       {"naive", "gpipe", "1f1b", "interleaved-1f1b", "interleaved-bfs", "interleaved-zb", "zb-h1",
-        "zb-h2", "zbv", "dualpipe", "dualpipev", "zb-auto", "v-min", "v-half", "v-zb", "auto"}) {
+  for (const char* want : {"naive", "gpipe", "1f1b", "interleaved-1f1b", "interleaved-bfs",
+                           "interleaved-zb", "zb-h1", "zb-h2", "zbv", "dualpipe", "dualpipev",
+                           "zb-auto", "zbv-auto", "v-min", "v-half", "v-zb", "auto"}) {
     EXPECT_NE(std::find(n.begin(), n.end(), want), n.end()) << want;
     EXPECT_FALSE(hs::describe(want).empty()) << want;
   }
@@ -300,7 +300,7 @@ TEST(Property, CostAwareGeneratorsStayValid) {
           o.costs = c;
           o.mem_limit = x * p * c.mem_b;
           got.emplace_back(hs::build("zb-auto", p, m, o), o.mem_limit);
-          got.emplace_back(hs::build("zbv", p, m, o), o.mem_limit);
+          got.emplace_back(hs::build("zbv-auto", p, m, o), o.mem_limit);
           for (int bits = 0; bits < 8; ++bits) {
             hs::SweepParams sp;
             sp.mem_limit = o.mem_limit;

@@ -15,8 +15,9 @@
 #include "hp/schedule/generators.h"
 #include "hp/schedule/lower.h"
 #include "hp/schedule/schedule.h"
+#include "hp/schedule/search/heuristics.h"
+#include "hp/schedule/search/search.h"
 #include "hp/schedule/vshape.h"
-#include "hp/schedule/zb_auto.h"
 
 namespace hs = hp::schedule;
 
@@ -97,8 +98,8 @@ TEST(SearchBounds, SearchesEndWhenCostsSpan1e15) {
   const auto t0 = std::chrono::steady_clock::now();
   const hs::CostModel c = spanning_costs(4, 0);
   expect_valid(hs::zb_auto(4, 8, c));
-  hs::BudgetStats st;
-  expect_valid(hs::budget_search(4, 16, c, 0, {}, &st));
+  hs::SearchStats st;
+  expect_valid(hs::auto_search(4, 16, c, 0, {}, &st));
   std::vector<std::pair<std::string, std::string>> skipped;
   const auto rows = hs::recommend(4, 16, c, 0, &skipped);
   ASSERT_FALSE(rows.empty());
@@ -118,7 +119,7 @@ TEST(SearchBounds, CommandsEndWhenCostsSpan1e15) {
   }
   const auto t0 = std::chrono::steady_clock::now();
   for (const std::string& args :
-       {"schedule tune --costs " + costs + " -m 8 -o " + out,
+       {"schedule recommend --search zb-auto --mem-limit 2x --costs " + costs + " -m 8 -o " + out,
         "schedule recommend --costs " + costs + " -o " + out,
         std::string("schedule memory-table --F 1e-3 --B 1e12"),
         std::string("schedule memory-table --F 1e12 --B 1e-3 --W 1e-3 --comm 1e-3")}) {
@@ -157,8 +158,8 @@ TEST(SearchBounds, SearchesEndInSecondsAtTheLargestAdmittedSizes) {
                         Case{1024, 45, &unbalanced}}) {
     hs::check_schedule_size("test", c.p, c.m, 2);  // admitted by the size rule
     const auto t0 = std::chrono::steady_clock::now();
-    hs::BudgetStats st;
-    const hs::Schedule s = hs::budget_search(c.p, c.m, *c.costs, 0, {}, &st);
+    hs::SearchStats st;
+    const hs::Schedule s = hs::auto_search(c.p, c.m, *c.costs, 0, {}, &st);
     EXPECT_LT(seconds_since(t0), 10.0) << "auto p=" << c.p << " m=" << c.m;
     EXPECT_FALSE(st.left_out.empty()) << "p=" << c.p << " m=" << c.m;
     expect_valid(s);
@@ -185,8 +186,8 @@ TEST(SearchBounds, SearchesEndInSecondsAtTheLargestAdmittedSizes) {
   }
   // Where the budget suffices nothing is left out: the promise "never slower
   // than a fitting fixed schedule" stands.
-  hs::BudgetStats whole;
-  hs::budget_search(16, 128, unit, 0, {}, &whole);
+  hs::SearchStats whole;
+  hs::auto_search(16, 128, unit, 0, {}, &whole);
   EXPECT_TRUE(whole.left_out.empty()) << whole.left_out.front();
 #else
   GTEST_SKIP() << "timing is checked in optimised builds";
@@ -204,22 +205,23 @@ TEST(SearchBounds, CommandsEndInSecondsAtTheLargestAdmittedSizes) {
       f << (r ? ", " : "") << "{\"f\": " << (1 + 0.1 * (r % 3)) << ", \"i\": 1, \"w\": 0.5}";
     f << "]}";
   }
-  for (const std::string& args : {std::string("schedule show auto -p 4096 -m 1 --no-color"),
-                                  std::string("schedule show auto -p 1024 -m 2 --no-color"),
-                                  "schedule tune --costs " + costs + " -m 45 -o " + out,
-                                  "schedule recommend --costs " + costs + " -m 45 -o " + out}) {
+  for (const std::string& args :
+       {std::string("schedule show auto -p 4096 -m 1 --no-color"),
+        std::string("schedule show auto -p 1024 -m 2 --no-color"),
+        "schedule recommend --search zb-auto --mem-limit 2x --costs " + costs + " -m 45 -o " + out,
+        "schedule recommend --costs " + costs + " -m 45 -o " + out}) {
     const auto t0 = std::chrono::steady_clock::now();
     const HpRun r = hp_run(args);
     EXPECT_EQ(r.status, 0) << args << "\n" << r.out.substr(0, 2000);
     // About 10 s each on a quiet 2-core machine (they ran past 120 s before
     // the searches had work bounds); a loaded one takes twice as long.
     EXPECT_LT(seconds_since(t0), 40.0) << args;
-    if (args.find("auto") != std::string::npos) {  // the search says what it left out
+    if (args.find("show auto") != std::string::npos) {  // the search says what it left out
       EXPECT_NE(r.out.find("search cut short by its work bound (auto: "), std::string::npos)
           << args << "\n"
           << r.out.substr(r.out.size() > 3000 ? r.out.size() - 3000 : 0);
     }
-    if (args.find("recommend") != std::string::npos) {
+    if (args.find("recommend --costs") != std::string::npos) {
       EXPECT_NE(r.out.find("would pass recommend's work bound"), std::string::npos) << r.out;
     }
   }

@@ -273,9 +273,10 @@ void add_bench_command(CLI::App& app) {
   s->add_flag("--recompute-rows", a->recompute_rows, "add every schedule again with --recompute");
   s->add_flag("!--no-pin", a->pin, "do not pin ranks to cores");
   s->add_option("--markdown", a->markdown, "also write the table as markdown");
-  s->add_option("--schedule-file", a->schedule_files,
-                "NAME=FILE: also run the schedule CSV FILE (hp schedule tune -o writes one) as row "
-                "NAME; repeatable");
+  s->add_option(
+      "--schedule-file", a->schedule_files,
+      "NAME=FILE: also run the schedule CSV FILE (hp schedule recommend -o writes one) as "
+      "row NAME; repeatable");
   s->add_option("--keep-reports", a->keep_reports,
                 "keep each run's hp train --report and --trace here (NAME-roundK.json, "
                 "NAME-roundK.trace.json)");

@@ -248,7 +248,7 @@ void add_train_command(CLI::App& app) {
               "give the gpt its own output head (default: tied to the embedding)");
   t->add_option("--nproc,-p,--pp", c.nproc, "pipeline ranks (processes per pipeline copy)");
   t->add_option("--schedule-file", c.schedule_file,
-                "run this schedule CSV instead of --schedule (hp schedule tune -o writes one; "
+                "run this schedule CSV instead of --schedule (hp schedule recommend -o writes one; "
                 "its ranks and microbatches must be --nproc and --microbatches)");
   t->add_option("--dp", c.dp,
                 "copies of the pipeline, data parallel: --pp x --dp processes; each copy "

@@ -1,7 +1,7 @@
-// hp/schedule/time_order.h: the clocks of the time-ordered list schedulers
+// hp/schedule/search/time_order.h: the clocks of the time-ordered list schedulers
 // (greedy_zero_bubble, greedy_v): which rank decides next, when a rank with
 // nothing to do decides again, and who wakes it (NOTE [Greedy heuristic and
-// time order] in zb_auto.cpp). Internal to hp/schedule.
+// time order] in loop_heuristics.cpp). Internal to hp/schedule.
 #pragma once
 
 #include <algorithm>

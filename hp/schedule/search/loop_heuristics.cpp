@@ -1,17 +1,13 @@
-// hp/schedule/zb_auto.cpp: the zero-bubble heuristics (time-ordered list
-// scheduling; the paper's stage sweep) and the zb-auto and ZB-V searches.
-#include "hp/schedule/zb_auto.h"
-
+// hp/schedule/search/loop_heuristics.cpp: the heuristics on the loop
+// placement: time-ordered list scheduling and the Zero Bubble paper's stage
+// sweep.
 #include <algorithm>
 #include <cmath>
-#include <deque>
 #include <limits>
 #include <stdexcept>
 
-#include "hp/schedule/generators.h"
-#include "hp/schedule/refine.h"
-#include "hp/schedule/search_candidates.h"
-#include "hp/schedule/time_order.h"
+#include "hp/schedule/search/heuristics.h"
+#include "hp/schedule/search/time_order.h"
 
 namespace hp::schedule {
 
@@ -144,10 +140,6 @@ Schedule greedy_zero_bubble(int p, int m, const CostModel& costs, const Heuristi
 }
 
 namespace {
-
-using detail::Best;
-using detail::Budget;
-using detail::consider_v_sweeps;
 
 // NOTE [Stage sweep]
 // The Zero Bubble paper's heuristic (Section 3.1), in rounds: round k gives
@@ -323,13 +315,6 @@ class Sweep {
   std::vector<double> clock_, mem_, idle_, f_end_, i_end_;
 };
 
-double max_stage_mem_b(const Schedule& layout, const CostModel& c) {
-  double v = 0;
-  for (int st = 0; st < layout.num_stages; ++st)
-    v = std::max(v, c.stage_mem_b_of(layout, st));
-  return v;
-}
-
 }  // namespace
 
 Schedule sweep_zero_bubble(int p, int m, const CostModel& costs, const SweepParams& params) {
@@ -338,158 +323,6 @@ Schedule sweep_zero_bubble(int p, int m, const CostModel& costs, const SweepPara
     throw std::invalid_argument("stage sweep: needs p >= 1 and m >= 1 (got p=" + std::to_string(p) +
                                 ", m=" + std::to_string(m) + ")");
   return Sweep(p, m, costs, params).run();
-}
-
-// NOTE [Rank 0 bound]
-// Rank 0 runs every microbatch's first forward and its last weight gradient.
-// Warmup: its first I cannot start before microbatch 0 has gone down the
-// pipeline and its gradient has come back, T1 = sum F + sum of the other
-// stages' I + every transfer twice, after its first F; until then rank 0 can
-// only run forwards (no W exists yet), at most k = limit / mem_b of them (and
-// m), so it idles at least T1 - k F. Tail: after its last forward ends, the
-// last microbatch still has to go down and back and rank 0 then runs its I and
-// W: chain = the other stages' F and I + transfers + I + W of stage 0. The work
-// left to rank 0 by then is the I and W of the a microbatches in flight and
-// the W of d microbatches past their I, with a mem_b + d mem_w within the
-// limit, at most max(a (I + W) + d W); the rest of the chain is idle. The two
-// idle stretches do not overlap when m > k (the last forward follows the first
-// I); otherwise only the larger counts. Span >= rank 0's work + both, and >=
-// every rank's work. Under the Zero Bubble paper's inputs this bound equals the
-// paper's ZB-1p (and ours) on every row of its Table 5.
-double span_lower_bound(int p, int m, const CostModel& costs, double mem_limit) {
-  if (p < 1 || m < 1) throw std::invalid_argument("span_lower_bound: needs p >= 1 and m >= 1");
-  costs.check(p);
-  const Schedule s = make_loop_layout(p, p, m);
-  auto F = [&](int j) { return costs.stage_cost(s, Op::F, j); };
-  auto I = [&](int j) { return costs.stage_cost(s, Op::I, j); };
-  auto W = [&](int j) { return costs.stage_cost(s, Op::W, j); };
-  double busy_max = 0, down_back = 0, comm2 = 0;
-  for (int j = 0; j < p; ++j) {
-    busy_max = std::max(busy_max, m * (F(j) + I(j) + W(j)));
-    if (j > 0) down_back += F(j) + I(j);
-    if (j + 1 < p) comm2 += 2 * costs.boundary_cost(s, j, j + 1);
-  }
-  const double mb = costs.stage_mem_b_of(s, 0), mw = costs.stage_mem_w_of(s, 0);
-  const double limit = mem_limit > 0 ? mem_limit : kInf;
-  const int cap = mb > 0 ? static_cast<int>(std::min<double>(m, std::floor(limit / mb + kEps))) : m;
-  const int k = std::max(1, cap);
-  const double warm = std::max(0.0, F(0) + down_back + comm2 - k * F(0));
-  double left = 0;  // most work rank 0 can still have after its last forward
-  for (int a = 1; a <= k; ++a) {
-    double room = limit - a * mb;
-    int d = m - a;
-    if (mw > 0) d = std::min<int>(d, static_cast<int>(std::floor(std::max(0.0, room) / mw + kEps)));
-    left = std::max(left, a * (I(0) + W(0)) + d * W(0));
-  }
-  const double chain = down_back + comm2 + I(0) + W(0);
-  const double tail = std::max(0.0, chain - left);
-  const double idle = m > k ? warm + tail : std::max(warm, tail);
-  return std::max(busy_max, m * (F(0) + I(0) + W(0)) + idle);
-}
-
-Schedule zb_auto(int p, int m, const CostModel& costs, double mem_limit,
-                 const SearchOptions& options) {
-  if (p < 1 || m < 1)
-    throw std::invalid_argument("schedule 'zb-auto': needs p >= 1 and m >= 1 (got p=" +
-                                std::to_string(p) + ", m=" + std::to_string(m) + ")");
-  costs.check(p);
-  const Schedule layout = make_loop_layout(p, p, m);
-  const double one = max_stage_mem_b(layout, costs);
-  const double limit = mem_limit > 0 ? mem_limit : 2.0 * p * one;
-  if (one > limit + kEps)
-    throw std::invalid_argument("schedule 'zb-auto': memory limit " + std::to_string(limit) +
-                                " is below one microbatch's activations (mem_b " +
-                                std::to_string(one) + "); raise --mem-limit");
-  Best best(costs, limit);
-  // NOTE [Budget of the memory search] (budget.cpp): each candidate is built
-  // and simulated, about twice its actions; the first always runs.
-  Budget work(options.candidate_work, 2LL * 3 * p * m);
-  // The paper's heuristic over its switches; then the hand-made schedules.
-  for (int bits = 0; bits < 8; ++bits) {
-    if (!work.take()) break;
-    SweepParams sp;
-    sp.mem_limit = limit;
-    sp.warmup_overrun = bits & 1;
-    sp.hold_back_f = bits & 2;
-    sp.fill_small_gaps = !(bits & 4);
-    try {
-      best.consider(sweep_zero_bubble(p, m, costs, sp));
-    } catch (const std::invalid_argument&) {
-      // this setting does not fit the limit; others may
-    }
-  }
-  for (const char* n : {"zb-h1", "zb-h2", "1f1b"})
-    if (work.take()) best.consider(build(n, p, m));
-  // The time-ordered heuristic over warmup depths (a * (p - r) + b, capped by
-  // memory) and W policies.
-  const int mem_cap = static_cast<int>(std::floor(limit / std::max(one, 1e-12) + kEps));
-  for (double a : {1.0, 1.5, 2.0, 3.0}) {
-    for (int b : {-1, 0, 1}) {
-      for (double w_wait : {0.0, 0.5, 1.0}) {
-        if (!work.take()) break;
-        HeuristicParams hp;
-        hp.mem_limit = limit;
-        hp.w_wait = w_wait;
-        for (int r = 0; r < p; ++r) {
-          int w = static_cast<int>(std::lround(a * (p - r))) + b;
-          w = std::max(1, std::min({w, m, std::max(mem_cap, 1)}));
-          hp.warmup.push_back(w);
-          hp.max_inflight.push_back(m);
-        }
-        try {
-          best.consider(greedy_zero_bubble(p, m, costs, hp));
-        } catch (const std::invalid_argument&) {
-          // this setting cannot run under the limit; others may
-        }
-      }
-    }
-  }
-  if (!best.have())
-    throw std::invalid_argument("schedule 'zb-auto': no schedule found within memory limit " +
-                                std::to_string(limit) + "; raise --mem-limit (1F1B needs " +
-                                std::to_string(p * one) + ")" + work.why_short());
-  work.note("zb-auto", options.cut_note);
-  Schedule out = best.schedule();
-  if (options.refine_work > 0) {
-    RefineOptions ro;
-    ro.mem_limit = limit;
-    ro.max_work = options.refine_work;
-    out = refine(out, costs, ro);
-  }
-  out.name = "zb-auto";
-  return out;
-}
-
-Schedule zbv_auto(int p, int m, const CostModel& costs, double mem_limit,
-                  const SearchOptions& options) {
-  if (p < 1 || m < 1)
-    throw std::invalid_argument("schedule 'zbv': needs p >= 1 and m >= 1 (got p=" +
-                                std::to_string(p) + ", m=" + std::to_string(m) + ")");
-  costs.check(2 * p);
-  const Schedule layout = make_v_layout(p, m);
-  const double one = max_stage_mem_b(layout, costs);
-  const double limit = mem_limit > 0 ? mem_limit : 2.0 * p * one;
-  Best best(costs, limit);
-  Budget work(options.candidate_work, 2LL * 6 * p * m);
-  work.take();  // the hand-made order: at least 2p - 1 microbatches' loop per rank
-  best.consider(zbv_handmade(p, m));
-  consider_v_sweeps(p, m, costs, limit, best, work);
-  if (!best.have())
-    throw std::invalid_argument("schedule 'zbv': no V schedule found within memory limit " +
-                                std::to_string(limit) +
-                                "; raise --mem-limit (the hand-made "
-                                "ZB-V needs about " +
-                                std::to_string(2.0 * p * one) + ")" + work.why_short());
-  work.note("zbv", options.cut_note);
-  Schedule out = best.schedule();
-  if (options.refine_work > 0) {
-    RefineOptions ro;
-    ro.mem_limit = limit;
-    ro.max_work = options.refine_work;
-    out = refine(out, costs, ro);
-  }
-  out.name = "zbv";
-  return out;
 }
 
 }  // namespace hp::schedule
