@@ -250,7 +250,7 @@ struct ChainRank {
     std::map<int, hp::pipeline::StageModule> out;
     for (int s : sched.stages_of_rank(r)) {
       torch::Tensor ws = w[s] = chain_weight(s);
-      out[s] = {[ws](const torch::Tensor& x) { return torch::tanh(x.matmul(ws)); }, {ws}};
+      out[s] = {[ws](const torch::Tensor& x) { return torch::tanh(x.matmul(ws)); }, {ws}, {}};
     }
     return out;
   }
@@ -438,7 +438,8 @@ TEST(Executor, AFailedActionShowsTheActionsAroundItAndActionsAreProfilerRanges) 
                     if (fail && ++calls == 3) throw std::runtime_error("the third forward broke");
                     return torch::tanh(x.matmul(w));
                   },
-                  {w}};
+                  {w},
+                  {}};
     hp::pipeline::PipelineStage stage(modules,
                                       [](const torch::Tensor& y, int) { return y.pow(2).sum(); });
     hp::pipeline::ExecutorOptions opts;
@@ -490,7 +491,7 @@ TEST(Executor, ReceivesPostedAheadOnlyWhereTheCommSaysFree) {
     const auto sched = hp::schedule::lower(hp::schedule::build("1f1b", 2, 4));
     std::map<int, hp::pipeline::StageModule> modules;
     torch::Tensor w = chain_weight(r);
-    modules[r] = {[w](const torch::Tensor& x) { return torch::tanh(x.matmul(w)); }, {w}};
+    modules[r] = {[w](const torch::Tensor& x) { return torch::tanh(x.matmul(w)); }, {w}, {}};
     hp::pipeline::PipelineStage stage(modules,
                                       [](const torch::Tensor& y, int) { return y.pow(2).sum(); });
     hp::pipeline::ExecutorOptions opts;

@@ -60,8 +60,8 @@ TEST(PipelineStage, SplitBackwardAcrossTwoStagesEqualsOneBackward) {
   }
 
   std::map<int, StageModule> modules;
-  modules[0] = {[&](const torch::Tensor& x) { return net.stage0(x); }, {net.w0}};
-  modules[1] = {[&](const torch::Tensor& h) { return net.stage1(h); }, {net.w1}};
+  modules[0] = {[&](const torch::Tensor& x) { return net.stage0(x); }, {net.w0}, {}};
+  modules[1] = {[&](const torch::Tensor& h) { return net.stage1(h); }, {net.w1}, {}};
   PipelineStage stage(modules, loss_of);
   for (int mb = 0; mb < 2; ++mb) {
     auto h = stage.forward(0, mb, {xs[mb]}, /*takes_grad=*/{}, /*is_last=*/false);
@@ -112,8 +112,8 @@ TEST(PipelineStage, LossScaleSeedsTheBackwardLikeDividingTheLoss) {
     net.w0.mutable_grad() = torch::Tensor();
     net.w1.mutable_grad() = torch::Tensor();
     std::map<int, StageModule> modules;
-    modules[0] = {[&](const torch::Tensor& x) { return net.stage0(x); }, {net.w0}};
-    modules[1] = {[&](const torch::Tensor& h) { return net.stage1(h); }, {net.w1}};
+    modules[0] = {[&](const torch::Tensor& x) { return net.stage0(x); }, {net.w0}, {}};
+    modules[1] = {[&](const torch::Tensor& h) { return net.stage1(h); }, {net.w1}, {}};
     PipelineStage stage(modules, loss_of, {}, scale);
     for (int mb = 0; mb < m; ++mb) {
       auto h = stage.forward(0, mb, {xs[mb]}, /*takes_grad=*/{}, /*is_last=*/false);
@@ -133,7 +133,7 @@ TEST(PipelineStage, LossScaleSeedsTheBackwardLikeDividingTheLoss) {
     EXPECT_EQ(stage.loss_sum(), 0.0);
   }
   std::map<int, StageModule> one;
-  one[0] = {[&](const torch::Tensor& x) { return net.stage0(x); }, {net.w0}};
+  one[0] = {[&](const torch::Tensor& x) { return net.stage0(x); }, {net.w0}, {}};
   for (double bad : {0.0, std::nan("")})
     EXPECT_THROW(
         {
@@ -152,7 +152,7 @@ TEST(PipelineStage, LossScaleSeedsTheBackwardLikeDividingTheLoss) {
 TEST(PipelineStage, OutOfOrderUseIsAClearError) {
   Net net;
   std::map<int, StageModule> modules;
-  modules[0] = {[&](const torch::Tensor& x) { return net.stage0(x); }, {net.w0}};
+  modules[0] = {[&](const torch::Tensor& x) { return net.stage0(x); }, {net.w0}, {}};
   PipelineStage stage(modules, [](const torch::Tensor& y, int) { return y.sum(); });
   EXPECT_THROW(stage.backward_input(0, 0, {}), c10::Error);
   stage.forward(0, 0, {torch::randn({2, 6}, kF64)}, {}, true);
@@ -284,7 +284,7 @@ hp::pipeline::StepStats two_stage_step(int rank, std::shared_ptr<Comm> comm, int
   auto gen = at::make_generator<at::CPUGeneratorImpl>(11 + rank);
   auto w = at::randn({8, 8}, gen, kF64).requires_grad_(true);
   std::map<int, StageModule> modules;
-  modules[rank] = {[w](const torch::Tensor& x) { return torch::tanh(x.matmul(w)); }, {w}};
+  modules[rank] = {[w](const torch::Tensor& x) { return torch::tanh(x.matmul(w)); }, {w}, {}};
   PipelineStage stage(modules, [m](const torch::Tensor& y, int) { return y.pow(2).sum() / m; });
   auto sched = hp::schedule::lower(hp::schedule::build("zb-h1", 2, m));
   hp::pipeline::ExecutorOptions opts = extra;
@@ -503,8 +503,8 @@ TEST(Profile, MeasuresTheStageAndItsActivationMemory) {
   auto w1 = torch::randn({8, 16}, kF64).requires_grad_(true);
   auto w2 = torch::randn({16, 8}, kF64).requires_grad_(true);
   hp::train::StageSample s;
-  s.module = {[=](const torch::Tensor& x) { return torch::tanh(x.matmul(w1)).matmul(w2); },
-              {w1, w2}};
+  s.module = {
+      [=](const torch::Tensor& x) { return torch::tanh(x.matmul(w1)).matmul(w2); }, {w1, w2}, {}};
   s.input = torch::randn({4, 8}, kF64);
   s.grad_output = torch::randn({4, 8}, kF64);
   hp::train::MeasureOptions o;
@@ -671,7 +671,8 @@ TEST(Gpu, HostSynchronizationsPerStepOnCuda) {
     modules[0] = {[w0, w1](const torch::Tensor& x) {
                     return torch::tanh(torch::tanh(x.matmul(w0)).matmul(w1));
                   },
-                  {w0, w1}};
+                  {w0, w1},
+                  {}};
     PipelineStage stage(modules, [m](const torch::Tensor& y, int) { return y.pow(2).sum() / m; });
     auto sched = hp::schedule::lower(hp::schedule::build("zb-h1", 1, m));
     hp::pipeline::ExecutorOptions o;
