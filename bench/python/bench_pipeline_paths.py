@@ -8,8 +8,9 @@ noise:
   callable the runtime takes (what a stage cost before keyword arguments,
   auxiliary losses and structures between stages came in);
 * ``declared``: hyperparallel.pipeline.Pipeline with activation_shape given;
-* ``found``: the Pipeline finding the shapes (NOTE [Shapes found, not
-  declared]: one small all-reduce per step, a probe when the shapes change);
+* ``found``: the Pipeline with nothing declared (NOTE [Pytrees between
+  stages] in python/hyperparallel/pipeline/transfers.py: the messages carry
+  their layout; one small all-reduce per step checks the arguments);
 * ``kwargs``: ``found``, plus a keyword argument (a per-row tensor) split
   into the microbatches and handed to every stage.
 

@@ -54,8 +54,7 @@ struct Executor::State {
   struct Posted {
     std::vector<distributed::Work> works;  // one per tensor
     Message buffers;
-    std::vector<bool> takes_grad;                   // forward: which leaves take a gradient
-    std::optional<std::vector<int64_t>> padded_to;  // a short gradient's whole shape
+    std::vector<bool> takes_grad;  // forward: which leaves take a gradient
     int peer = -1;        // framed: the sender's rank (NOTE [Messages that describe themselves])
     uint64_t number = 0;  // framed: the message's number from that rank
   };
@@ -123,9 +122,6 @@ struct Executor::State {
                 "NOTE [Receives posted ahead])");
     lookahead = size_t(opts.receive_lookahead);
     if (!opts.layout && !opts.activation_shape) {
-      TORCH_CHECK(!opts.gradient_numel,
-                  "ExecutorOptions::gradient_numel needs declared one-tensor activations "
-                  "(activation_shape); without a layout, messages describe themselves");
       frames = std::make_unique<Frames>(s.num_ranks, opts.device, opts.first_frame_bytes);
     }
   }
@@ -181,25 +177,6 @@ struct Executor::State {
     }
   };
 
-  // NOTE [Gradients shorter than their activations]
-  // What a stage hands the next may hold parts that take no gradient: the
-  // Python package packs a structure's tensors into one flat activation
-  // (NOTE [Pytrees between stages] in python/hyperparallel/pipeline/transfers.py),
-  // the differentiable ones first, then masks, ids and tables that need
-  // none. Their gradient is zero, so only its first
-  // ExecutorOptions::gradient_numel elements travel back: the sender sends
-  // that prefix of the flattened input gradient (a view, no copy), the
-  // receiver receives into a buffer of that size and, once it arrived,
-  // hands the stage's backward a zero gradient of the activation's shape
-  // with the prefix written in. Local hand-offs keep the whole gradient.
-  int64_t gradient_numel(int stage_id, int mb, int64_t whole, const Action& a) const {
-    if (!opts.gradient_numel) return whole;
-    const int64_t n = opts.gradient_numel(stage_id, mb);
-    TORCH_CHECK(n >= 0 && n <= whole, where(a), ": gradient_numel(", stage_id, ", ", mb, ") is ", n,
-                ", outside [0, ", whole, "] (the elements of the activation)");
-    return n;
-  }
-
   // What stage `stage_id` outputs for microbatch `mb` (NOTE [Messages
   // between stages]): ExecutorOptions::layout, or one tensor that takes a
   // gradient.
@@ -228,19 +205,8 @@ struct Executor::State {
     for (const Leaf& leaf : layout) {
       if (fwd) posted.takes_grad.push_back(leaf.grad);
       if (!fwd && !leaf.grad) continue;
-      std::vector<int64_t> shape = leaf.shape;
-      if (!fwd && opts.gradient_numel) {  // NOTE [Gradients shorter than their activations]
-        TORCH_CHECK(layout.size() == 1, where(a),
-                    ": gradient_numel is for one-tensor activations, this one has ", layout.size());
-        const int64_t whole = c10::multiply_integers(shape);
-        const int64_t n = gradient_numel(a.stage, a.microbatch, whole, a);
-        if (n < whole) {
-          posted.padded_to = shape;
-          shape = {n};
-        }
-      }
       posted.buffers.push_back(
-          torch::empty(shape, torch::TensorOptions().dtype(leaf.dtype).device(opts.device)));
+          torch::empty(leaf.shape, torch::TensorOptions().dtype(leaf.dtype).device(opts.device)));
       ops.push_back(distributed::P2POp::recv(posted.buffers.back(), rank_of(producer)));
     }
     return ops;
@@ -273,11 +239,6 @@ struct Executor::State {
     // The wait is the receive's event (NOTE [Compute events exclude waits]).
     spans.push_back({Action::make(kind == 0 ? Op::RECV_F : Op::RECV_B, stage_id, mb), start, end});
     if (waits_of_running != nullptr) waits_of_running->emplace_back(start, end);
-    if (posted.padded_to) {  // NOTE [Gradients shorter than their activations]
-      torch::Tensor whole = torch::zeros(*posted.padded_to, buffers[0].options());
-      whole.view(-1).narrow(0, 0, buffers[0].numel()).copy_(buffers[0]);
-      buffers[0] = std::move(whole);
-    }
     recvs.erase(it);
     return buffers;
   }
@@ -307,10 +268,6 @@ struct Executor::State {
                   ": no input gradient to send (I must run first)");
       m = std::move(it->second);
       pending_dx.erase(it);
-      if (opts.gradient_numel && m.size() == 1) {  // NOTE [Gradients shorter than ...]
-        const int64_t n = gradient_numel(consumer, mb, m[0].numel(), a);
-        if (n < m[0].numel()) m[0] = m[0].view(-1).narrow(0, 0, n);
-      }
     }
     if (frames) {  // gradients take none
       if (!fwd) grad.assign(m.size(), false);

@@ -37,12 +37,6 @@ struct ExecutorOptions {
   /// Messages that describe themselves: each channel's frame size before it
   /// saw a message (it then grows to the largest message seen).
   int64_t first_frame_bytes = 64 << 10;
-  /// Elements of the gradient of stage `stage`'s output for microbatch `mb`
-  /// that travel back: the first ones of the flattened gradient, the rest
-  /// being zero (NOTE [Gradients shorter than their activations] in
-  /// executor.cpp); for one-tensor activations only. Unset: the whole
-  /// gradient travels.
-  std::function<int64_t(int stage, int mb)> gradient_numel;
   /// dtype of one-tensor activations and gradients (where `layout` is unset).
   torch::Dtype dtype = torch::kFloat32;
   /// The stages' device: receive buffers are allocated there, and the step

@@ -348,7 +348,6 @@ Pipeline::Pipeline(schedule::Schedule schedule, std::shared_ptr<distributed::Com
   eo.layout = options_.layout;
   eo.activation_shape = options_.activation_shape;
   eo.first_frame_bytes = options_.first_frame_bytes;
-  eo.gradient_numel = options_.gradient_numel;
   eo.dtype = options_.dtype;
   eo.device = options_.device;
   eo.receive_lookahead = options_.receive_lookahead;

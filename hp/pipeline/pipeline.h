@@ -95,8 +95,6 @@ struct PipelineOptions {
   std::function<Layout(int stage, int mb)> layout;
   std::function<std::vector<int64_t>(int stage, int mb)> activation_shape;
   int64_t first_frame_bytes = 64 << 10;  ///< ExecutorOptions::first_frame_bytes
-  /// ExecutorOptions::gradient_numel (unset: whole gradients travel).
-  std::function<int64_t(int stage, int mb)> gradient_numel;
   /// This rank's share of a per-step sum reported beside the loss (e.g.
   /// auxiliary losses), read after the executor ran; summed over the group
   /// (and averaged over `dp`) with the loss, in the same collective.

@@ -110,6 +110,25 @@ torch::Tensor call_python(const py::object& fn, const char* what, Args&&... args
 // every rank, since making a Pipeline is collective), so two Pipelines over
 // one group never see each other's failures. (A failure is final for a
 // Pipeline: one key per failed rank is all it needs.)
+// Calls `fn(args...)` under the GIL and returns the message (a list of
+// tensors) it returned.
+template <typename... Args>
+pipeline::Message call_python_message(const py::object& fn, const char* what, Args&&... args) {
+  py::gil_scoped_acquire gil;
+  py::object o = call_held(fn, what, std::forward<Args>(args)...);
+  if (!py::isinstance<py::list>(o) && !py::isinstance<py::tuple>(o))
+    throw std::runtime_error(std::string(what) + " must return a list of tensors, got " +
+                             std::string(py::str(py::type::of(o))));
+  pipeline::Message m;
+  for (py::handle h : o) {
+    if (!THPVariable_Check(h.ptr()))
+      throw std::runtime_error(std::string(what) + " must return a list of tensors, got a " +
+                               std::string(py::str(py::type::of(h))) + " in it");
+    m.push_back(THPVariable_Unpack(h.ptr()));
+  }
+  return m;
+}
+
 c10::intrusive_ptr<c10d::Store> failure_store_of(const py::object& store,
                                                  const c10d::ProcessGroup& group) {
   auto s = store_of(store);
@@ -152,7 +171,7 @@ class Runtime {
           py::object activation_shape, pipeline::PipelineOptions options, double timeout_s,
           const py::object& dp_group,
           const std::map<int, std::vector<torch::Tensor>>& chunk_dp_parameters,
-          py::object extra_sum, const py::object& failure_store, py::object gradient_numel,
+          py::object extra_sum, const py::object& failure_store,
           const std::map<int, std::vector<torch::Tensor>>& chunk_expert_parameters,
           const py::object& dp_failure_store, const std::vector<py::object>& loss_groups,
           const std::map<int, std::vector<std::string>>& chunk_parameter_names) {
@@ -199,7 +218,11 @@ class Runtime {
                                  " microbatch inputs but the schedule has more microbatches");
       return inputs_[mb];
     };
-    if (py::isinstance<py::tuple>(activation_shape)) {
+    const bool messages = activation_shape.is_none();
+    if (messages) {
+      // NOTE [Pytrees between stages] in python/hyperparallel/pipeline/transfers.py:
+      // messages that describe themselves, nothing declared.
+    } else if (py::isinstance<py::tuple>(activation_shape)) {
       // One shape for every message: no call into Python per receive.
       po.activation_shape = [fixed = activation_shape.cast<std::vector<int64_t>>()](int, int) {
         return fixed;
@@ -210,11 +233,6 @@ class Runtime {
         return call_held(*shape_fn, "activation_shape", stage, mb).cast<std::vector<int64_t>>();
       };
     }
-    if (!gradient_numel.is_none())  // NOTE [Gradients shorter than their activations]
-      po.gradient_numel = [fn = held(gradient_numel)](int stage, int mb) {
-        py::gil_scoped_acquire gil;
-        return call_held(*fn, "gradient_numel", stage, mb).cast<int64_t>();
-      };
     if (!extra_sum.is_none())
       po.extra_sum = [fn = held(extra_sum)]() {
         py::gil_scoped_acquire gil;
@@ -223,10 +241,17 @@ class Runtime {
     std::map<int, pipeline::ChunkModule> chunks;
     for (const auto& [c, fn] : chunk_forward) {
       pipeline::ChunkModule mod;
-      mod.forward = [f = held(fn), mb = &forward_mb_,
-                     st = &forward_stage_](const torch::Tensor& x) {
-        return call_python(*f, "a stage's forward", x, *mb, *st);
-      };
+      if (messages) {
+        mod.forward_message = [f = held(fn), mb = &forward_mb_,
+                               st = &forward_stage_](const pipeline::Message& x) {
+          return call_python_message(*f, "a stage's forward", x, *mb, *st);
+        };
+      } else {
+        mod.forward = [f = held(fn), mb = &forward_mb_,
+                       st = &forward_stage_](const torch::Tensor& x) {
+          return call_python(*f, "a stage's forward", x, *mb, *st);
+        };
+      }
       auto p = chunk_parameters.find(c);
       if (p != chunk_parameters.end()) mod.parameters = p->second;
       // A chunk listed in chunk_dp_parameters has only those averaged over
@@ -392,7 +417,7 @@ void bind_pipeline(py::module_& m) {
                     const std::map<int, std::vector<torch::Tensor>>&, py::object, py::object,
                     pipeline::PipelineOptions, double, const py::object&,
                     const std::map<int, std::vector<torch::Tensor>>&, py::object, const py::object&,
-                    py::object, const std::map<int, std::vector<torch::Tensor>>&, const py::object&,
+                    const std::map<int, std::vector<torch::Tensor>>&, const py::object&,
                     const std::vector<py::object>&,
                     const std::map<int, std::vector<std::string>>&>(),
            // std::invalid_argument (a bad option) reaches Python as ValueError.
@@ -402,7 +427,6 @@ void bind_pipeline(py::module_& m) {
            py::arg("dp_group") = py::none(),
            py::arg("chunk_dp_parameters") = std::map<int, std::vector<torch::Tensor>>{},
            py::arg("extra_sum") = py::none(), py::arg("failure_store") = py::none(),
-           py::arg("gradient_numel") = py::none(),
            py::arg("chunk_expert_parameters") = std::map<int, std::vector<torch::Tensor>>{},
            py::arg("dp_failure_store") = py::none(),
            py::arg("loss_groups") = std::vector<py::object>{},

@@ -1,15 +1,17 @@
 """One rank of the pytree tests (test_pipeline_pytrees.py, started with
 torchrun's variables): a float64 model whose chunks hand each other tuples
 and dicts (a differentiable tensor, a bool mask, a side tensor, a string, an
-int, a tensor the next chunk ignores and a float table that takes no
-gradient), trained with each schedule on
-hyperparallel's executor over a Gloo group, shapes found (no
-activation_shape); saves its losses and chunk parameters.
+int, a tensor the next chunk ignores, a float table that takes no gradient,
+an int64 of 2^40 + 1 + chunk and a bfloat16 tensor that takes a gradient),
+trained with each schedule on hyperparallel's executor over a Gloo group,
+nothing declared (no activation_shape); saves its losses and chunk
+parameters.
 
     pytree_worker.py OUT_DIR SCHEDULES [bad]
 
-"bad": chunk 0's forward of microbatch 1 returns one more item (the test expects
-every rank to fail, naming the stage and microbatch)."""
+"bad": chunk 0's forward of microbatch 1 returns a structure holding no
+tensor (the test expects every rank to fail, naming the stage and
+microbatch)."""
 
 import os
 import sys
@@ -37,10 +39,14 @@ class TreeChunk(torch.nn.Module):
 
     def forward(self, x):
         if isinstance(x, tuple):
-            h, mask, side, tag, k, _ignored, table = x
+            h, mask, side, tag, k, _ignored, table, big, half = x
             assert tag == "tree" and k == 3 and mask.dtype == torch.bool, (tag, k, mask.dtype)
             assert not table.requires_grad and not mask.requires_grad
-            h = h + 0.5 * side * mask + table
+            # Each leaf in its own dtype, bit for bit: a cast to float32
+            # would make 2^40 + 1 + c even.
+            assert big.dtype == torch.int64 and bool((big == 2**40 + self.c).all()), big
+            assert half.dtype == torch.bfloat16 and (half.requires_grad or not h.requires_grad)
+            h = h + 0.5 * side * mask + table + 0.25 * half.to(h.dtype)
         else:
             h, mask = x, x[:, :1] > 0
         y = torch.tanh(self.lin(h))
@@ -52,10 +58,10 @@ class TreeChunk(torch.nn.Module):
         table = 0.1 * torch.cos(torch.arange(h.shape[0] * h.shape[1], dtype=h.dtype)
                                 ).view_as(h) * (1 + self.c)
         self.calls += 1
-        # The Pipeline's probe is the first call, microbatch 0's F the second.
-        if self.bad and self.c == 0 and self.calls == 3:
-            return (y, mask, side, "tree", 3, 2 * side, table, 0)
-        return (y, mask, side, "tree", 3, 2 * side, table)
+        if self.bad and self.c == 0 and self.calls == 2:  # microbatch 1's F
+            return ("tree", 3)
+        big = torch.full((h.shape[0],), 2**40 + 1 + self.c, dtype=torch.int64)
+        return (y, mask, side, "tree", 3, 2 * side, table, big, side.to(torch.bfloat16))
 
 
 def loss_fn(out, target):
@@ -81,13 +87,8 @@ def main():
             opt.zero_grad()
             losses.append(pipe.step(x, y))
             opt.step()
-        finder = pipe._finder
         results[name] = {
             "losses": losses,
-            # (elements handed on, elements of their gradient handed back) of
-            # each stage on microbatch 0's route but the last
-            "numel": {s: (finder.shape_of(s, 0)[0], finder.gradient_numel(s, 0))
-                      for s in sched.route(0)[:-1]},
             "chunks": {c: [q.detach() for q in mod.parameters()] for c, mod in chunks.items()},
         }
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))

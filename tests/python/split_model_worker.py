@@ -4,7 +4,7 @@ seed, cuts it with hyperparallel.pipeline.split_model, trains it a few SGD
 steps with hyperparallel.pipeline.Pipeline over a Gloo group for each
 schedule in turn (a padding mask given to step() as the model's
 attention_mask, for every stage; the sequence length changing across steps,
-the activation shapes found by the Pipeline), and saves the losses and its chunks' parameters (by the
+nothing declared to the Pipeline), and saves the losses and its chunks' parameters (by the
 model's names) for the test to compare with single-process training.
 
     split_model_worker.py OUT_DIR SCHEDULES
@@ -52,8 +52,8 @@ def loss_fn(logits, labels):
 
 
 def seq_len(step):
-    """The sequence length changes from step to step (5, 7, 5): the Pipeline
-    finds the activations' shapes again (NOTE [Shapes found, not declared])."""
+    """The sequence length changes from step to step (5, 7, 5): the messages
+    between stages carry their layout (NOTE [Pytrees between stages])."""
     return T + 2 * (step % 2)
 
 
@@ -116,7 +116,6 @@ def main():
             "chunks": {c: {n: q.detach().clone() for n, q in mod.named_model_parameters()}
                        for c, mod in chunks.items()},
             "names": {c: mod.module_names for c, mod in chunks.items()},
-            "probes": pipe._finder.probes,
         }
         del pipe
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))

@@ -13,11 +13,11 @@ every line was printed.
                   in step 1; then step() again
     one_sided     declared shape, first step: a keyword argument on rank 0 only;
                   then a good step
-    constants     shapes found: shift=0.25 on rank 0, 0.5 on rank 1; then a
+    constants     nothing declared: shift=0.25 on rank 0, 0.5 on rank 1; then a
                   good step
-    no_targets    shapes found: rank 1 forgets its targets in step 1; then a
+    no_targets    nothing declared: rank 1 forgets its targets in step 1; then a
                   good step
-    changed       shapes found: rank 0 adds a keyword argument in step 2
+    changed       nothing declared: rank 0 adds a keyword argument in step 2
     fsdp_one_copy (pp 1 x dp 2) rank 0's chunk fully_shard'ed over both
                   ranks, rank 1's not
 """

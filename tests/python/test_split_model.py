@@ -62,10 +62,6 @@ def test_training_a_split_llama_equals_single_process_training(tmp_path):
                         f"{name} rank {r} chunk {c} {n}: max error {err}")
                     seen.add(n)
         assert seen == set(ref_params), f"{name}: parameters in no chunk: {set(ref_params) - seen}"
-    # Shapes found twice (lengths 5 and 7), the third step's reused.
-    for r, res in enumerate(ranks):
-        for name in names:
-            assert res[name]["probes"] == 2, (name, r, res[name]["probes"])
     # The cuts asked for.
     r0, r1 = ranks[0], ranks[1]
     assert r0["1f1b"]["names"][0] == ["model.embed_tokens", "model.layers.0"]
@@ -97,7 +93,6 @@ def test_training_a_split_torchtitan_llama3_equals_single_process_training(tmp_p
         for r, res in enumerate(ranks):
             got = res[name]
             assert sorted(got["chunks"]) == sched.chunks_of_rank(r), name
-            assert res[name]["probes"] == 2, (name, r)  # lengths 5 and 7; the third reused
             for s, (a, b) in enumerate(zip(got["losses"], ref_losses, strict=True)):
                 assert abs(a - b) <= 1e-9 * max(1.0, abs(b)), f"{name} rank {r} step {s}: {a} vs {b}"
             for c, params in got["chunks"].items():

@@ -4,8 +4,8 @@ float64, from a fixed seed (torchtitan's own init_weights), cuts it with
 hyperparallel.pipeline.split_model (no wrapper: the chunks hand each block
 the model's freqs_cis), trains it a few SGD steps with
 hyperparallel.pipeline.Pipeline over a Gloo group for each schedule in turn
-(the sequence length changing across steps, the activation shapes found by
-the Pipeline), and saves the losses and its chunks' parameters (by the
+(the sequence length changing across steps, nothing declared to the
+Pipeline), and saves the losses and its chunks' parameters (by the
 model's names) for the test to compare with single-process training.
 
     titan_worker.py OUT_DIR SCHEDULES
@@ -113,7 +113,6 @@ def main():
             "chunks": {c: {n: q.detach().clone() for n, q in mod.named_model_parameters()}
                        for c, mod in chunks.items()},
             "names": {c: mod.module_names for c, mod in chunks.items()},
-            "probes": pipe._finder.probes,
         }
         del pipe
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))

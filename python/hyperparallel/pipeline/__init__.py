@@ -7,7 +7,7 @@ One job per file:
 * ``runtime.py``: :class:`Pipeline`, one rank's part of the pipeline, and its ``step``;
 * ``stage_forward.py``: a chunk's forward as the runtime calls it, with the
   step's keyword arguments;
-* ``transfers.py``: what one stage hands the next: shapes found, pytrees packed;
+* ``transfers.py``: what one stage hands the next: a tensor or structure as a message;
 * ``fsdp2.py``: FSDP2 (``fully_shard``) modules inside the chunks;
 * ``checks.py``: what the ranks check before they run, and how they agree on it;
 * ``helpers.py``: ``schedule``, ``PipelineSchedule``, the step cache's memory.
@@ -25,7 +25,7 @@ from ..router_losses import moe_aux_losses  # a transformers MoE's router loss, 
 from ..split_model import split_model  # cutting one model into chunks
 from .helpers import PipelineSchedule, cpu_cache_bytes, empty_cpu_cache, schedule
 from .runtime import Pipeline
-from .transfers import _Packing  # noqa: F401  (tests build one directly)
+from .transfers import _from_message, _to_message  # noqa: F401  (tests call them)
 
 __all__ = ["PipelineSchedule", "schedule", "Pipeline", "add_loss", "collect_losses",
            "cpu_cache_bytes", "empty_cpu_cache",

@@ -324,10 +324,10 @@ def _placement_check(chunks, params: Dict[int, List[torch.Tensor]], group,
     return None
 
 
-def _composition_error(fsdp, schedule, chunks, params, parameters, group, dp_group,
-                       activation_shape) -> Optional[str]:
+def _composition_error(fsdp, schedule, chunks, params, parameters, group,
+                       dp_group) -> Optional[str]:
     """Why this rank's chunks cannot make this pipeline, or None: FSDP2's
-    checks, then expert parallelism's, FSDP2 stages with shapes to find, the
+    checks, then expert parallelism's, the
     placement of parameters and groups (NOTE [Ranks agree on their
     compositions] makes every rank stop with it)."""
     error = None
@@ -335,16 +335,6 @@ def _composition_error(fsdp, schedule, chunks, params, parameters, group, dp_gro
         error = fsdp.pipeline_error(schedule, group, dp_group, params, parameters)
     if error is None:
         error = _expert_parallel_check(params, dp_group)
-    if error is None and fsdp and activation_shape is None:
-        # NOTE [FSDP2 stages need declared shapes]: finding shapes runs a
-        # stage's forward on fake tensors (or, where those fail, for real
-        # under no_grad); through FSDP2's hooks either left the unsharded
-        # parameters the steps then read garbage (NaN losses), so the
-        # composition is refused rather than run wrong.
-        error = ("FSDP2 (fully_shard) stages need declared activation shapes: give "
-                 "Pipeline(activation_shape=...) (a shape, or fn(stage, microbatch) -> "
-                 "shape); finding them runs the forward outside FSDP2's control, which left "
-                 "its unsharded parameters unset")
     if error is None:
         error = _placement_check(chunks, params, group, dp_group)
     return error

@@ -59,7 +59,7 @@ from .stage_forward import (
     _describe_kwargs,
     _kwargs_signature,
 )
-from .transfers import _ShapeFinder, _activation_shapes
+from .transfers import _declared_shape
 
 __all__ = ["Pipeline"]
 
@@ -201,13 +201,16 @@ class Pipeline:
         loss_fn: ``loss_fn(output, target) -> scalar tensor``, on the last stage
             of each microbatch; the step's loss is the mean over microbatches.
         activation_shape: the shape of what one stage hands the next for one
-            microbatch (a tuple), or ``fn(stage, microbatch) -> shape``; None
-            (default): found from each step's input shapes, again whenever
-            they change (NOTE [Shapes found, not declared]).
+            microbatch (a tuple), or ``fn(stage, microbatch) -> shape``: one
+            tensor of ``dtype``, received into buffers of that shape. None
+            (default): a stage hands the next a tensor or a structure of
+            them, each tensor in its own dtype and shape, which travel with
+            it (NOTE [Pytrees between stages]); nothing is declared, probed or
+            agreed on, whatever the shapes of a step.
         group: the process group of the pipeline's ranks (default: the world);
             rank r of the group runs the schedule's rank r.
-        dtype: dtype of activations and gradients between stages (default:
-            the first parameter's).
+        dtype: with ``activation_shape``, the dtype of activations and
+            gradients between stages (default: the first parameter's).
         device: where received activations live (default: the first
             parameter's device).
         parameters: ``{chunk: [tensor, ...]}`` weights of callables that are not
@@ -295,8 +298,7 @@ class Pipeline:
         # all agree before the runtime's construction waits on all of them.
         fsdp = _Fsdp2Stages(chunks)
         split = schedule.has_split
-        error = _composition_error(fsdp, schedule, chunks, params, parameters, group, dp_group,
-                                   activation_shape)
+        error = _composition_error(fsdp, schedule, chunks, params, parameters, group, dp_group)
         agree_on = _groups_to_agree_on(group, dp_group, fsdp, params)
         self._step_context = _compiled_step_context(chunks, split)
         # NOTE [Auxiliary losses]: every chunk's forward collects add_loss().
@@ -329,9 +331,10 @@ class Pipeline:
                                                              keep_freed_memory)
         # FSDP2's groups take the loss where they take gradients (NCCL: CUDA).
         self._loss_device = device if device.type == "cuda" else torch.device("cpu")
-        finder, shape = _activation_shapes(activation_shape, schedule, group, forward, dtype,
-                                           device, self._loss_device, timeout)
-        self._finder: Optional[_ShapeFinder] = finder
+        shape = _declared_shape(activation_shape)
+        # Nothing declared: messages between stages (NOTE [Pytrees between
+        # stages]), and every step's arguments checked (NOTE [Arguments of a step]).
+        self._messages = shape is None
         # The runtime holds the loss, which must not hold the Pipeline: that
         # cycle through a C++ object is never collected, and the group would
         # live until the interpreter's shutdown (NOTE [A Pipeline's group dies
@@ -339,6 +342,7 @@ class Pipeline:
         self._loss = _LossOfMicrobatch(loss_fn)
         for f in forward.values():
             f.schedule, f.last_outputs = schedule, self._loss.last_outputs
+            f.messages = shape is None  # NOTE [Pytrees between stages]
         self.schedule = schedule
         self._runtime = self._make_runtime(schedule, group, forward, params,
                                            _parameter_names(chunks, params), shape, dtype,
@@ -384,7 +388,6 @@ class Pipeline:
             chunk_dp_parameters=dp_params,
             extra_sum=self._aux.take,
             failure_store=store_of(group, (None, None))[1],
-            gradient_numel=None if self._finder is None else self._finder.gradient_numel,
             chunk_expert_parameters={c: [q for q in ps if _is_expert(q)] for c, ps in params.items()},
             chunk_parameter_names=names,
             dp_failure_store=None if dp_group is None else store_of(dp_group, (None, None))[1],
@@ -452,27 +455,18 @@ class Pipeline:
                 constant[key] = value
         return per_mb, constant
 
-    def _agree_on_step(self, fingerprint: int, signature, error, rows):
+    def _agree_on_step(self, fingerprint: int, signature, error) -> None:
         """The ranks' agreement before a step (NOTE [Arguments of a step]):
         one all-reduce (MAX) of each rank's keyword-argument fingerprint and
-        error flag, beside the input shapes when they are found. Raises on
-        every rank when a rank's arguments were refused or the keyword
-        arguments differ; returns the reduced shape rows."""
+        error flag. Raises on every rank when a rank's arguments were refused
+        or the keyword arguments differ."""
         p, me = self._group.size(), self._group.rank()
         flags = torch.full((2 * p,), -1, dtype=torch.int64)
         flags[me], flags[p + me] = fingerprint, 1 if error is not None else 0
-        n = 0 if rows is None else rows.numel()
-        if self._finder is not None and rows is None:  # this rank's arguments were refused
-            rows = self._finder.rows([])
-            n = rows.numel()
-        both = flags if rows is None else torch.cat([rows.reshape(-1), flags])
         what = ("the check of step()'s arguments (a rank whose keyword arguments changed "
                 "from its previous step checks them with the others; did theirs not change?)")
-        if self._finder is not None:
-            what = "the step's agreement on its input shapes and arguments"
-        reduced = _allreduce_max(self._group, both, self._loss_device, self._timeout,
-                                 f"rank {self.rank}: {what}")
-        flags = reduced[n:]
+        flags = _allreduce_max(self._group, flags, self._loss_device, self._timeout,
+                               f"rank {self.rank}: {what}")
         failed = [r for r in range(p) if flags[p + r] == 1]
         if failed:
             msgs = self._gather_text("" if error is None else str(error),
@@ -491,7 +485,6 @@ class Pipeline:
                 + ". Every rank's step() is given the same keyword arguments (the same keys, "
                 "shapes, dtypes and constant values): each stage takes its own from them, "
                 "and a rank given others trains another model (no rank ran this step)")
-        return None if rows is None else reduced[:n].reshape(rows.shape)
 
     def _gather_text(self, text: str, what: str) -> List[str]:
         return [b.decode() for b in _all_gather_bytes(
@@ -524,7 +517,6 @@ class Pipeline:
         tgts: List[torch.Tensor] = []
         per_mb: List[Dict[str, object]] = []
         constant: Dict[str, object] = {}
-        rows = None
         error: Optional[Exception] = None
         try:  # NOTE [Arguments of a step]: this rank's own checks, no communication
             if self._known_kwargs is not None:
@@ -544,17 +536,16 @@ class Pipeline:
             if not tgts and self.schedule.needs_targets(self.rank):
                 raise ValueError(
                     f"rank {self.rank} runs a route's last stage: give step() the targets")
-            if self._finder is not None:
-                rows = self._finder.rows(ins)
         except Exception as e:  # noqa: BLE001 - raised below, after the peers are told
             error = e
-        # The agreement: always with shapes found; with a declared shape on
-        # the first step, and on a later one whose keyword arguments changed
-        # on this rank (a rank whose own checks failed then tells its peers
-        # by abandoning instead: they may already wait in the step).
-        if self._group.size() > 1 and (self._finder is not None or self._kw_fp is None or (
+        # The agreement: on every step where nothing is declared; with a
+        # declared shape on the first step, and on a later one whose keyword
+        # arguments changed on this rank (a rank whose own checks failed then
+        # tells its peers by abandoning instead: they may already wait in the
+        # step).
+        if self._group.size() > 1 and (self._messages or self._kw_fp is None or (
                 error is None and fingerprint != self._kw_fp)):
-            rows = self._agree_on_step(fingerprint, signature, error, rows)
+            self._agree_on_step(fingerprint, signature, error)
         elif error is not None:
             if self._group.size() > 1:
                 # The peers may already wait in this step for this rank.
@@ -564,12 +555,6 @@ class Pipeline:
             raise error
         self._kw_fp = fingerprint
         self._kwargs.per_microbatch, self._kwargs.constant = per_mb, constant
-        if self._finder is not None:
-            try:
-                self._finder.prepare(rows, self._kwargs)
-            except BaseException:
-                self._kwargs.per_microbatch, self._kwargs.constant = [], {}
-                raise
         self._loss.targets = tgts
         ok = False
         if self._fsdp is not None:

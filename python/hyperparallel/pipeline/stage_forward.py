@@ -5,14 +5,12 @@ ranks compare of them before a step (_kwargs_signature, _describe_kwargs)."""
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional
+from typing import Callable, Dict, List
 
 import torch
 
 from ..losses import _AuxiliarySum, _WithAuxiliary, _collecting
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .transfers import _ShapeFinder
+from .transfers import _from_message, _to_message
 
 
 # NOTE [Keyword arguments of every stage]
@@ -82,9 +80,9 @@ def _accepted_kwargs(fn) -> Optional[frozenset]:
 #    all-reduce (MAX) of every rank's fingerprint and error flag; ranks that
 #    differ are one ValueError on every rank, naming each rank's arguments,
 #    before any rank runs the step. Tensors' values are not compared (nor
-#    are the inputs'). With shapes found (no activation_shape) the step has
-#    that all-reduce anyway (NOTE [Shapes found, not declared]), and the
-#    flags ride in it: every step is checked for free. With a declared shape
+#    are the inputs'). With nothing declared (no activation_shape) every
+#    step runs that all-reduce (2 x ranks integers: tens of microseconds on
+#    Gloo), so every step is checked. With a declared shape
 #    the agreement runs on the first step and on a step whose fingerprint
 #    differs from this rank's previous one, so a steady loop pays nothing;
 #    the cost is that a change on one rank alone, after the first step, waits
@@ -97,9 +95,8 @@ def _accepted_kwargs(fn) -> Optional[frozenset]:
 #    of NOTE [A failed step reaches the peers] in hp/distributed/comm.h), so
 #    they fail within a fraction of a second naming it, and the Pipeline is
 #    done on every rank, as after a failed step.
-#  - Every collective of the Python side (the agreement, the shape probes,
-#    the shared parameters' sums, FSDP2's loss) waits at most the Pipeline's
-#    timeout.
+#  - Every collective of the Python side (the agreement, the check of the
+#    arguments) waits at most the Pipeline's timeout.
 _PLAIN = (type(None), bool, int, float, complex, str, bytes)
 
 
@@ -141,35 +138,25 @@ def _describe_kwargs(signature) -> str:
 
 
 class _StageForward:
-    """A chunk's forward as the runtime calls it, ``(x, microbatch)``: hands
-    the module the step's keyword arguments it accepts (NOTE [Keyword
+    """A chunk's forward as the runtime calls it, ``(x, microbatch, stage)``:
+    hands the module the step's keyword arguments it accepts (NOTE [Keyword
     arguments of every stage]), collects the auxiliary losses it adds and
-    ties them to its output (NOTE [Auxiliary losses])."""
+    ties them to its output (NOTE [Auxiliary losses]). With `messages` (no
+    declared shape) `x` and the result are messages: lists of tensors that
+    hold a tensor or a structure (NOTE [Pytrees between stages])."""
 
     def __init__(self, fn: Callable, aux: _AuxiliarySum, kwargs: _StepKwargs, accepts):
         self.fn = fn
         self.aux = aux
         self.kwargs = kwargs
         self.accepts = accepts
-        self.finder: Optional["_ShapeFinder"] = None  # pytrees between stages, when found
-        self.dtype = torch.float32
+        self.messages = False
         self.schedule = None
         self.last_outputs: Dict[int, object] = {}  # mb -> a last stage's structure
 
-    def probe(self, x: torch.Tensor, mb: int, kwargs: Dict[str, object]) -> torch.Tensor:
-        """The module's output for `x` with the given keyword arguments (those
-        it accepts), nothing collected: the shape finder's call."""
-        if self.accepts is not None:
-            kwargs = {k: v for k, v in kwargs.items() if k in self.accepts}
-        return self.fn(x, **kwargs)
-
-    def __call__(self, x: torch.Tensor, mb: int, stage: int) -> torch.Tensor:
-        packing = None
-        if self.finder is not None:  # NOTE [Pytrees between stages]
-            given = self.finder.input_packing(stage, mb)
-            if given is not None:
-                x = given.unpack(x)
-            packing = self.finder.packing(stage, mb)
+    def __call__(self, x, mb: int, stage: int):
+        if self.messages:
+            x = _from_message(x)
         outer = getattr(_collecting, "sink", None)
         added: List[torch.Tensor] = []
         _collecting.sink = added
@@ -181,24 +168,24 @@ class _StageForward:
             raise TypeError(
                 f"stage {stage} microbatch {mb}: a stage's forward must return a torch.Tensor "
                 f"or a tuple, list or dict of them, got {type(out).__name__}")
-        if packing is not None:
-            out = packing.pack(out, self.dtype, stage, mb)
-        elif not isinstance(out, torch.Tensor) and self.schedule.next_stage(stage, mb) < 0:
+        if not isinstance(out, torch.Tensor) and self.schedule.next_stage(stage, mb) < 0:
             # A last stage's structure goes to the loss function as it is.
             self.last_outputs[mb] = out
             out = torch.zeros(0)
-        elif not isinstance(out, torch.Tensor):
+        elif not isinstance(out, torch.Tensor) and not self.messages:
             raise TypeError(
                 f"stage {stage} microbatch {mb}: the forward returned a "
-                f"{type(out).__name__}; a structure of tensors between stages needs the "
-                "shapes found (Pipeline without activation_shape)")
-        if not added:
-            return out
-        total = added[0]
-        for t in added[1:]:  # the dtypes may differ (a router's float32 term)
-            total = total + t
-        for t in added:  # reported in float64, each as it was added
-            self.aux.add(t)
-        if not total.requires_grad or not isinstance(out, torch.Tensor):
-            return out
-        return _WithAuxiliary.apply(out, total, self.aux.scale)
+                f"{type(out).__name__}; a structure of tensors between stages travels "
+                "without a declared shape (Pipeline without activation_shape)")
+        message = _to_message(out, stage, mb) if self.messages else [out]
+        if added:
+            total = added[0]
+            for t in added[1:]:  # the dtypes may differ (a router's float32 term)
+                total = total + t
+            for t in added:  # reported in float64, each as it was added
+                self.aux.add(t)
+            # Tied to the first tensor that takes a gradient.
+            at = next((i for i, t in enumerate(message) if t.requires_grad), None)
+            if total.requires_grad and at is not None:
+                message[at] = _WithAuxiliary.apply(message[at], total, self.aux.scale)
+        return message if self.messages else message[0]
