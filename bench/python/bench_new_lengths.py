@@ -23,7 +23,6 @@ import os
 import random
 import statistics
 import sys
-import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -96,22 +95,10 @@ def main():
     first, last = (int(v) for v in args.lengths.split("-"))
     lengths = [t for t in range(first, last + 1) if t != args.warmup_length]
     random.Random(args.seed).shuffle(lengths)
-    import json
-    import multiprocessing as mp
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_pipeline_paths import two_ranks
 
-    with tempfile.TemporaryDirectory() as tmp:
-        store, out = os.path.join(tmp, "store"), os.path.join(tmp, "out.json")
-        ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=rank_main, args=(r, 2, store, args, lengths, out))
-                 for r in range(2)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join()
-        if any(p.exitcode != 0 for p in procs):
-            sys.exit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
-        with open(out) as f:
-            times = {int(t): v for t, v in json.load(f).items()}
+    times = {int(t): v for t, v in two_ranks(rank_main, args, lengths).items()}
     print(f"{args.schedule}, p = 2, train_hf's Llama (4 layers, hidden 64), {len(lengths)} "
           f"lengths in {args.lengths}, warm-up at {args.warmup_length}; ms per step")
     print("| length | new (pass 1) | seen (median of passes 2, 3) | new / seen |\n|---|---|---|---|")

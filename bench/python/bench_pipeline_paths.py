@@ -114,19 +114,16 @@ def rank_main(rank: int, world: int, store_path: str, args, out: str) -> None:
     dist.destroy_process_group()
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--schedule", default="zb-h1")
-    args = ap.parse_args()
+def two_ranks(rank_main, *args):
+    """Runs rank_main(rank, 2, store_path, *args, out_path) in 2 spawned
+    processes; returns the JSON rank 0 wrote to out_path."""
     import json
     import multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
         store, out = os.path.join(tmp, "store"), os.path.join(tmp, "out.json")
         ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=rank_main, args=(r, 2, store, args, out)) for r in range(2)]
+        procs = [ctx.Process(target=rank_main, args=(r, 2, store, *args, out)) for r in range(2)]
         for p in procs:
             p.start()
         for p in procs:
@@ -134,7 +131,16 @@ def main():
         if any(p.exitcode != 0 for p in procs):
             sys.exit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
         with open(out) as f:
-            times = json.load(f)
+            return json.load(f)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--schedule", default="zb-h1")
+    args = ap.parse_args()
+    times = two_ranks(rank_main, args)
     base = statistics.median(times["bare"])
     print(f"{args.schedule}, p = 2, m = 8, GPT 4 x 64, {args.rounds} rounds x "
           f"{args.steps - 1} timed steps per variant (median step)")

@@ -27,7 +27,8 @@ uint64_t mix(uint64_t h, int64_t v) {
   return h;
 }
 
-std::vector<int64_t> fingerprint(const schedule::Schedule& s, torch::Dtype dtype, bool ok) {
+std::vector<int64_t> fingerprint(const schedule::Schedule& s, torch::Dtype dtype,
+                                 bool layout_carried, bool ok) {
   uint64_t h = 1469598103934665603ull;
   for (int v : s.stage_rank)
     h = mix(h, v);
@@ -46,15 +47,19 @@ std::vector<int64_t> fingerprint(const schedule::Schedule& s, torch::Dtype dtype
           s.num_microbatches,
           s.num_chunks,
           static_cast<int64_t>(dtype),
+          layout_carried ? 1 : 0,
           static_cast<int64_t>(h & 0x7fffffffffffffffull)};
 }
 
 }  // namespace
 
-std::vector<std::vector<int64_t>> agree_on_the_pipeline(
-    distributed::Comm& comm, const schedule::Schedule& schedule, torch::Dtype dtype,
-    const torch::Device& device, int rank, bool ok, const std::vector<int64_t>& extra) {
-  std::vector<int64_t> mine = fingerprint(schedule, dtype, ok);
+std::vector<std::vector<int64_t>> agree_on_the_pipeline(distributed::Comm& comm,
+                                                        const schedule::Schedule& schedule,
+                                                        torch::Dtype dtype, bool layout_carried,
+                                                        const torch::Device& device, int rank,
+                                                        bool ok,
+                                                        const std::vector<int64_t>& extra) {
+  std::vector<int64_t> mine = fingerprint(schedule, dtype, layout_carried, ok);
   const int64_t checked = static_cast<int64_t>(mine.size());
   mine.insert(mine.end(), extra.begin(), extra.end());
   const int n = comm.world_size();
@@ -63,8 +68,11 @@ std::vector<std::vector<int64_t>> agree_on_the_pipeline(
   comm.all_gather(out, torch::tensor(mine, torch::kLong).to(device));
   out = out.cpu();
   const int64_t* all = out.data_ptr<int64_t>();
-  static const char* kField[] = {"", "ranks", "stages", "microbatches", "model chunks", "dtype"};
+  static const char* kField[] = {"",      "ranks",   "stages", "microbatches", "model chunks",
+                                 "dtype", "messages"};
   auto text = [](int64_t f, int64_t v) {
+    if (f == 6)  // NOTE [Messages that describe themselves] in frames.h
+      return std::string(v ? "that carry their layout" : "of a declared layout");
     return f == 5 ? std::string(c10::toString(static_cast<torch::Dtype>(v))) : std::to_string(v);
   };
   for (int q = 0; q < n; ++q) {
@@ -74,6 +82,9 @@ std::vector<std::vector<int64_t>> agree_on_the_pipeline(
                 " could not make its pipeline (its own error says why); no rank starts");
     for (int64_t f = 1; f < checked; ++f) {
       if (theirs[f] == mine[f]) continue;
+      TORCH_CHECK(f != 6, "rank ", rank, ": rank ", q, "'s pipeline has messages ",
+                  text(f, theirs[f]), " where this rank's are ", text(f, mine[f]),
+                  ": declare the layout (activation_shape or layout) on every rank or on none");
       if (f + 1 < checked)
         TORCH_CHECK(false, "rank ", rank, ": rank ", q, "'s pipeline has ", kField[f], " ",
                     text(f, theirs[f]), " where this rank's has ", text(f, mine[f]),

@@ -79,9 +79,6 @@ class Frames {
   /// Forgets a failed step's frames in flight (sizes learned stay).
   void abandon_step();
 
-  int64_t frame_bytes_to(int peer) const { return send_bytes_.at(peer); }
-  int64_t frame_bytes_from(int peer) const { return recv_bytes_.at(peer); }
-
  private:
   struct Frame {
     torch::Tensor buffer;  // frame_bytes uint8

@@ -271,9 +271,10 @@ Pipeline::Pipeline(schedule::Schedule schedule, std::shared_ptr<distributed::Com
   // error) is no place for it.
   const torch::Device on = options_.device.is_cuda() ? options_.device : torch::Device(torch::kCPU);
   const auto named = parameters_by_name(chunks);
+  const bool carried = !options_.layout && !options_.activation_shape;
   const auto names_held =
-      agree_on_the_pipeline(*distributed::for_device(group, on), schedule, options_.dtype, on,
-                            rank_, !failed, {static_cast<int64_t>(named.size())});
+      agree_on_the_pipeline(*distributed::for_device(group, on), schedule, options_.dtype, carried,
+                            on, rank_, !failed, {static_cast<int64_t>(named.size())});
   // The copies agree too: a data-parallel group whose ranks ran other
   // stages or schedules would mix their gradients, and an expert-parallel
   // one (the same group) would wait in an all-to-all that a peer never
@@ -282,7 +283,7 @@ Pipeline::Pipeline(schedule::Schedule schedule, std::shared_ptr<distributed::Com
     const auto mine = what_a_copy_holds(rank_, chunks);
     const auto copies =
         agree_on_the_pipeline(*distributed::for_device(options_.dp, on), schedule, options_.dtype,
-                              on, options_.dp->rank(), !failed, mine);
+                              carried, on, options_.dp->rank(), !failed, mine);
     if (!failed) check_the_copies(copies, mine, rank_);
   }
   if (failed) std::rethrow_exception(failed);

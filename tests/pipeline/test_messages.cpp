@@ -271,4 +271,36 @@ TEST(MessagesOfSeveralTensors, AnOutputUnlikeItsLayoutIsAnError) {
   EXPECT_FALSE(errors[1].empty()) << "the peer of the failed rank fails too";
 }
 
+// Ranks that disagree on how messages are laid out (declared on one,
+// carried on the other) would misread each other's bytes: the Pipeline's
+// agreement refuses them on both, before any transfer.
+TEST(MessagesOfSeveralTensors, DeclaredOnOneRankCarriedOnAnotherIsRefused) {
+  const auto sched = hp::schedule::build("1f1b", 2, 2);
+  std::vector<std::string> errors(2);
+  hp::testing::run_ranks_as_threads(2, [&](int r, std::shared_ptr<Comm> group) {
+    std::map<int, hp::pipeline::ChunkModule> modules;
+    Weights p = weights_of(r);
+    hp::pipeline::ChunkModule m;
+    m.forward_message = [p, r](const Message& in) { return chunk_forward(p, r, 2, in); };
+    m.parameters = {p.w, p.a, p.b};
+    modules[r] = m;
+    hp::pipeline::PipelineOptions o;
+    o.p2p = "group";
+    o.input_message = input_of;
+    if (r == 0) o.layout = [](int, int mb) { return layout_of_mb(mb); };
+    try {
+      hp::pipeline::Pipeline pipeline(sched, group, modules, loss_fn, o);
+    } catch (const std::exception& e) {
+      errors[r] = e.what();
+    }
+  });
+  EXPECT_NE(errors[0].find("rank 0: rank 1's pipeline has messages that carry their layout "
+                           "where this rank's are of a declared layout"),
+            std::string::npos)
+      << errors[0];
+  EXPECT_NE(errors[1].find("rank 1: rank 0's pipeline has messages of a declared layout"),
+            std::string::npos)
+      << errors[1];
+}
+
 }  // namespace
