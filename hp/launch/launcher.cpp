@@ -31,6 +31,9 @@ namespace hp::launch {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+// NOTE [The first failure of a sweep]: how soon after an exit with an error
+// a rank killed by a signal is still taken for its cause, in seconds.
+constexpr double kCauseWindow = 1.0;
 
 volatile sig_atomic_t g_pending_signal = 0;
 
@@ -352,7 +355,13 @@ LaunchResult launch_local(const LaunchOptions& o) {
     bool reaped = false;
     // NOTE [The first failure of a sweep]: a rank killed by a signal and a
     // peer that exited with an error because of it (its connection reset)
-    // are often reaped in the same sweep; the killed one is the cause.
+    // are often reaped in the same sweep; the killed one is the cause. The
+    // peer may also be reaped a sweep earlier: on a loaded host its exit
+    // (the reset seen within microseconds) came before the launcher's next
+    // sweep found the killed rank (ProcessFaults.KillDuringSaveLosesNothing
+    // named the exit-1 peer once). So a rank killed by a signal that the
+    // launcher did not send, reaped within kCauseWindow of a first failure
+    // that exited with an error, takes its place.
     int sweep_failed = -1;
     for (int r = 0; r < o.nproc; ++r) {
       if (!running[r]) continue;
@@ -378,6 +387,17 @@ LaunchResult launch_local(const LaunchOptions& o) {
                                 result.ranks[sweep_failed].state != RankStatus::State::Signaled)))
         sweep_failed = r;
     }
+    if (sweep_failed < 0 && result.first_failed_rank >= 0 && !terminating &&
+        result.interrupted_by == 0 && !result.run_timed_out &&
+        result.ranks[result.first_failed_rank].state == RankStatus::State::Exited)
+      for (int r = 0; r < o.nproc; ++r) {
+        const auto& st = result.ranks[r];
+        if (!running[r] && st.state == RankStatus::State::Signaled &&
+            st.seconds - result.ranks[result.first_failed_rank].seconds <= kCauseWindow) {
+          result.first_failed_rank = r;
+          break;
+        }
+      }
     if (sweep_failed >= 0) {
       result.first_failed_rank = sweep_failed;
       grace_deadline = std::min(grace_deadline, Clock::now() + o.timeout);
