@@ -360,8 +360,9 @@ LaunchResult launch_local(const LaunchOptions& o) {
     // (the reset seen within microseconds) came before the launcher's next
     // sweep found the killed rank (ProcessFaults.KillDuringSaveLosesNothing
     // named the exit-1 peer once). So a rank killed by a signal that the
-    // launcher did not send, reaped within kCauseWindow of a first failure
-    // that exited with an error, takes its place.
+    // launcher did not send (a stopped rank it ended is no cause), reaped
+    // within kCauseWindow of a first failure that exited with an error, takes
+    // its place.
     int sweep_failed = -1;
     for (int r = 0; r < o.nproc; ++r) {
       if (!running[r]) continue;
@@ -392,7 +393,7 @@ LaunchResult launch_local(const LaunchOptions& o) {
         result.ranks[result.first_failed_rank].state == RankStatus::State::Exited)
       for (int r = 0; r < o.nproc; ++r) {
         const auto& st = result.ranks[r];
-        if (!running[r] && st.state == RankStatus::State::Signaled &&
+        if (!running[r] && !continued[r] && st.state == RankStatus::State::Signaled &&
             st.seconds - result.ranks[result.first_failed_rank].seconds <= kCauseWindow) {
           result.first_failed_rank = r;
           break;
