@@ -59,6 +59,7 @@ import torch
 from torch import nn
 
 from .losses import add_loss
+from .meta_init import materialize, on_meta, skeleton
 from .router_losses import _add_router_sums, _router_logits, moe_aux_losses
 
 __all__ = ["split_model", "ModelChunk", "moe_aux_losses"]
@@ -323,6 +324,8 @@ def split_model(
     embed: Optional[Sequence[str]] = None,
     blocks: Optional[str] = None,
     tail: Optional[Sequence[str]] = None,
+    seed: Optional[int] = None,
+    device=None,
 ) -> Dict[int, ModelChunk]:
     """Cuts ``model`` into ``schedule.num_chunks`` consecutive chunks and
     returns ``{chunk: ModelChunk}`` for ``schedule.chunks_of_rank(rank)``.
@@ -343,6 +346,13 @@ def split_model(
     parameter shared by modules of two chunks (tied embeddings) is reported
     by both under one model-wide name, its gradient summed over its holders
     after each step (NOTE [Parameters shared by chunks]).
+
+    A transformers model built on the meta device (``with
+    torch.device("meta")``) is cut the same way and only this rank's chunks
+    are made real, by the model's own initialization from ``seed`` (default
+    ``torch.initial_seed()``) on ``device`` (default the CPU): equal to
+    ``materialize(model, seed)`` of the whole model (NOTE [A model built on
+    the meta device] in meta_init.py).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -364,6 +374,9 @@ def split_model(
     if len(given) > 1 or (given and by != "layers"):
         raise ValueError(f"give one cut: {', '.join(given + (['by'] if by != 'layers' else []))}")
 
+    meta = on_meta(model)
+    if meta:
+        skeleton(model)  # refuses a model that is not a transformers one
     hf = titan = None
     if blocks is None:
         if embed is not None or tail is not None:
@@ -512,6 +525,9 @@ def split_model(
                 f"{[sorted(s) for s in sets]}: the schedule replicates some of them and not "
                 "the others, whose gradient sums would count copies twice. Use a schedule "
                 "whose chunks are not replicated (zbv, dualpipev, 1f1b, ...), or untie them")
+    if meta:
+        materialize(model, seed, [q for c in schedule.chunks_of_rank(rank)
+                                  for _, m, _ in members[c] for q in m.parameters()], device)
     owner = model if hf is not None else None
     return {c: ModelChunk(members[c], c, k, hf, titan, owner, names, holders)
             for c in schedule.chunks_of_rank(rank)}

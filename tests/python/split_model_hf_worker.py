@@ -58,6 +58,17 @@ MODELS = {
     "olmo2": ("olmo2", {}),
 }
 TIED = ("llama_tied", "gemma", "gemma2", "gpt2")
+# Built on the meta device, each rank making real its own chunks (NOTE [A
+# model built on the meta device]); the reference is the whole model made
+# real by hp.pipeline.materialize with the same seed.
+META = ("llama_tied", "deepseek_v3", "gemma2", "gpt2", "phi3")
+META_SEED = 99
+# The memory case: float64, parameters far above activations (one row of 8
+# tokens per microbatch), Adam without
+# foreach (whose temporaries are a copy of all parameters). ~67 MB of parameters.
+MEM = dict(vocab_size=2048, hidden_size=256, intermediate_size=2048, num_hidden_layers=4,
+           num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32,
+           attn_implementation="eager", tie_word_embeddings=False)
 
 
 def make_model(key):
@@ -67,6 +78,32 @@ def make_model(key):
     config = AutoConfig.for_model(model_type, **{**COMMON, **extra})
     torch.manual_seed(1234)
     return AutoModelForCausalLM.from_config(config).to(torch.float64)
+
+
+def make_meta_model(key, **config_extra):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if key == "mem":
+        config = AutoConfig.for_model("llama", **MEM)
+        dtype = torch.float64
+    else:
+        model_type, extra = MODELS[key]
+        config = AutoConfig.for_model(model_type, **{**COMMON, **extra})
+        dtype = torch.float64
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def meta_reference(key, m, steps=STEPS, adam=False):
+    """reference() for the whole meta-built model made real in one process."""
+    model = hp.pipeline.materialize(make_meta_model(key), seed=META_SEED)
+    return _train_one_process(model, m, steps, adam)
+
+
+def mem_batch(step, m):
+    g = torch.Generator().manual_seed(90 + step)
+    ids = torch.randint(0, MEM["vocab_size"], (m, 9), generator=g)
+    return ids[:, :-1], ids[:, 1:]
 
 
 def loss_fn(logits, labels):
@@ -89,11 +126,22 @@ def batch(step, m):
 def reference(key, m):
     """Single-process training of the whole model (mean loss over m
     microbatches, SGD): (losses, {name: parameter})."""
-    model = make_model(key)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    return _train_one_process(make_model(key), m, STEPS, False)
+
+
+def _optimizer(params, adam):
+    return torch.optim.Adam(params, lr=1e-3, foreach=False) if adam else torch.optim.SGD(params, lr=LR)
+
+
+def _train_one_process(model, m, steps, adam):
+    opt = _optimizer(model.parameters(), adam)
     losses = []
-    for step in range(STEPS):
-        x, y, mask = batch(step, m)
+    for step in range(steps):
+        if adam:
+            x, y = mem_batch(step, m)
+            mask = torch.ones_like(x)
+        else:
+            x, y, mask = batch(step, m)
         opt.zero_grad()
         total = 0.0
         for xm, ym, mm in zip(x.chunk(m), y.chunk(m), mask.chunk(m)):
@@ -105,11 +153,43 @@ def reference(key, m):
     return losses, {n: q.detach().clone() for n, q in model.named_parameters()}
 
 
+def meta_memory(rank):
+    """A larger meta-built Llama on zb-h1, 2 Adam steps: this rank's peak of
+    CPU tensor memory (the tracking allocator, from before the model is
+    built) against its chunks' parameters, and the losses."""
+    import hyperparallel._C as _C
+
+    m = 2 * P
+    sched = hp.pipeline.schedule("zb-h1", ranks=P, microbatches=m)
+    base = _C.profile.memory_allocated()
+    _C.profile.reset_peak_memory()
+    chunks = hp.pipeline.split_model(make_meta_model("mem"), sched, rank, seed=META_SEED)
+    after_split = _C.profile.peak_memory_allocated() - base
+    pipe = hp.pipeline.Pipeline(chunks, sched, loss_fn=loss_fn, timeout=60)
+    params = list({id(q): q for c in chunks.values() for q in c.parameters()}.values())
+    opt = _optimizer(params, True)
+    losses = []
+    for step in range(2):
+        x, y = mem_batch(step, m)
+        opt.zero_grad()
+        losses.append(pipe.step(x, y, attention_mask=torch.ones_like(x)))
+        opt.step()
+    peak = _C.profile.peak_memory_allocated() - base
+    own = sum(q.numel() * q.element_size() for q in params)
+    del pipe
+    return {"losses": losses, "peak": peak, "after_split": after_split, "own": own,
+            "params": {n: q.detach().clone() for mod in chunks.values()
+                       for n, q in mod.named_model_parameters()}}
+
+
 def main():
     import torch.distributed as dist
 
     out_dir, names = sys.argv[1], sys.argv[2].split(",")
     torch.set_num_threads(1)
+    import hyperparallel._C as _C
+
+    _C.profile.install_memory_tracker()  # before any tensor of the memory case
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     results = {}
@@ -137,6 +217,22 @@ def main():
                 "names": {c: mod.module_names for c, mod in chunks.items()},
             }
             del pipe
+    for key in META:
+        sched = hp.pipeline.schedule("zbv", ranks=P, microbatches=2 * P)
+        chunks = hp.pipeline.split_model(make_meta_model(key), sched, rank, seed=META_SEED)
+        pipe = hp.pipeline.Pipeline(chunks, sched, loss_fn=loss_fn, timeout=60)
+        params = list({id(q): q for c in chunks.values() for q in c.parameters()}.values())
+        opt = torch.optim.SGD(params, lr=LR)
+        losses = []
+        for step in range(STEPS):
+            x, y, mask = batch(step, sched.num_microbatches)
+            opt.zero_grad()
+            losses.append(pipe.step(x, y, attention_mask=mask))
+            opt.step()
+        results[key, "meta"] = {"losses": losses, "params": {
+            n: q.detach().clone() for mod in chunks.values() for n, q in mod.named_model_parameters()}}
+        del pipe
+    results["mem"] = meta_memory(rank)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 

@@ -4,7 +4,11 @@ embeddings (NOTE [Parameters shared by chunks]): trained on real processes
 (2 ranks, Gloo, float64, zbv and zb-h1, all models in one launch) equal to
 single-process training to 1e-9 in losses and every parameter; the chunks in
 a row equal the model's logits exactly; models the cut would change are
-refused, naming why."""
+refused, naming why. Five of them built on the meta device (NOTE [A model
+built on the meta device]) train equal to the whole model made real by
+materialize(), in the same launch, and a larger meta-built Llama's rank holds
+its chunks' memory only (its peak within 10 % of parameters, gradients and
+Adam's moments)."""
 
 import os
 import sys
@@ -69,6 +73,36 @@ def test_training_every_decoder_equals_single_process_training(tmp_path):
                            ranks[1][key, "zb-h1"]["params"][tied]), key
     for key in set(w.MODELS) - set(w.TIED):
         assert all(not s for res in ranks for s in res[key, "zb-h1"]["shared"].values()), key
+    # Built on the meta device: each rank made real only its own chunks, and
+    # they train equal to the whole model made real by materialize().
+    for key in w.META:
+        ref_losses, ref_params = w.meta_reference(key, m)
+        seen = set()
+        for r, res in enumerate(ranks):
+            got = res[key, "meta"]
+            for s, (a, b) in enumerate(zip(got["losses"], ref_losses, strict=True)):
+                assert abs(a - b) <= 1e-9 * max(1.0, abs(b)), f"meta {key} rank {r} step {s}: {a} vs {b}"
+            for n, q in got["params"].items():
+                assert (q - ref_params[n]).abs().max().item() <= 1e-9, f"meta {key} rank {r} {n}"
+                seen.add(n)
+        assert seen == set(ref_params), f"meta {key}: in no chunk: {set(ref_params) - seen}"
+    # A rank's memory is its chunks': its peak (split, 2 Adam steps) within
+    # 10 % of its parameters, gradients and Adam's two moments (activations
+    # here are a few hundred KiB), far below the whole model's parameters.
+    ref_losses, ref_params = w.meta_reference("mem", m, steps=2, adam=True)
+    whole = sum(q.numel() * q.element_size() for q in ref_params.values())
+    for r, res in enumerate(ranks):
+        mem = res["mem"]
+        for a, b in zip(mem["losses"], ref_losses, strict=True):
+            assert abs(a - b) <= 1e-9 * abs(b), (r, mem["losses"], ref_losses)
+        for n, q in mem["params"].items():  # Adam's steps are 1e-3
+            err = (q - ref_params[n]).abs().max().item()
+            assert err <= 1e-9, (r, n, err)
+        print(f"rank {r}: peak {mem['peak'] / 2**20:.1f} MiB, after split "
+              f"{mem['after_split'] / 2**20:.1f} MiB, own parameters {mem['own'] / 2**20:.1f} MiB, "
+              f"whole model {whole / 2**20:.1f} MiB")
+        assert mem["own"] < 0.7 * whole, r
+        assert 4 * mem["own"] <= mem["peak"] <= 1.1 * 4 * mem["own"], (r, mem)
     # GPT-2's two embedding modules (tokens and learned positions) go together.
     assert ranks[0]["gpt2", "zb-h1"]["names"][0][:3] == ["transformer.wte", "transformer.wpe",
                                                          "transformer.h.0"]
@@ -165,6 +199,30 @@ def test_models_the_cut_would_change_are_refused():
         vocab_size=32, d_model=8, d_kv=4, d_ff=16, num_layers=2, num_heads=2))
     with pytest.raises(ValueError, match=r"cannot cut T5ForConditionalGeneration .*encoder-decoder"):
         split_model(t5, sched, 0)
+
+
+def test_a_meta_model_is_cut_without_storage_for_other_ranks_chunks():
+    """A rank's split of a meta-built model gives storage to its own chunks'
+    parameters only (the others stay one-element skeletons); materialize of
+    the whole model gives the same values; a meta model that is not a
+    transformers one is refused naming what to do."""
+    sched = hp.pipeline.schedule("1f1b", ranks=2, microbatches=2)
+    model = w.make_meta_model("llama")
+    chunks = split_model(model, sched, 1, seed=5)
+    mine = {id(q) for c in chunks.values() for q in c.parameters()}
+    for n, q in model.named_parameters():
+        assert not q.is_meta, n
+        stored = q.untyped_storage().nbytes()
+        assert stored == (q.numel() * q.element_size() if id(q) in mine else q.element_size()), n
+    whole = dict(hp.pipeline.materialize(w.make_meta_model("llama"), seed=5).named_parameters())
+    for n, q in chunks[1].named_model_parameters():
+        assert torch.equal(q, whole[n]), n
+    other = dict(hp.pipeline.materialize(w.make_meta_model("llama"), seed=6).named_parameters())
+    assert not torch.equal(other["lm_head.weight"], whole["lm_head.weight"])  # the seed counts
+    with torch.device("meta"):
+        seq = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=r"Sequential is built on the meta device.*transformers"):
+        split_model(seq, sched, 0, blocks="")
 
 
 def test_moe_aux_losses_finds_the_routers_of_qwen_moe_and_refuses_deepseek():

@@ -21,6 +21,7 @@ they are re-exported here, as are ``split_model`` and ``moe_aux_losses``.
 from __future__ import annotations
 
 from ..losses import _LossOfMicrobatch, add_loss, collect_losses  # noqa: F401  (bench uses it)
+from ..meta_init import materialize  # a meta-built transformers model made real
 from ..router_losses import moe_aux_losses  # a transformers MoE's router loss, pipelined
 from ..split_model import split_model  # cutting one model into chunks
 from .helpers import PipelineSchedule, cpu_cache_bytes, empty_cpu_cache, schedule
@@ -29,4 +30,4 @@ from .transfers import _from_message, _to_message  # noqa: F401  (tests call the
 
 __all__ = ["PipelineSchedule", "schedule", "Pipeline", "add_loss", "collect_losses",
            "cpu_cache_bytes", "empty_cpu_cache",
-           "split_model", "moe_aux_losses"]
+           "split_model", "materialize", "moe_aux_losses"]
