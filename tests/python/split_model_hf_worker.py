@@ -100,6 +100,57 @@ def meta_reference(key, m, steps=STEPS, adam=False):
     return _train_one_process(model, m, steps, adam)
 
 
+# Pretrained weights in and out (NOTE [Checkpoints of a rank's chunks]):
+# checkpoints the test writes with transformers' save_pretrained (DeepSeek-V3
+# sharded: its experts saved unfused), loaded into meta-built chunks, trained
+# with SGD + momentum, saved back; DCP checkpoints of the same run at another
+# pipeline size, both ways, on DCP_KEY.
+PRE = ("llama_tied", "deepseek_v3", "gemma2")
+PRE_SHARDED = "deepseek_v3"
+DCP_KEY = "llama_tied"
+
+
+def write_pretrained(key, folder):
+    make_model(key).save_pretrained(folder, **({"max_shard_size": "20KB"}
+                                               if key == PRE_SHARDED else {}))
+
+
+def from_pretrained(folder):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64,
+                                                attn_implementation="eager",
+                                                experts_implementation="eager")
+
+
+def momentum(params):
+    return torch.optim.SGD(params, lr=LR, momentum=0.9)
+
+
+def all_chunks(model, sched):
+    """Every chunk of the schedule over one model (one process)."""
+    chunks = {}
+    for r in range(sched.num_ranks):
+        chunks.update(hp.pipeline.split_model(model, sched, r))
+    return chunks
+
+
+def one_process_steps(model, opt, m, steps):
+    """The given steps of single-process training; their losses."""
+    losses = []
+    for step in steps:
+        x, y, mask = batch(step, m)
+        opt.zero_grad()
+        total = 0.0
+        for xm, ym, mm in zip(x.chunk(m), y.chunk(m), mask.chunk(m)):
+            loss = loss_fn(model(xm, attention_mask=mm).logits, ym) / m
+            loss.backward()
+            total += loss.item()
+        losses.append(total)
+        opt.step()
+    return losses
+
+
 def mem_batch(step, m):
     g = torch.Generator().manual_seed(90 + step)
     ids = torch.randint(0, MEM["vocab_size"], (m, 9), generator=g)
@@ -182,6 +233,45 @@ def meta_memory(rank):
                        for n, q in mod.named_model_parameters()}}
 
 
+def pretrained(rank, out_dir, results):
+    """Load, train, save (Hugging Face and DCP); resume from the test's
+    one-process DCP checkpoint (NOTE [Checkpoints of a rank's chunks])."""
+    m = 2 * P
+    sched = hp.pipeline.schedule("zb-h1", ranks=P, microbatches=m)
+
+    def run(chunks, opt, steps, after=None):
+        pipe = hp.pipeline.Pipeline(chunks, sched, loss_fn=loss_fn, timeout=60)
+        losses = []
+        for step in steps:
+            x, y, mask = batch(step, m)
+            opt.zero_grad()
+            losses.append(pipe.step(x, y, attention_mask=mask))
+            opt.step()
+            if after:
+                after(step)
+        return losses
+
+    def params_of(chunks):
+        return list({id(q): q for c in chunks.values() for q in c.parameters()}.values())
+
+    for key in PRE:
+        chunks = hp.pipeline.split_model(make_meta_model(key), sched, rank, seed=1)
+        read = hp.pipeline.load_pretrained(chunks, os.path.join(out_dir, "pre", key))
+        opt = momentum(params_of(chunks))
+
+        def after(step, chunks=chunks, opt=opt, key=key):
+            if key == DCP_KEY and step == 1:
+                hp.pipeline.save_checkpoint(chunks, opt, os.path.join(out_dir, "dcp_two"))
+        losses = run(chunks, opt, range(STEPS), after)
+        hp.pipeline.save_pretrained(chunks, os.path.join(out_dir, "saved", key))
+        results[key, "pretrained"] = {"losses": losses, "files": sorted(set(read.values()))}
+    chunks = hp.pipeline.split_model(make_meta_model(DCP_KEY), sched, rank, seed=2)
+    opt = momentum(params_of(chunks))
+    hp.pipeline.load_checkpoint(chunks, opt, os.path.join(out_dir, "dcp_one"))
+    results["resumed"] = {"losses": run(chunks, opt, range(1, STEPS)), "params": {
+        n: q.detach().clone() for c in chunks.values() for n, q in c.named_model_parameters()}}
+
+
 def main():
     import torch.distributed as dist
 
@@ -233,6 +323,7 @@ def main():
             n: q.detach().clone() for mod in chunks.values() for n, q in mod.named_model_parameters()}}
         del pipe
     results["mem"] = meta_memory(rank)
+    pretrained(rank, out_dir, results)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 

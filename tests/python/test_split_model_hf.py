@@ -8,7 +8,10 @@ refused, naming why. Five of them built on the meta device (NOTE [A model
 built on the meta device]) train equal to the whole model made real by
 materialize(), in the same launch, and a larger meta-built Llama's rank holds
 its chunks' memory only (its peak within 10 % of parameters, gradients and
-Adam's moments)."""
+Adam's moments). Pretrained weights: transformers checkpoints (one sharded)
+loaded into meta-built chunks, trained, saved back and read whole by
+from_pretrained (logits equal to 1e-9); DCP resume from one process to 2
+ranks and back equals the uninterrupted run; bad folders are refused."""
 
 import os
 import sys
@@ -37,7 +40,69 @@ def all_chunks(model, sched, **kw):
     return [chunks[c] for c in range(sched.num_chunks)]
 
 
+def _pretrained_before_launch(tmp_path, m):
+    """The checkpoints the ranks load, and the one-process reference of the
+    pretrained run (SGD + momentum), its DCP checkpoint after step 0 saved on
+    the way (what the ranks resume from at pipeline size 2)."""
+    for key in w.PRE:
+        w.write_pretrained(key, tmp_path / "pre" / key)
+    refs = {}
+    for key in w.PRE:
+        model = w.from_pretrained(tmp_path / "pre" / key)
+        opt = w.momentum(model.parameters())
+        losses = w.one_process_steps(model, opt, m, [0])
+        if key == w.DCP_KEY:
+            sched = hp.pipeline.schedule("zb-h1", ranks=w.P, microbatches=m)
+            hp.pipeline.save_checkpoint(w.all_chunks(model, sched), opt, tmp_path / "dcp_one")
+        losses += w.one_process_steps(model, opt, m, range(1, w.STEPS))
+        refs[key] = (losses, model)
+    return refs
+
+
+def _check_pretrained(tmp_path, ranks, refs, m):
+    x, _, mask = w.batch(0, m)
+    for key in w.PRE:
+        ref_losses, ref_model = refs[key]
+        for r, res in enumerate(ranks):
+            got = res[key, "pretrained"]["losses"]
+            assert max(abs(a - b) for a, b in zip(got, ref_losses, strict=True)) <= 1e-9, (key, r)
+        # What the ranks saved is a checkpoint transformers loads whole, and
+        # its logits are the trained model's.
+        back, info = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path / "saved" / key, dtype=torch.float64, attn_implementation="eager",
+            experts_implementation="eager", output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"], (key, info)
+        with torch.no_grad():
+            err = (back(x, attention_mask=mask).logits - ref_model(x, attention_mask=mask).logits)
+        assert err.abs().max().item() <= 1e-9, (key, err.abs().max().item())
+    # Each rank of the sharded checkpoint opened only the shards of its tensors.
+    shards = {f for f in os.listdir(tmp_path / "pre" / w.PRE_SHARDED) if f.endswith(".safetensors")}
+    for res in ranks:
+        assert 0 < len(res[w.PRE_SHARDED, "pretrained"]["files"]) < len(shards)
+    # DCP, one process -> 2 ranks: the resumed steps equal the run's.
+    ref_losses, ref_model = refs[w.DCP_KEY]
+    ref_params = dict(ref_model.named_parameters())
+    for res in ranks:
+        got = res["resumed"]
+        assert max(abs(a - b) for a, b in zip(got["losses"], ref_losses[1:], strict=True)) <= 1e-9
+        for n, q in got["params"].items():
+            assert (q - ref_params[n]).abs().max().item() <= 1e-9, n
+    # DCP, 2 ranks -> one process: the rest of the run from the ranks'
+    # checkpoint after step 1 (another start: the weights come from it).
+    model = w.from_pretrained(tmp_path / "pre" / w.DCP_KEY)
+    with torch.no_grad():
+        model.lm_head.weight.zero_()  # tied: the embedding too
+    opt = w.momentum(model.parameters())
+    sched = hp.pipeline.schedule("zb-h1", ranks=w.P, microbatches=m)
+    hp.pipeline.load_checkpoint(w.all_chunks(model, sched), opt, tmp_path / "dcp_two")
+    losses = w.one_process_steps(model, opt, m, range(2, w.STEPS))
+    assert abs(losses[0] - ref_losses[2]) <= 1e-9, (losses, ref_losses)
+    for n, q in model.named_parameters():
+        assert (q - ref_params[n]).abs().max().item() <= 1e-9, n
+
+
 def test_training_every_decoder_equals_single_process_training(tmp_path):
+    refs = _pretrained_before_launch(tmp_path, 2 * w.P)
     ranks_.run_ranks(w.P, [os.path.join(HERE, "split_model_hf_worker.py"), tmp_path,
                            ",".join(w.SCHEDULES)], timeout=600, env={"HF_HUB_OFFLINE": "1"})
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(w.P)]
@@ -103,6 +168,7 @@ def test_training_every_decoder_equals_single_process_training(tmp_path):
               f"whole model {whole / 2**20:.1f} MiB")
         assert mem["own"] < 0.7 * whole, r
         assert 4 * mem["own"] <= mem["peak"] <= 1.1 * 4 * mem["own"], (r, mem)
+    _check_pretrained(tmp_path, ranks, refs, m)
     # GPT-2's two embedding modules (tokens and learned positions) go together.
     assert ranks[0]["gpt2", "zb-h1"]["names"][0][:3] == ["transformer.wte", "transformer.wpe",
                                                          "transformer.h.0"]
@@ -223,6 +289,30 @@ def test_a_meta_model_is_cut_without_storage_for_other_ranks_chunks():
         seq = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     with pytest.raises(ValueError, match=r"Sequential is built on the meta device.*transformers"):
         split_model(seq, sched, 0, blocks="")
+
+
+def test_bad_pretrained_folders_are_refused_naming_what_is_wrong(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    sched = hp.pipeline.schedule("1f1b", ranks=2, microbatches=2)
+    chunks = split_model(w.make_model("llama"), sched, 1)
+    with pytest.raises(FileNotFoundError, match="neither model.safetensors.index.json nor"):
+        hp.pipeline.load_pretrained(chunks, tmp_path)
+    w.make_model("llama").save_pretrained(tmp_path / "ok")
+    tensors = load_file(tmp_path / "ok" / "model.safetensors")
+    del tensors["lm_head.weight"]
+    (tmp_path / "lacking").mkdir()
+    save_file(tensors, tmp_path / "lacking" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"lacks 1 tensor\(s\) of this rank's chunks: lm_head.weight"):
+        hp.pipeline.load_pretrained(chunks, tmp_path / "lacking")
+    tensors = load_file(tmp_path / "ok" / "model.safetensors")
+    tensors["model.norm.weight"] = torch.ones(7, dtype=torch.float64)
+    (tmp_path / "other").mkdir()
+    save_file(tensors, tmp_path / "other" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model.norm.weight .* shape \(7,\), the chunk's \(32,\)"):
+        hp.pipeline.load_pretrained(chunks, tmp_path / "other")
+    with pytest.raises(FileNotFoundError, match="no such checkpoint folder"):
+        hp.pipeline.load_checkpoint(chunks, None, tmp_path / "nothing")
 
 
 def test_moe_aux_losses_finds_the_routers_of_qwen_moe_and_refuses_deepseek():

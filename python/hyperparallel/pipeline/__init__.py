@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from ..losses import _LossOfMicrobatch, add_loss, collect_losses  # noqa: F401  (bench uses it)
 from ..meta_init import materialize  # a meta-built transformers model made real
+from ..pretrained import load_checkpoint, load_pretrained, save_checkpoint, save_pretrained
 from ..router_losses import moe_aux_losses  # a transformers MoE's router loss, pipelined
 from ..split_model import split_model  # cutting one model into chunks
 from .helpers import PipelineSchedule, cpu_cache_bytes, empty_cpu_cache, schedule
@@ -30,4 +31,5 @@ from .transfers import _from_message, _to_message  # noqa: F401  (tests call the
 
 __all__ = ["PipelineSchedule", "schedule", "Pipeline", "add_loss", "collect_losses",
            "cpu_cache_bytes", "empty_cpu_cache",
-           "split_model", "materialize", "moe_aux_losses"]
+           "split_model", "materialize", "moe_aux_losses", "load_pretrained", "save_pretrained",
+           "save_checkpoint", "load_checkpoint"]
