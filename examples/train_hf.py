@@ -5,10 +5,24 @@ its module names, on hyperparallel's C++ executor over your
 torch.distributed group.
 
     torchrun --nproc-per-node 2 examples/train_hf.py --schedule zbv
+    torchrun --nproc-per-node 4 examples/train_hf.py --model-path DIR \
+        --data corpus.jsonl --dp 2 --fsdp --save OUT      # later: --resume OUT
 
-Every rank builds the same tiny model from code (a LlamaForCausalLM, or a
-Qwen2 or Mistral one: random initial weights from --seed, nothing
-downloaded) and keeps the chunks of its stages
+With --model-path DIR (a local Hugging Face folder: config.json,
+safetensors weights, tokenizer), the model is built on the meta device and
+each rank makes real and loads only the chunks of its stages
+(hyperparallel.pipeline.split_model, load_pretrained); --data FILE (text,
+one document per line, or JSONL with a "text" field) is tokenized with the
+folder's tokenizer and packed into sequences of --seq-len tokens; --save OUT
+writes a Hugging Face checkpoint of the trained model (from_pretrained reads
+it) with the tokenizer, and a DCP checkpoint of weights, optimizer and step
+that --resume OUT continues from (at any pipeline size); --dp N runs N
+copies of the pipeline over the ranks (gradients averaged over the copies,
+or with --fsdp each chunk fully_shard'ed over them).
+
+Without --model-path, every rank builds the same tiny model from code (a
+LlamaForCausalLM, or a Qwen2 or Mistral one: random initial weights from
+--seed, nothing downloaded) and keeps the chunks of its stages
 (hyperparallel.pipeline.split_model: the embedding with the first chunk, the
 norm and head with the last). Each step draws its own sequence length (from
 --min-seq-len to --seq-len) and pads some rows (the padding mask goes to
@@ -48,6 +62,22 @@ def parser():
     ap.add_argument("--vocab", type=positive("--vocab"), default=256)
     ap.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     ap.add_argument("--lr", type=positive_float("--lr"), default=1e-3)
+    ap.add_argument("--model-path", default="", metavar="DIR",
+                    help="a local Hugging Face model folder (config, safetensors, tokenizer): its "
+                         "model, built on meta, each rank loading its chunks' weights")
+    ap.add_argument("--data", default="", metavar="FILE",
+                    help="training text: one document per line, or JSONL with a \"text\" field "
+                         "(needs --model-path for its tokenizer); default random tokens")
+    ap.add_argument("--save", default="", metavar="DIR",
+                    help="at the end: a Hugging Face checkpoint of the trained model in DIR and "
+                         "a resumable one (DCP: weights, optimizer, step) in DIR/checkpoint")
+    ap.add_argument("--resume", default="", metavar="DIR",
+                    help="continue from DIR/checkpoint (what --save wrote) up to --steps")
+    ap.add_argument("--dp", type=positive("--dp"), default=1,
+                    help="copies of the pipeline (data parallel; the ranks are dp x pipeline)")
+    ap.add_argument("--fsdp", action="store_true",
+                    help="with --dp: each chunk fully_shard'ed (FSDP2) over the copies instead "
+                         "of gradients averaged")
     return ap
 
 
@@ -58,9 +88,27 @@ def check_args(ap, a, world):
                  f"--kv-heads {a.kv_heads}")
     if a.min_seq_len > a.seq_len:
         ap.error(f"--min-seq-len {a.min_seq_len} is more than --seq-len {a.seq_len}")
-    sched = check_pipeline_arguments(ap, a, world)
+    if world % a.dp:
+        ap.error(f"--dp {a.dp} does not divide the {world} ranks")
+    if a.fsdp and a.dp == 1:
+        ap.error("--fsdp shards over the pipeline's copies: give --dp 2 or more")
+    if a.data and not a.model_path:
+        ap.error("--data needs --model-path (the folder's tokenizer reads it)")
+    for flag, path, what in (("--model-path", a.model_path, "config.json"),
+                             ("--data", a.data, None),
+                             ("--resume", a.resume, "checkpoint/train_state.json")):
+        if path and not os.path.exists(os.path.join(path, what) if what else path):
+            ap.error(f"{flag} {path}: no {what or 'such file'} there" if what else
+                     f"{flag} {path}: no such file")
+    if a.model_path:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(a.model_path)
+        a.layers, a.vocab = config.num_hidden_layers, config.vocab_size
+    pp = world // a.dp
+    sched = check_pipeline_arguments(ap, a, pp)
     if sched.num_chunks > a.layers:  # split_model's cut: at least one layer per chunk
-        ap.error(f"--schedule {a.schedule} on {world} ranks cuts the model into {sched.num_chunks} "
+        ap.error(f"--schedule {a.schedule} on {pp} ranks cuts the model into {sched.num_chunks} "
                  f"chunks of at least one layer each; use --layers {sched.num_chunks} or more")
     return sched
 
@@ -78,6 +126,65 @@ def make_model(a):
         attn_implementation="eager")
     torch.manual_seed(a.seed)
     return getattr(transformers, model_name)(config).to(getattr(torch, a.dtype))
+
+
+def pretrained_model(a):
+    """--model-path's model on the meta device (split_model makes real and
+    load_pretrained fills only this rank's chunks)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(a.model_path)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=getattr(torch, a.dtype),
+                                                attn_implementation="eager")
+
+
+def has_weights(path):
+    return any(os.path.isfile(os.path.join(path, f))
+               for f in ("model.safetensors", "model.safetensors.index.json"))
+
+
+def token_rows(a, tokenizer):
+    """--data tokenized and packed: [rows, --seq-len + 1] token ids (each
+    document followed by the tokenizer's end-of-sequence token, if any)."""
+    import json
+
+    import torch
+
+    docs = []
+    with open(a.data, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            if a.data.endswith(".jsonl"):
+                try:
+                    line = json.loads(line)["text"]
+                except (ValueError, KeyError, TypeError) as e:
+                    raise SystemExit(f"train_hf: {a.data} line {n}: not a JSON object with a "
+                                     f"\"text\" field ({e})")
+            docs.append(line)
+    ids = []
+    for doc in docs:
+        ids += tokenizer(doc)["input_ids"]
+        if tokenizer.eos_token_id is not None:
+            ids.append(tokenizer.eos_token_id)
+    width = a.seq_len + 1
+    if len(ids) < width:
+        raise SystemExit(f"train_hf: {a.data} holds {len(ids)} tokens, fewer than one sequence "
+                         f"of --seq-len {a.seq_len} + 1")
+    return torch.tensor(ids[:len(ids) // width * width]).view(-1, width)
+
+
+def data_batch(rows, step, count):
+    """Step `step`'s `count` packed sequences (cycling through the data):
+    token ids, labels and a mask of ones."""
+    import torch
+
+    pick = torch.arange(step * count, (step + 1) * count) % rows.shape[0]
+    seq = rows[pick]
+    return seq[:, :-1], seq[:, 1:], torch.ones_like(seq[:, :-1])
 
 
 def batch(a, step, m):
@@ -114,6 +221,8 @@ def main(argv=None):
     rank, world = require_torchrun(ap, "examples/train_hf.py", argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+    import json
+
     import torch
     import torch.distributed as dist
 
@@ -121,44 +230,113 @@ def main(argv=None):
     from hyperparallel import train_utils
 
     sched = check_args(ap, a, world)
-    model = make_model(a)
+    pp = world // a.dp
     dist.init_process_group("gloo")
+    pipe_group = dp_group = None
+    if a.dp > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (a.dp, pp), mesh_dim_names=("dp", "pp"))
+        pipe_group, dp_group = mesh.get_group("pp"), mesh.get_group("dp")
+    prank, replica = rank % pp, rank // pp
     m = sched.num_microbatches
-    chunks = hp.pipeline.split_model(model, sched, rank)
-    pipe = hp.pipeline.Pipeline(chunks, sched, loss_fn=loss_fn, timeout=a.timeout)
-    opt = torch.optim.AdamW([q for c in chunks.values() for q in c.parameters()], lr=a.lr)
+    tokenizer = rows = None
+    if a.model_path:
+        model = pretrained_model(a)
+        chunks = hp.pipeline.split_model(model, sched, prank, seed=a.seed)
+        if has_weights(a.model_path):
+            hp.pipeline.load_pretrained(chunks, a.model_path)
+        if a.data:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(a.model_path)
+            rows = token_rows(a, tokenizer)
+    else:
+        model = make_model(a)
+        chunks = hp.pipeline.split_model(model, sched, prank)
+    plain = True  # parameters that dp_group averages (not FSDP2's)
+    if a.fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        # Each unit its own FSDP2 group, but one holding a parameter that
+        # another unit holds too (tied embeddings) stays plain, averaged by
+        # dp_group: FSDP2 cannot shard one parameter in two groups.
+        plain = False
+        for c in chunks.values():
+            tied = {id(q) for n, q in c.named_model_parameters() if n in c.shared_parameters}
+            for unit in c.units:
+                if any(id(q) in tied for q in unit.parameters()):
+                    plain = True
+                else:
+                    fully_shard(unit, mesh=mesh["dp"])
+    pipe = hp.pipeline.Pipeline(chunks, sched, loss_fn=loss_fn, timeout=a.timeout,
+                                group=pipe_group, dp_group=dp_group if plain else None)
+    params = list({id(q): q for c in chunks.values() for q in c.parameters()}.values())
+    opt = torch.optim.AdamW(params, lr=a.lr)
+    first = 0
+    if a.resume:
+        hp.pipeline.load_checkpoint(chunks, opt, os.path.join(a.resume, "checkpoint"))
+        with open(os.path.join(a.resume, "checkpoint", "train_state.json")) as f:
+            first = json.load(f)["step"]
+        if first >= a.steps:
+            raise SystemExit(f"train_hf: {a.resume} is at step {first}; --steps {a.steps} "
+                             "leaves nothing to train")
     if rank == 0:
-        print(f"train_hf: {type(model).__name__}, {a.layers} layers, hidden {a.hidden}, {world} "
-              f"ranks, schedule {a.schedule} ({sched.num_chunks} chunks), {m} microbatches of "
-              f"{a.microbatch_size} sequences of {a.min_seq_len}-{a.seq_len} tokens, {a.dtype}",
-              file=sys.stderr)
-    progress = train_utils.Progress(a.steps, enabled=rank == 0 and not a.no_progress)
+        source = a.model_path or f"{a.layers} layers, hidden {a.hidden}"
+        data = a.data or "random tokens"
+        print(f"train_hf: {type(model).__name__} ({source}), {world} ranks = {a.dp} x {pp}-stage "
+              f"pipeline, schedule {a.schedule} ({sched.num_chunks} chunks), {m} microbatches "
+              f"of {a.microbatch_size} sequences, {data}, {a.dtype}"
+              + (f", resumed at step {first}" if first else ""), file=sys.stderr)
+    progress = train_utils.Progress(a.steps - first, enabled=rank == 0 and not a.no_progress)
     losses, step_seconds, tokens = [], [], 0
-    for step in range(a.steps):
-        ids, labels, mask = batch(a, step, m)
+    for step in range(first, a.steps):
+        if rows is not None:  # this copy's part of the step's sequences
+            count = m * a.microbatch_size
+            ids, labels, mask = data_batch(rows, step * a.dp + replica, count)
+        else:
+            ids, labels, mask = batch(a, step, m * a.dp)
+            ids, labels, mask = (t.chunk(a.dp)[replica] for t in (ids, labels, mask))
         opt.zero_grad(set_to_none=True)
         dist.barrier()
         t0 = time.perf_counter()
         loss = pipe.step(ids, labels, attention_mask=mask)
+        if not plain:  # the step's loss is this copy's: the mean over the copies
+            mean = torch.tensor([loss], dtype=torch.float64)
+            dist.all_reduce(mean, group=dp_group)
+            loss = mean.item() / a.dp
         opt.step()
         seconds = time.perf_counter() - t0
         losses.append(loss)
         step_seconds.append(seconds)
         tokens += int(mask.sum())
-        progress.update(step, loss, int(mask.sum()) / seconds)
+        progress.update(step - first, loss, int(mask.sum()) / seconds)
     progress.close()
+    if a.save:
+        hp.pipeline.save_pretrained(chunks, a.save)  # a collective: every rank
+        hp.pipeline.save_checkpoint(chunks, opt, os.path.join(a.save, "checkpoint"))
+        if rank == 0:
+            if tokenizer is not None:
+                tokenizer.save_pretrained(a.save)
+            with open(os.path.join(a.save, "checkpoint", "train_state.json"), "w") as f:
+                json.dump({"step": a.steps}, f)
+            print(f"train_hf: saved {a.save} (from_pretrained reads it; --resume {a.save} "
+                  "continues)", file=sys.stderr)
     train_utils.finish_run(
         pipe, chunks, what=f"trained {type(model).__name__} with {a.schedule} on {world} ranks",
-        losses=losses, step_seconds=step_seconds, items_per_step=tokens // a.steps,
-        report_path=a.report, trace_path=a.trace,
+        losses=losses, step_seconds=step_seconds, items_per_step=tokens // len(losses),
+        report_path=a.report, trace_path=a.trace, group=pipe_group,
         report={
-            "schedule": a.schedule, "ranks": world, "num_chunks": sched.num_chunks,
+            "schedule": a.schedule, "ranks": world, "dp": a.dp, "fsdp": a.fsdp,
+            "num_chunks": sched.num_chunks, "first_step": first,
             "microbatches": m, "microbatch_size": a.microbatch_size, "steps": a.steps,
             "dtype": a.dtype, "seed": a.seed,
-            "model": {"kind": a.model, "class": type(model).__name__, "layers": a.layers,
-                      "hidden": a.hidden, "heads": a.heads, "kv_heads": a.kv_heads,
-                      "vocab": a.vocab, "seq_len": [a.min_seq_len, a.seq_len],
+            "model": {"kind": a.model_path or a.model, "class": type(model).__name__,
+                      "layers": a.layers, "hidden": model.config.hidden_size,
+                      "vocab": model.config.vocab_size,
+                      "seq_len": [a.min_seq_len, a.seq_len],
                       "parameters": sum(q.numel() for q in model.parameters())},
+            "data": a.data or "random",
             "chunks": {c: mod.module_names for c, mod in chunks.items()},
             "optimizer": {"name": "adamw", "lr": a.lr},
             "torch": torch.__version__, "hyperparallel": hp.__version__,

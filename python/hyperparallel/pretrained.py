@@ -206,8 +206,13 @@ def save_pretrained(chunks, folder: str, group=None) -> Optional[str]:
         for name in ns:
             writer.setdefault(name, r)
     fname = f"model-{rank + 1:05d}-of-{n:05d}.safetensors"
-    own = _to_checkpoint(_owner_of(chunks), {k: t.detach().to("cpu") for k, t in mine.items()
-                                             if writer[k] == rank})
+    from torch.distributed.tensor import DTensor
+
+    # FSDP2's shards gathered whole (a collective over their mesh: every rank
+    # of it holds the same names, in the same order).
+    full = {k: (t.full_tensor() if isinstance(t, DTensor) else t).detach().to("cpu")
+            for k, t in mine.items()}
+    own = _to_checkpoint(_owner_of(chunks), {k: t for k, t in full.items() if writer[k] == rank})
     own = {k: t.contiguous().clone() for k, t in own.items()}
     written = _gather(sorted(own), group)
     if own:

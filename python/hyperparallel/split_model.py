@@ -133,6 +133,9 @@ class ModelChunk(nn.Module):
         #: parameters that other chunks hold too (tied embeddings)
         self.shared_parameters: Dict[str, Tuple[int, ...]] = {
             n: holders[id(q)] for n, q in self.named_model_parameters() if id(q) in holders}
+        # The shared parameter objects themselves: one replaced in a holder
+        # (fully_shard on its module) is refused by the Pipeline's checks.
+        self._shared_objects = {n: q for n, q in self.named_model_parameters() if id(q) in holders}
 
     def named_model_parameters(self):
         """``(name in the model, parameter)`` of this chunk's parameters: the

@@ -213,28 +213,33 @@ def write_report(path: str | os.PathLike, report: Mapping[str, Any]) -> None:
 
 def finish_run(pipe, chunks: Mapping[int, Any], *, what: str, losses: Sequence[float],
                step_seconds: Sequence[float], items_per_step: int, report: Dict[str, Any],
-               report_path: str = "", trace_path: str = "", unit: str = "tokens") -> None:
+               report_path: str = "", trace_path: str = "", unit: str = "tokens",
+               group: Optional[dist.ProcessGroup] = None) -> None:
     """The end of a training script (a collective: every rank calls it):
     the last step's measurements from every rank and a checksum of the
     trained chunks (each chunk counted once, by the first rank holding it);
     rank 0 prints the summary, and writes ``report`` (completed with the
     losses, step times, throughput, checksum and last step) to
     ``report_path`` and the measured timeline to ``trace_path`` (Chrome
-    trace) and ``trace_path + ".svg"``."""
+    trace) and ``trace_path + ".svg"``. ``group``: the pipeline's ranks
+    when there are several copies of it (data parallel; the copies' weights
+    are equal, FSDP2's shards are gathered); the world's rank 0 prints."""
     import statistics
 
     import torch
 
     sched, rank = pipe.schedule, pipe.rank
-    per_rank = gather_step_stats(pipe.last_stats)
+    per_rank = gather_step_stats(pipe.last_stats, group)
     holders: Dict[int, set] = {}
     for st, r in enumerate(sched.stage_rank):
         holders.setdefault(sched.stage_chunk[st], set()).add(r)
-    mine = sum(q.detach().double().sum().item() for c, mod in chunks.items()
-               if min(holders[c]) == rank for q in mod.parameters())
+    from torch.distributed.tensor import DTensor
+
+    mine = sum((q.full_tensor() if isinstance(q, DTensor) else q).detach().double().sum().item()
+               for c, mod in chunks.items() if min(holders[c]) == rank for q in mod.parameters())
     checksum = torch.tensor([mine], dtype=torch.float64)
-    dist.all_reduce(checksum)
-    if rank != 0:
+    dist.all_reduce(checksum, group=group)
+    if dist.get_rank() != 0:
         return
     timed = list(step_seconds[1:]) if len(step_seconds) > 1 else list(step_seconds)
     median = statistics.median(timed)

@@ -291,6 +291,22 @@ def test_a_meta_model_is_cut_without_storage_for_other_ranks_chunks():
         split_model(seq, sched, 0, blocks="")
 
 
+def test_a_tied_weight_replaced_in_one_holder_is_refused():
+    """fully_shard on the embedding of a tied model replaces its weight in
+    that module only; the Pipeline's agreed checks refuse the chunks (the
+    copies would train apart) instead of training them untied."""
+    from hyperparallel.pipeline.checks import _tied_check
+
+    sched = hp.pipeline.schedule("zb-h1", ranks=2, microbatches=2)
+    chunks = split_model(w.make_model("llama_tied"), sched, 0)
+    assert _tied_check(chunks) is None
+    emb = chunks[0].units[0]
+    emb.weight = torch.nn.Parameter(emb.weight.detach().clone())
+    why = _tied_check(chunks)
+    assert why.startswith("chunk 0: model.embed_tokens.weight, which split_model found shared "
+                          "by chunks [0, 1] (tied weights), is no longer one of its"), why
+
+
 def test_bad_pretrained_folders_are_refused_naming_what_is_wrong(tmp_path):
     from safetensors.torch import load_file, save_file
 

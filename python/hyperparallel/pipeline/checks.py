@@ -337,7 +337,28 @@ def _composition_error(fsdp, schedule, chunks, params, parameters, group,
         error = _expert_parallel_check(params, dp_group)
     if error is None:
         error = _placement_check(chunks, params, group, dp_group)
+    if error is None:
+        error = _tied_check(chunks)
     return error
+
+
+def _tied_check(chunks) -> Optional[str]:
+    """A parameter split_model found shared by chunks (tied weights) that
+    is no longer one of its chunk's parameters: replaced in one holder
+    (fully_shard on a module holding it), the copies would train apart."""
+    for c, mod in chunks.items():
+        shared = getattr(mod, "shared_parameters", None)
+        if not shared:
+            continue
+        have = {id(q) for q in mod.parameters()}
+        lost = sorted(n for n, q in getattr(mod, "_shared_objects", {}).items() if id(q) not in have)
+        if lost:
+            return (f"chunk {c}: {lost[0]}, which split_model found shared by chunks "
+                    f"{list(shared[lost[0]])} (tied weights), is no longer one of its "
+                    "parameters: something replaced it in one of its holders (fully_shard on a "
+                    "module that holds a tied weight does), and the copies would train apart. "
+                    "Leave the modules that hold it unsharded (dp_group averages them)")
+    return None
 
 
 def _groups_to_agree_on(group, dp_group, fsdp, params) -> list:
