@@ -281,6 +281,9 @@ def main(argv=None):
         if first >= a.steps:
             raise SystemExit(f"train_hf: {a.resume} is at step {first}; --steps {a.steps} "
                              "leaves nothing to train")
+    whole = sum(q.numel() * q.element_size() for q in model.parameters())
+    own = sum(getattr(q, "to_local", lambda q=q: q)().numel() * q.element_size()  # FSDP2: shard
+              for q in {id(q): q for c in chunks.values() for q in c.parameters()}.values())
     if rank == 0:
         source = a.model_path or f"{a.layers} layers, hidden {a.hidden}"
         data = a.data or "random tokens"
@@ -288,6 +291,10 @@ def main(argv=None):
               f"pipeline, schedule {a.schedule} ({sched.num_chunks} chunks), {m} microbatches "
               f"of {a.microbatch_size} sequences, {data}, {a.dtype}"
               + (f", resumed at step {first}" if first else ""), file=sys.stderr)
+        print(f"train_hf: rank 0 holds {own / 2**20:.1f} MiB of the model's "
+              f"{whole / 2**20:.1f} MiB of parameters"
+              + (" (built on the meta device: the rest was never allocated)" if a.model_path
+                 else ""), file=sys.stderr)
     progress = train_utils.Progress(a.steps - first, enabled=rank == 0 and not a.no_progress)
     losses, step_seconds, tokens = [], [], 0
     for step in range(first, a.steps):
@@ -337,6 +344,7 @@ def main(argv=None):
                       "seq_len": [a.min_seq_len, a.seq_len],
                       "parameters": sum(q.numel() for q in model.parameters())},
             "data": a.data or "random",
+            "parameter_bytes": {"rank_0": own, "model": whole},
             "chunks": {c: mod.module_names for c, mod in chunks.items()},
             "optimizer": {"name": "adamw", "lr": a.lr},
             "torch": torch.__version__, "hyperparallel": hp.__version__,

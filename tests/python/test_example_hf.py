@@ -149,6 +149,8 @@ def test_a_pretrained_folder_with_text_saved_resumed_and_data_parallel(tmp_path)
     ref3, model3 = reference(3, 1)
     torchrun(2, common + ["--steps", "3", "--save", str(out), "--report", str(tmp_path / "a.json")])
     assert max(abs(x - y) for x, y in zip(losses_of(tmp_path / "a.json"), ref3, strict=True)) <= 1e-9
+    held = json.loads((tmp_path / "a.json").read_text())["parameter_bytes"]
+    assert 0 < held["rank_0"] < held["model"]  # rank 0's chunks only
     back = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64)
     trained = dict(model3.named_parameters())
     for n, q in back.named_parameters():
