@@ -145,7 +145,7 @@ def main(argv=None):
 
 if __name__ == "__main__":
     code = main()
-    # NOTE [Gloo work freed during shutdown] (bench/peers/common.py): a Gloo
+    # NOTE [Gloo work freed during shutdown] (python/hyperparallel/train_utils.py): a Gloo
     # worker thread frees a finished collective (here the checksum's
     # all-reduce, a Python tensor) after the main thread has moved on; with
     # one core per rank it may run only once the interpreter is shutting

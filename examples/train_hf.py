@@ -355,7 +355,7 @@ def main(argv=None):
 
 if __name__ == "__main__":
     code = main()
-    # NOTE [Gloo work freed during shutdown] (bench/peers/common.py): leave
+    # NOTE [Gloo work freed during shutdown] (python/hyperparallel/train_utils.py): leave
     # without the interpreter's shutdown, as examples/train_gpt.py does.
     sys.stdout.flush()
     sys.stderr.flush()

@@ -144,21 +144,11 @@ class Profile:
 
 def end_rank():
     """Ends a rank's process once its work is done and written, without the
-    interpreter's shutdown.
+    interpreter's shutdown (NOTE [Gloo work freed during shutdown] in
+    python/hyperparallel/train_utils.py)."""
+    from hyperparallel.train_utils import end_rank as end
 
-    NOTE [Gloo work freed during shutdown]: a Gloo group's worker thread
-    frees a finished collective (e.g. the last barrier, which keeps the
-    collectives before it) after the waiting Python thread has moved on. When
-    that collective holds a tensor made in Python, freeing it takes the GIL;
-    if the interpreter is finalizing by then, the thread is made to exit
-    inside C++ that may not unwind, and the process aborts ("terminate called
-    without an active exception", a core of a ProcessGroupGloo::runLoop
-    thread in PyEval_AcquireThread). It hit 3 of 63 runs of paired.py, where
-    each rank all-reduces a Python tensor every step. The rank has nothing
-    left to do, so it leaves at once."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    end(0)
 
 
 def write_result(path, result):

@@ -335,7 +335,9 @@ def main(argv=None):
     args = parse(argv)
     if "RANK" in os.environ:
         rank_main(args, os.environ["HP_BENCH_OUT"])
-        return 0
+        from hyperparallel.train_utils import end_rank
+
+        end_rank()  # NOTE [Gloo work freed during shutdown] in train_utils.py
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -185,6 +185,11 @@ def _gather(obj, group):
     return out
 
 
+def _rank_alone() -> bool:
+    """No process group: a checkpoint of one process (the whole model)."""
+    return not (dist.is_available() and dist.is_initialized())
+
+
 def _rank(group) -> int:
     return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
 
@@ -279,7 +284,7 @@ def save_checkpoint(chunks, optimizer, folder: str, group=None) -> None:
     state = {"model": dict(_tensors(chunks))}
     if optimizer is not None:
         state["optim"] = _optim_state(chunks, optimizer)
-    dcp.save(state, checkpoint_id=folder, process_group=group)
+    dcp.save(state, checkpoint_id=folder, process_group=group, no_dist=_rank_alone())
 
 
 def load_checkpoint(chunks, optimizer, folder: str, group=None) -> None:
@@ -294,7 +299,7 @@ def load_checkpoint(chunks, optimizer, folder: str, group=None) -> None:
         _init_state(optimizer)
         state["optim"] = _optim_state(chunks, optimizer)
     with torch.no_grad():
-        dcp.load(state, checkpoint_id=folder, process_group=group)
+        dcp.load(state, checkpoint_id=folder, process_group=group, no_dist=_rank_alone())
     if optimizer is not None:  # scalars (not tensors) come back by value
         names = {id(t): n for n, t in _tensors(chunks).items()}
         for g in optimizer.param_groups:

@@ -271,3 +271,25 @@ def finish_run(pipe, chunks: Mapping[int, Any], *, what: str, losses: Sequence[f
         _C.text.write_text_file(trace_path, hs.render_chrome_trace(timeline))
         _C.text.write_text_file(trace_path + ".svg", hs.render_svg(timeline))
         print(f"  trace: {trace_path} (chrome://tracing, ui.perfetto.dev) and {trace_path}.svg")
+
+
+def end_rank(code: int = 0) -> None:
+    """Ends a rank's process once its work is done and written, without the
+    interpreter's shutdown (the last call of a rank's script).
+
+    NOTE [Gloo work freed during shutdown]: a Gloo group's worker thread
+    frees a finished collective (e.g. the last barrier, which keeps the
+    collectives before it) after the waiting Python thread has moved on; a
+    group still referenced (by a DeviceMesh, FSDP2, a Pipeline) outlives
+    destroy_process_group and is freed during the interpreter's shutdown.
+    When that collective holds a tensor made in Python, freeing it takes the
+    GIL; if the interpreter is finalizing by then, the thread is made to
+    exit inside C++ that may not unwind, and the process aborts ("terminate
+    called without an active exception", a core of a
+    ProcessGroupGloo::runLoop thread in PyEval_AcquireThread). It hit 3 of
+    63 runs of bench/peers/paired.py, and a rank of
+    bench/python/bench_graph_fsdp.py once in a full test run. The rank has
+    nothing left to do, so it leaves at once."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -297,3 +297,6 @@ def fail_in_a_step(hp, copy, stage_rank, pp_group, ep_group):
 
 if __name__ == "__main__":
     main()
+    from hyperparallel.train_utils import end_rank
+
+    end_rank()  # NOTE [Gloo work freed during shutdown] in train_utils.py

@@ -93,3 +93,6 @@ def main():
 
 if __name__ == "__main__":
     main()
+    from hyperparallel.train_utils import end_rank
+
+    end_rank()  # NOTE [Gloo work freed during shutdown] in train_utils.py

@@ -384,3 +384,6 @@ if __name__ == "__main__":
     except Exception:
         traceback.print_exc()
         sys.exit(1)
+    from hyperparallel.train_utils import end_rank
+
+    end_rank()  # NOTE [Gloo work freed during shutdown] in train_utils.py

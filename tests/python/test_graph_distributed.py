@@ -365,3 +365,6 @@ def test_tp_by_fsdp_on_four_ranks_equals_eager_training(tmp_path):
 
 if __name__ == "__main__":
     worker()
+    from hyperparallel.train_utils import end_rank
+
+    end_rank()  # NOTE [Gloo work freed during shutdown] in train_utils.py

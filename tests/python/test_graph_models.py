@@ -234,3 +234,6 @@ def test_fsdp_on_two_ranks_equals_eager(tmp_path):
 
 if __name__ == "__main__":
     worker()
+    from hyperparallel.train_utils import end_rank
+
+    end_rank()  # NOTE [Gloo work freed during shutdown] in train_utils.py

@@ -323,3 +323,6 @@ def test_use_split_rejects_what_is_not_a_stage():
 
 if __name__ == "__main__":
     worker(sys.argv[1])
+    from hyperparallel.train_utils import end_rank
+
+    end_rank()  # NOTE [Gloo work freed during shutdown] in train_utils.py

@@ -172,7 +172,9 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    sys.exit(0)
+    from hyperparallel.train_utils import end_rank
+
+    end_rank()  # NOTE [Gloo work freed during shutdown] in train_utils.py
 
 # ---------------------------------------------------------------------------
 # The tests.
