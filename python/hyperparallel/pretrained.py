@@ -14,8 +14,10 @@ by the model's own names (NOTE [Checkpoints of a rank's chunks]).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import warnings
 from typing import Dict, Mapping, Optional
 
 import torch
@@ -190,6 +192,15 @@ def _rank_alone() -> bool:
     return not (dist.is_available() and dist.is_initialized())
 
 
+@contextlib.contextmanager
+def _alone_quietly():
+    """DCP warns that it assumes one process even when told so: not here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable "
+                                "or uninitialized")
+        yield
+
+
 def _rank(group) -> int:
     return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
 
@@ -284,7 +295,8 @@ def save_checkpoint(chunks, optimizer, folder: str, group=None) -> None:
     state = {"model": dict(_tensors(chunks))}
     if optimizer is not None:
         state["optim"] = _optim_state(chunks, optimizer)
-    dcp.save(state, checkpoint_id=folder, process_group=group, no_dist=_rank_alone())
+    with _alone_quietly():
+        dcp.save(state, checkpoint_id=folder, process_group=group, no_dist=_rank_alone())
 
 
 def load_checkpoint(chunks, optimizer, folder: str, group=None) -> None:
@@ -299,7 +311,8 @@ def load_checkpoint(chunks, optimizer, folder: str, group=None) -> None:
         _init_state(optimizer)
         state["optim"] = _optim_state(chunks, optimizer)
     with torch.no_grad():
-        dcp.load(state, checkpoint_id=folder, process_group=group, no_dist=_rank_alone())
+        with _alone_quietly():
+            dcp.load(state, checkpoint_id=folder, process_group=group, no_dist=_rank_alone())
     if optimizer is not None:  # scalars (not tensors) come back by value
         names = {id(t): n for n, t in _tensors(chunks).items()}
         for g in optimizer.param_groups:
