@@ -316,6 +316,12 @@ class Comm {
   /// split (Gloo and NCCL can).
   static std::shared_ptr<Comm> from_process_group(c10::intrusive_ptr<c10d::ProcessGroup> group,
                                                   const CommOptions& options = {});
+  /// The same, watching its peers for being stopped (NOTE [A stopped peer] in
+  /// comm_internal.h) through a monitor that publishes its address in
+  /// `monitor_store` (a store the group's ranks share; a collective call).
+  static std::shared_ptr<Comm> from_process_group(c10::intrusive_ptr<c10d::ProcessGroup> group,
+                                                  const CommOptions& options,
+                                                  c10::intrusive_ptr<c10d::Store> monitor_store);
 };
 
 /// Options of `with_shared_memory_p2p`.

@@ -77,11 +77,22 @@ std::shared_ptr<Comm> gloo_comm_over_store(c10::intrusive_ptr<c10d::Store> store
 /// waits through Work::abort (NOTE [A failed step reaches the peers] in
 /// comm.h), collectives by waiting in slices of 0.2 s and looking between
 /// them (a Gloo collective cannot be aborted; slicing its wait is harmless,
-/// unlike a point-to-point wait's). Peers on other hosts are seen at the
-/// timeout. The shared-memory rings read the same state of their peers
+/// unlike a point-to-point wait's). A peer on another host cannot be read in
+/// /proc: each rank sends every such peer a byte every 0.5 s over the
+/// monitor's connection (a thread of its own, which a stopped process stops
+/// too), and a peer heard nothing from for `stopped_after()` + 0.5 s is taken
+/// as stopped (or frozen, or cut off) the same way. HP_PEERS_ON_OTHER_HOSTS=1
+/// treats every peer as on another host (how the tests reach this on one
+/// machine). The shared-memory rings read the same state of their peers
 /// (shm_p2p.cpp).
-/// "rank R is stopped (...)" for the errors of NOTE [A stopped peer].
-std::string stopped_peer_text(const std::string& peer);
+/// The address a PeerMonitor of a borrowed group listens on (NOTE [Gloo
+/// device address] in rendezvous.cpp): the one given, else the local address
+/// towards MASTER_ADDR, else 127.0.0.1.
+std::string monitor_address(const CommOptions& options);
+
+/// "rank R is stopped (...)" for the errors of NOTE [A stopped peer];
+/// `remote`: a peer on another host, known by its silence.
+std::string stopped_peer_text(const std::string& peer, bool remote = false);
 
 /// The seconds a peer must stay stopped before its peers fail (NOTE [A
 /// stopped peer]); 0: never.
@@ -110,11 +121,15 @@ class PeerMonitor {
   /// finds a stopped peer it aborts every work that is in.
   bool enter(c10d::Work* work);
   void leave(c10d::Work* work);
-  /// Whether this monitor can see any peer's state (a peer on this host).
+  /// Whether this monitor can see any peer's state (a peer on this host,
+  /// or one on another host that it hears from).
   bool watches() const;
+  /// Whether rank `r` is on another host (known by its heartbeats).
+  bool remote(int r) const { return r >= 0 && r < int(pids_.size()) && pids_[r] <= 0; }
 
  private:
   void watch_loop();
+  void beat_loop();  // sends heartbeats to remote peers, reads theirs
 
   int rank_;
   int listen_fd_ = -1;
@@ -128,6 +143,11 @@ class PeerMonitor {
   int stopped_ = -1;  // a stopped peer, once found
   bool stop_ = false;
   std::thread thread_;
+  // Heartbeats of peers on other hosts (NOTE [A stopped peer]).
+  bool any_remote_ = false;
+  std::vector<std::chrono::steady_clock::time_point> last_heard_;  // per rank
+  int wake_[2] = {-1, -1};                                         // a pipe that ends beat_loop
+  std::thread beat_thread_;
 };
 
 }  // namespace hp::distributed::detail

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
+#include <future>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -88,14 +89,23 @@ class Watch {
   }
 
   // This rank stopped taking part: its reason, then the mark. A store that
-  // fails (its host is gone) leaves the peers to notice that instead.
+  // fails (its host is gone) leaves the peers to notice that instead; one
+  // whose host is stopped (rank 0 under torchrun, SIGSTOPped: NOTE [A stopped
+  // peer] in comm_internal.h) would block the call until the store's own
+  // timeout, so the writes run on a thread of their own, waited for 2 s.
   void publish(const std::string& why) {
     const std::string line = why.substr(0, std::min(why.size(), kMaxReason));
-    try {
-      store_->set(reason_key(rank_), bytes_of(line));
-      store_->set(kAny, bytes_of("1"));
-    } catch (...) {
-    }
+    auto done = std::make_shared<std::promise<void>>();
+    auto written = done->get_future();
+    std::thread([store = store_, key = reason_key(rank_), line, done] {
+      try {
+        store->set(key, bytes_of(line));
+        store->set(kAny, bytes_of("1"));
+      } catch (...) {
+      }
+      done->set_value();
+    }).detach();
+    written.wait_for(std::chrono::seconds(2));
   }
 
  private:

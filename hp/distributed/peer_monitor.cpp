@@ -6,6 +6,7 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -46,10 +47,17 @@ double stopped_peer_after_s() {
   return s;
 }
 
-std::string stopped_peer_text(const std::string& peer) {
+std::string stopped_peer_text(const std::string& peer, bool remote) {
   std::ostringstream os;
-  os << peer << " is stopped (SIGSTOP, Ctrl-Z or a debugger: its process has not run for "
-     << stopped_peer_after_s() << " s; HP_STOPPED_PEER_AFTER_S sets how long, 0 waits the timeout)";
+  if (remote)
+    os << peer << " is stopped or unreachable (on another host, it has sent nothing for "
+       << stopped_peer_after_s() + 0.5
+       << " s: SIGSTOP, a debugger, a frozen host or a cut link; HP_STOPPED_PEER_AFTER_S sets "
+          "how long, 0 waits the timeout)";
+  else
+    os << peer << " is stopped (SIGSTOP, Ctrl-Z or a debugger: its process has not run for "
+       << stopped_peer_after_s()
+       << " s; HP_STOPPED_PEER_AFTER_S sets how long, 0 waits the timeout)";
   return os.str();
 }
 
@@ -78,6 +86,15 @@ std::string key_of(int rank) {
 
 std::vector<uint8_t> bytes_of(const std::string& s) {
   return std::vector<uint8_t>(s.begin(), s.end());
+}
+
+// NOTE [A stopped peer] in comm_internal.h: the heartbeat period, and a test's
+// way to see every peer as on another host.
+constexpr auto kBeat = std::chrono::milliseconds(500);
+
+bool peers_on_other_hosts() {
+  const char* v = std::getenv("HP_PEERS_ON_OTHER_HOSTS");
+  return v != nullptr && std::string(v) == "1";
 }
 
 }  // namespace
@@ -124,7 +141,8 @@ PeerMonitor::PeerMonitor(const c10::intrusive_ptr<c10d::Store>& store, int rank,
       std::istringstream fields(s);
       std::string h, p, identity;
       int pid = -1;
-      if ((fields >> h >> p >> pid >> identity) && !here.empty() && identity == here)
+      if ((fields >> h >> p >> pid >> identity) && !here.empty() && identity == here &&
+          !peers_on_other_hosts())
         pids_[r] = pid;
     }
     auto sp = s.find(' ');
@@ -149,6 +167,21 @@ PeerMonitor::PeerMonitor(const c10::intrusive_ptr<c10d::Store>& store, int rank,
     }
     fds_[r] = fd;
   }
+  // Peers on other hosts: say who we are on each connection to one, then
+  // send heartbeats (and read theirs) from a thread of our own.
+  const auto now = std::chrono::steady_clock::now();
+  last_heard_.assign(world_size, now);
+  for (int r = 0; r < world_size; ++r) {
+    if (r == rank || !remote(r)) continue;
+    any_remote_ = true;
+    const int32_t me = rank;
+    TORCH_CHECK(::send(fds_[r], &me, sizeof(me), MSG_NOSIGNAL) == ssize_t(sizeof(me)), "rank ",
+                rank, ": cannot reach rank ", r, "'s monitor: ", std::strerror(errno));
+  }
+  if (any_remote_ && stopped_after_s_ > 0) {
+    TORCH_CHECK(::pipe2(wake_, O_CLOEXEC) == 0, "rank ", rank, ": pipe: ", std::strerror(errno));
+    beat_thread_ = std::thread([this] { beat_loop(); });
+  }
 }
 
 PeerMonitor::~PeerMonitor() {
@@ -158,6 +191,14 @@ PeerMonitor::~PeerMonitor() {
   }
   cv_.notify_all();
   if (thread_.joinable()) thread_.join();
+  if (beat_thread_.joinable()) {
+    const char b = 0;
+    ssize_t ignored = ::write(wake_[1], &b, 1);
+    (void)ignored;
+    beat_thread_.join();
+  }
+  for (int fd : wake_)
+    if (fd >= 0) close(fd);
   for (int fd : fds_)
     if (fd >= 0) close(fd);
   if (listen_fd_ >= 0) close(listen_fd_);
@@ -187,7 +228,8 @@ std::vector<int> PeerMonitor::lost_ranks(std::chrono::milliseconds wait_up_to) c
 
 bool PeerMonitor::watches() const {
   return stopped_after_s_ > 0 &&
-         std::any_of(pids_.begin(), pids_.end(), [](int pid) { return pid > 0; });
+         (beat_thread_.joinable() ||
+          std::any_of(pids_.begin(), pids_.end(), [](int pid) { return pid > 0; }));
 }
 
 int PeerMonitor::stopped_peer() {
@@ -195,6 +237,14 @@ int PeerMonitor::stopped_peer() {
   if (stopped_ >= 0 || !watches()) return stopped_;
   const auto now = std::chrono::steady_clock::now();
   for (size_t r = 0; r < pids_.size(); ++r) {
+    if (int(r) != rank_ && remote(int(r)) && beat_thread_.joinable()) {
+      if (std::chrono::duration<double>(now - last_heard_[r]).count() >=
+          stopped_after_s_ + std::chrono::duration<double>(kBeat).count()) {
+        stopped_ = int(r);
+        break;
+      }
+      continue;
+    }
     if (pids_[r] <= 0) continue;
     if (!process_stopped(pids_[r])) {
       stopped_since_[r] = {};
@@ -248,6 +298,70 @@ void PeerMonitor::watch_loop() {
       }
     }
   }
+}
+
+void PeerMonitor::beat_loop() {
+  // Accepted connections: who they are from (the first 4 bytes) and, after
+  // that, any byte is a sign of life.
+  struct In {
+    int fd;
+    int rank = -1;
+    int32_t id = 0;
+    size_t got = 0;
+  };
+  std::vector<In> ins;
+  auto next_beat = std::chrono::steady_clock::now();
+  for (;;) {
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= next_beat) {
+      const char b = 1;
+      for (size_t r = 0; r < fds_.size(); ++r)
+        if (int(r) != rank_ && remote(int(r)) && fds_[r] >= 0)
+          (void)::send(fds_[r], &b, 1, MSG_NOSIGNAL | MSG_DONTWAIT);
+      next_beat = now + kBeat;
+    }
+    std::vector<pollfd> pfds{{wake_[0], POLLIN, 0}, {listen_fd_, POLLIN, 0}};
+    for (const In& in : ins)
+      pfds.push_back({in.fd, POLLIN, 0});
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(next_beat - now).count();
+    const int n = ::poll(pfds.data(), pfds.size(), int(std::max<int64_t>(1, left)));
+    if ((n < 0 && errno != EINTR) || (n > 0 && pfds[0].revents != 0)) break;  // the destructor
+    if (n <= 0) continue;
+    std::vector<In> keep;
+    for (size_t i = 0; i < pfds.size() - 2; ++i) {
+      In in = ins[i];
+      bool open = true;
+      if (pfds[i + 2].revents != 0) {
+        char buf[256];
+        const ssize_t got = ::recv(in.fd, buf, sizeof(buf), 0);
+        if (got == 0 || (got < 0 && errno != EAGAIN && errno != EINTR)) {
+          open = false;  // the peer is gone: lost_ranks says so, not us
+        } else if (got > 0) {
+          size_t used = 0;
+          while (in.got < sizeof(in.id) && used < size_t(got))
+            reinterpret_cast<char*>(&in.id)[in.got++] = buf[used++];
+          if (in.got == sizeof(in.id) && in.id >= 0 && size_t(in.id) < last_heard_.size())
+            in.rank = in.id;
+          if (in.rank >= 0) {
+            std::lock_guard<std::mutex> lock(mu_);
+            last_heard_[in.rank] = std::chrono::steady_clock::now();
+          }
+        }
+      }
+      if (open)
+        keep.push_back(in);
+      else
+        ::close(in.fd);
+    }
+    if (pfds[1].revents & POLLIN) {
+      const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+      if (fd >= 0) keep.push_back(In{fd});
+    }
+    ins.swap(keep);
+  }
+  for (const In& in : ins)
+    ::close(in.fd);
 }
 
 }  // namespace hp::distributed::detail

@@ -452,9 +452,10 @@ class ProcessGroupComm : public Comm, public std::enable_shared_from_this<Proces
         lost.push_back(int(i));
         who = "rank " + std::to_string(i) + name_root(int(i));
       }
-    throw CommError(
-        "rank " + std::to_string(rank_) + ": " + detail::stopped_peer_text(who) + " while " + what,
-        lost, false);
+    throw CommError("rank " + std::to_string(rank_) + ": " +
+                        detail::stopped_peer_text(who, shared_->monitor->remote(root)) + " while " +
+                        what,
+                    lost, false);
   }
 
   std::shared_ptr<Shared> shared_;
@@ -559,6 +560,19 @@ std::shared_ptr<Comm> Comm::from_process_group(c10::intrusive_ptr<c10d::ProcessG
   TORCH_CHECK(group, "from_process_group: the process group is null");
   const int size = group->getSize();
   auto shared = std::make_shared<ProcessGroupComm::Shared>();
+  return std::make_shared<ProcessGroupComm>(shared, std::move(group), iota(size), options);
+}
+
+std::shared_ptr<Comm> Comm::from_process_group(c10::intrusive_ptr<c10d::ProcessGroup> group,
+                                               const CommOptions& options,
+                                               c10::intrusive_ptr<c10d::Store> monitor_store) {
+  TORCH_CHECK(group, "from_process_group: the process group is null");
+  const int size = group->getSize();
+  auto shared = std::make_shared<ProcessGroupComm::Shared>();
+  if (monitor_store && size > 1)
+    shared->monitor = std::make_shared<detail::PeerMonitor>(
+        c10::make_intrusive<c10d::PrefixStore>("hp/monitor", monitor_store), group->getRank(), size,
+        detail::monitor_address(options), options.timeout);
   return std::make_shared<ProcessGroupComm>(shared, std::move(group), iota(size), options);
 }
 

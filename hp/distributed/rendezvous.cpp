@@ -193,6 +193,20 @@ std::shared_ptr<Comm> Comm::from_tcp(const std::string& master_addr, int master_
   return detail::gloo_comm_over_store(store, rank, world_size, ep, options);
 }
 
+namespace detail {
+
+std::string monitor_address(const CommOptions& options) {
+  const GlooEndpoint ep = pick_endpoint(options, "");
+  if (!ep.address.empty()) return ep.address;
+  const char* addr = env_or_null("MASTER_ADDR");
+  const char* port = env_or_null("MASTER_PORT");
+  if (addr != nullptr)
+    return local_address_towards(addr, port != nullptr ? std::atoi(port) : 29500);
+  return "127.0.0.1";
+}
+
+}  // namespace detail
+
 std::shared_ptr<Comm> Comm::from_file_store(const std::string& path, int rank, int world_size,
                                             const CommOptions& options) {
   check_world(rank, world_size);

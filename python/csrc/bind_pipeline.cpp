@@ -178,10 +178,15 @@ class Runtime {
     distributed::CommOptions comm_options;
     comm_options.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
     auto pg = process_group_of(group);
-    auto borrowed = distributed::Comm::from_process_group(pg, comm_options);
     pipeline::PipelineOptions po = std::move(options);
     po.failure_store =
         failure_store_of(failure_store, *pg);  // NOTE [The failure store of a Pipeline]
+    // With the group's store, its peers are watched for being stopped (NOTE
+    // [A stopped peer] in hp/distributed/comm_internal.h): over the group's
+    // own point-to-point a stopped peer fails the waits within seconds.
+    auto borrowed = po.failure_store
+                        ? distributed::Comm::from_process_group(pg, comm_options, po.failure_store)
+                        : distributed::Comm::from_process_group(pg, comm_options);
     if (!dp_group.is_none()) {
       // NOTE [A failure reaches the expert-parallel peers] in bind_moe.cpp.
       auto dp_pg = process_group_of(dp_group);

@@ -154,28 +154,40 @@ TEST(TrainEndToEndFailures, AKilledRankFailsTheRunFastAndByName) {
 // it within seconds, in point-to-point waits over Gloo and over the rings and
 // in the data-parallel group's collectives (NOTE [A stopped peer] in
 // hp/distributed/comm_internal.h), and the launcher ends it (a stopped
-// process handles SIGTERM only once continued).
+// process handles SIGTERM only once continued). As if the ranks were on other
+// hosts (HP_PEERS_ON_OTHER_HOSTS=1), the stopped one is known by the silence
+// of its heartbeats.
 TEST(TrainEndToEndFailures, AStoppedRankFailsTheRunWithinSecondsAndByName) {
   struct Case {
     std::string flags;
     int pipeline_ranks;
     std::string stopped;
+    std::string env;  // HP_PEERS_ON_OTHER_HOSTS=1: known by its silent heartbeats
   };
-  for (const Case& k : {Case{"--p2p group", 3, "1"}, Case{"--p2p shm", 3, "1"},
-                        Case{"--p2p group --dp 2", 2, "3"}}) {
-    SCOPED_TRACE(k.flags);
+  const std::string remote = "HP_PEERS_ON_OTHER_HOSTS=1 ";
+  for (const Case& k : {Case{"--p2p group", 3, "1", ""}, Case{"--p2p shm", 3, "1", ""},
+                        Case{"--p2p group --dp 2", 2, "3", ""}, Case{"--p2p group", 3, "1", remote},
+                        Case{"--p2p group --dp 2", 2, "3", remote}}) {
+    SCOPED_TRACE(k.flags + " " + k.env);
     TrainConfig c = small("1f1b", k.pipeline_ranks);
     c.steps = 5;
     c.timeout_s = 60;
-    HpRun r = run_hp(train_flags(c) + " " + k.flags, "HP_FAULT_STOP=" + k.stopped + ":2");
+    HpRun r = run_hp(train_flags(c) + " " + k.flags, k.env + "HP_FAULT_STOP=" + k.stopped + ":2");
     EXPECT_NE(r.exit_code, 0) << r.output;
-    EXPECT_NE(r.output.find("is stopped (SIGSTOP, Ctrl-Z or a debugger"), std::string::npos)
+    EXPECT_NE(r.output.find(k.env.empty() ? "is stopped (SIGSTOP, Ctrl-Z or a debugger"
+                                          : "is stopped or unreachable (on another host"),
+              std::string::npos)
         << r.output;
     EXPECT_TRUE(std::regex_search(
         r.output, std::regex("rank " + k.stopped + " \\(pid [0-9]+\\): killed by SIGTERM")))
         << r.output;
     EXPECT_LT(r.seconds, 30) << "the peers of a stopped rank must not wait their timeout (60 s)";
   }
+  // Heartbeats keep a healthy run of "remote" peers going.
+  TrainConfig c = small("1f1b", 2);
+  c.steps = 8;
+  HpRun ok = run_hp(train_flags(c) + " --p2p group --dp 2", remote);
+  EXPECT_EQ(ok.exit_code, 0) << ok.output;
 }
 
 // A report that cannot be written whole (a file size limit here, a full disk

@@ -20,6 +20,7 @@ printed.
 """
 
 import os
+import signal
 import sys
 import time
 
@@ -50,6 +51,9 @@ def main():
             raise ValueError("a bad batch on rank 0")
         if rank == 0 and scenario == "sigint" and state["step"] == 0:
             time.sleep(6)
+        if rank == 0 and scenario == "stop" and state["step"] == 1:
+            print("rank 0: stopping", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)  # the test ends it
         return lin(x)
 
     if scenario == "strided":

@@ -49,6 +49,32 @@ def test_a_failed_step_on_a_live_rank_ends_its_peers_step_at_once(p2p):
         assert "a previous step failed" in again
 
 
+@pytest.mark.parametrize("p2p,remote", [("auto", False), ("group", False), ("group", True)])
+def test_a_stopped_rank_ends_its_peers_step_within_seconds(p2p, remote):
+    # NOTE [A stopped peer] in hp/distributed/comm_internal.h: rank 0 stops
+    # itself (SIGSTOP) in its second step's forward; rank 1, waiting on it
+    # over the rings ("auto") or Gloo ("group"), fails within seconds naming
+    # it, by its state in /proc or (as if on another host) by the silence of
+    # its heartbeats, not at the 60 s timeout.
+    env = {"HP_PEERS_ON_OTHER_HOSTS": "1"} if remote else None
+    procs = ranks.start_ranks(2, [os.path.join(HERE, "fault_worker.py"), "stop", p2p], env=env)
+    out1, t0 = "", time.monotonic()
+    try:  # rank 1's account, read as it comes (its Pipeline is not torn down)
+        while "step failed" not in out1 and time.monotonic() - t0 < 90:
+            line = procs[1].stdout.readline()
+            if not line:
+                break
+            out1 += line
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGKILL)
+            p.communicate(timeout=30)
+    waited, why1 = event(out1, 1, "step failed")
+    assert waited < 6.0, f"rank 1 waited {waited} s"
+    said = "is stopped or unreachable (on another host" if remote else "is stopped (SIGSTOP"
+    assert "rank 0" in why1 and said in why1, why1
+
+
 def test_ranks_built_with_other_microbatch_counts_fail_together_naming_them():
     out0, out1 = finish(start("mismatch"))
     waited, why0 = event(out0, 0, "construction failed")
