@@ -37,10 +37,12 @@ def main() -> None:
     ap.add_argument("a", help="the first hp binary (e.g. the build before a change)")
     ap.add_argument("b", help="the second hp binary")
     ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("train_args", nargs=argparse.REMAINDER,
-                    help="-- then the arguments of hp train")
-    a = ap.parse_args()
-    args = a.train_args[1:] if a.train_args[:1] == ["--"] else a.train_args
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)
+    # Everything after `--` is hp train's (argparse's REMAINDER after the two
+    # positionals would take the options of this script too).
+    a = ap.parse_args(argv[:cut])
+    args = argv[cut + 1:]
     ratios, rows = [], []
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "report.json")
