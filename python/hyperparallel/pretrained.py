@@ -101,6 +101,12 @@ def load_pretrained(chunks, folder: str) -> Dict[str, str]:
         raise FileNotFoundError(f"{folder} holds neither {_INDEX} nor {_SINGLE}: not a Hugging "
                                 "Face safetensors checkpoint folder")
     mine = _tensors(chunks)
+    from torch.distributed.tensor import DTensor
+
+    sharded = sorted(n for n, t in mine.items() if isinstance(t, DTensor))
+    if sharded:
+        raise ValueError(f"load_pretrained: {sharded[0]} is already sharded (a DTensor): load the "
+                         "checkpoint into the chunks first, then fully_shard them")
     owner = _owner_of(chunks)
     wanted = sorted(_to_checkpoint(owner, {n: t.detach() for n, t in mine.items()}))
     missing = [n for n in wanted if n not in weight_map]
