@@ -331,6 +331,26 @@ def test_bad_pretrained_folders_are_refused_naming_what_is_wrong(tmp_path):
         hp.pipeline.load_checkpoint(chunks, None, tmp_path / "nothing")
 
 
+
+def test_loading_into_chunks_already_sharded_is_refused(tmp_path):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    w.make_model("llama").save_pretrained(tmp_path / "ok")
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
+                            world_size=1)
+    try:
+        sched = hp.pipeline.schedule("1f1b", ranks=2, microbatches=2)
+        chunks = split_model(w.make_model("llama"), sched, 1)
+        fully_shard(chunks[1].units[0], mesh=init_device_mesh("cpu", (1,)))
+        with pytest.raises(ValueError, match=r"model.layers.2.* is already sharded \(a DTensor\): "
+                                             "load the checkpoint into the chunks first"):
+            hp.pipeline.load_pretrained(chunks, tmp_path / "ok")
+    finally:
+        dist.destroy_process_group()
+
+
 def test_moe_aux_losses_finds_the_routers_of_qwen_moe_and_refuses_deepseek():
     for key in ("qwen2_moe", "qwen3_moe"):
         model = w.make_model(key)
