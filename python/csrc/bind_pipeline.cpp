@@ -181,12 +181,6 @@ class Runtime {
     pipeline::PipelineOptions po = std::move(options);
     po.failure_store =
         failure_store_of(failure_store, *pg);  // NOTE [The failure store of a Pipeline]
-    // With the group's store, its peers are watched for being stopped (NOTE
-    // [A stopped peer] in hp/distributed/comm_internal.h): over the group's
-    // own point-to-point a stopped peer fails the waits within seconds.
-    auto borrowed = po.failure_store
-                        ? distributed::Comm::from_process_group(pg, comm_options, po.failure_store)
-                        : distributed::Comm::from_process_group(pg, comm_options);
     if (!dp_group.is_none()) {
       // NOTE [A failure reaches the expert-parallel peers] in bind_moe.cpp.
       auto dp_pg = process_group_of(dp_group);
@@ -289,6 +283,13 @@ class Runtime {
     // (NOTE [A Pipeline's group dies with it]): every collective runs with
     // the GIL released.
     py::gil_scoped_release release;
+    // With the group's store, its peers are watched for being stopped (NOTE
+    // [A stopped peer] in hp/distributed/comm_internal.h): over the group's
+    // own point-to-point a stopped peer fails the waits within seconds. The
+    // monitor's rendezvous waits on every rank too.
+    auto borrowed = po.failure_store
+                        ? distributed::Comm::from_process_group(pg, comm_options, po.failure_store)
+                        : distributed::Comm::from_process_group(pg, comm_options);
     pipe_ = std::make_unique<pipeline::Pipeline>(sched, borrowed, std::move(chunks),
                                                  std::move(stage_loss), std::move(po));
   }

@@ -20,6 +20,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 import hyperparallel as hp  # noqa: E402
+from one_process import train_steps  # noqa: E402
 
 P, MB, T, VOCAB, STEPS, LR = 2, 2, 5, 96, 3, 0.1
 SCHEDULES = ("zbv", "zb-h1")
@@ -137,18 +138,7 @@ def all_chunks(model, sched):
 
 def one_process_steps(model, opt, m, steps):
     """The given steps of single-process training; their losses."""
-    losses = []
-    for step in steps:
-        x, y, mask = batch(step, m)
-        opt.zero_grad()
-        total = 0.0
-        for xm, ym, mm in zip(x.chunk(m), y.chunk(m), mask.chunk(m)):
-            loss = loss_fn(model(xm, attention_mask=mm).logits, ym) / m
-            loss.backward()
-            total += loss.item()
-        losses.append(total)
-        opt.step()
-    return losses
+    return train_steps(model, opt, loss_fn, (batch(step, m) for step in steps), m)
 
 
 def mem_batch(step, m):
@@ -185,22 +175,14 @@ def _optimizer(params, adam):
 
 
 def _train_one_process(model, m, steps, adam):
-    opt = _optimizer(model.parameters(), adam)
-    losses = []
-    for step in range(steps):
-        if adam:
-            x, y = mem_batch(step, m)
-            mask = torch.ones_like(x)
-        else:
-            x, y, mask = batch(step, m)
-        opt.zero_grad()
-        total = 0.0
-        for xm, ym, mm in zip(x.chunk(m), y.chunk(m), mask.chunk(m)):
-            loss = loss_fn(model(xm, attention_mask=mm).logits, ym) / m
-            loss.backward()
-            total += loss.item()
-        losses.append(total)
-        opt.step()
+    def batches():
+        for step in range(steps):
+            if adam:
+                x, y = mem_batch(step, m)
+                yield x, y, torch.ones_like(x)
+            else:
+                yield batch(step, m)
+    losses = train_steps(model, _optimizer(model.parameters(), adam), loss_fn, batches(), m)
     return losses, {n: q.detach().clone() for n, q in model.named_parameters()}
 
 

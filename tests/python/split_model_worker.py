@@ -74,19 +74,11 @@ def batch(step, m):
 def reference(m):
     """Single-process training of the whole model (mean loss over m
     microbatches, SGD): (losses, {name: parameter})."""
+    from one_process import train_steps
+
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for step in range(STEPS):
-        x, y, mask = batch(step, m)
-        opt.zero_grad()
-        total = 0.0
-        for xm, ym, mm in zip(x.chunk(m), y.chunk(m), mask.chunk(m)):
-            loss = loss_fn(model(xm, attention_mask=mm).logits, ym) / m
-            loss.backward()
-            total += loss.item()
-        losses.append(total)
-        opt.step()
+    losses = train_steps(model, opt, loss_fn, (batch(step, m) for step in range(STEPS)), m)
     return losses, {n: q.detach().clone() for n, q in model.named_parameters()}
 
 

@@ -16,6 +16,9 @@ import sys
 import pytest
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from one_process import train_steps  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE = os.path.join(ROOT, "examples", "train_hf.py")
 ARGS = ["--dtype", "float64", "--steps", "3", "--microbatches", "4", "--microbatch-size", "2",
@@ -35,17 +38,7 @@ def reference(ex, a, m):
     microbatches of each one's loss, AdamW. Returns (losses, checksum)."""
     model = ex.make_model(a)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
-    losses = []
-    for step in range(a.steps):
-        ids, labels, mask = ex.batch(a, step, m)
-        opt.zero_grad()
-        total = 0.0
-        for x, y, k in zip(ids.chunk(m), labels.chunk(m), mask.chunk(m)):
-            loss = ex.loss_fn(model(x, attention_mask=k).logits, y) / m
-            loss.backward()
-            total += loss.item()
-        losses.append(total)
-        opt.step()
+    losses = train_steps(model, opt, ex.loss_fn, (ex.batch(a, s, m) for s in range(a.steps)), m)
     return losses, sum(q.detach().double().sum().item() for q in model.parameters())
 
 
@@ -129,18 +122,9 @@ def test_a_pretrained_folder_with_text_saved_resumed_and_data_parallel(tmp_path)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64,
                                                      attn_implementation="eager")
         opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
-        losses, m = [], 4 * dp
-        for step in range(steps):
-            ids, labels, mask = ex.data_batch(rows, step, m)
-            opt.zero_grad()
-            total = 0.0
-            for x, y, k in zip(ids.chunk(m), labels.chunk(m), mask.chunk(m)):
-                loss = ex.loss_fn(model(x, attention_mask=k).logits, y) / m
-                loss.backward()
-                total += loss.item()
-            losses.append(total)
-            opt.step()
-        return losses, model
+        m = 4 * dp
+        batches = (ex.data_batch(rows, step, m) for step in range(steps))
+        return train_steps(model, opt, ex.loss_fn, batches, m), model
 
     def losses_of(report):
         return json.loads(report.read_text())["loss"]
@@ -159,9 +143,16 @@ def test_a_pretrained_folder_with_text_saved_resumed_and_data_parallel(tmp_path)
         AutoTokenizer.from_pretrained(folder)("the dog")["input_ids"]
     torchrun(2, common + ["--steps", "5", "--resume", str(out), "--report", str(tmp_path / "b.json")])
     assert max(abs(x - y) for x, y in zip(losses_of(tmp_path / "b.json"), ref5[3:], strict=True)) <= 1e-9
-    ref_dp, _ = reference(3, 2)
-    torchrun(4, common + ["--steps", "3", "--dp", "2", "--fsdp", "--report", str(tmp_path / "c.json")])
+    ref_dp, model_dp = reference(3, 2)
+    out_dp = tmp_path / "out_dp"
+    torchrun(4, common + ["--steps", "3", "--dp", "2", "--fsdp", "--save", str(out_dp),
+                          "--report", str(tmp_path / "c.json")])
     assert max(abs(x - y) for x, y in zip(losses_of(tmp_path / "c.json"), ref_dp, strict=True)) <= 1e-9
+    # The parameters too: FSDP2's shards gathered whole by save_pretrained.
+    back = AutoModelForCausalLM.from_pretrained(out_dp, dtype=torch.float64)
+    trained = dict(model_dp.named_parameters())
+    for n, q in back.named_parameters():
+        assert (q - trained[n]).abs().max().item() <= 1e-9, n
 
 
 def test_bad_arguments_are_one_clear_error(monkeypatch, capsys):
