@@ -25,7 +25,11 @@ namespace hp::python {
 // dispatch or combine over that group sees it within about 0.3 s and fails
 // naming the rank (NOTE [A failed step reaches the peers] in
 // hp/distributed/comm.h). A failure is final for the group: a later Pipeline
-// or dispatcher over it fails at once.
+// or dispatcher over it fails at once. A stopped peer (NOTE [A stopped peer]
+// in hp/distributed/comm_internal.h) is seen by a PeerMonitor over the group:
+// one for a Pipeline's dp Comm, one that the dispatchers of an
+// expert_parallel call share (exchanges_of), each under a store of its own
+// (NOTE [The failure store of a Pipeline] in bind_pipeline.cpp).
 c10::intrusive_ptr<c10d::Store> group_failure_store(const py::object& store,
                                                     const c10d::ProcessGroup& group) {
   auto s = store_of(store);
@@ -61,14 +65,30 @@ void bind_moe(py::module_& parent) {
       "Moves tokens to the ranks of an expert-parallel group that hold their experts and back "
       "(NOTE [Dispatch and combine] in hp/moe/dispatch.cpp). group=None: every expert local.")
       .def(py::init([](const py::object& group, int64_t num_experts, double capacity_factor,
-                       double timeout_s, const py::object& failure_store) {
+                       double timeout_s, const py::object& failure_store,
+                       const std::shared_ptr<moe::TokenDispatcher>& exchanges_of) {
              std::shared_ptr<distributed::Comm> comm;
-             if (!group.is_none()) {
+             if (exchanges_of) {
+               // The dispatchers of one expert_parallel call share one Comm,
+               // and so one PeerMonitor (NOTE [A failure reaches the
+               // expert-parallel peers]).
+               auto pg = group.is_none() ? nullptr : process_group_of(group);
+               if (!pg || !exchanges_of->group() || exchanges_of->placement().size != pg->getSize())
+                 throw py::value_error(
+                     "TokenDispatcher: exchanges_of must be a dispatcher over the same group");
+               comm = exchanges_of->group();
+             } else if (!group.is_none()) {
                distributed::CommOptions o;
                o.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
                auto pg = process_group_of(group);
-               comm = distributed::with_failure_store(distributed::Comm::from_process_group(pg, o),
-                                                      group_failure_store(failure_store, *pg));
+               auto failures = group_failure_store(failure_store, *pg);
+               auto monitor = instance_store(failure_store, *pg, "ep");
+               {
+                 // The monitor's rendezvous waits on every rank of the group.
+                 py::gil_scoped_release release;
+                 comm = distributed::with_failure_store(
+                     distributed::Comm::from_process_group(pg, o, monitor), failures);
+               }
                // HP_LINK: the all-to-alls pay a modelled link (docs/overlap.md).
                comm = distributed::with_link_model(comm, link_from_environment());
              }
@@ -77,7 +97,11 @@ void bind_moe(py::module_& parent) {
              return std::make_shared<moe::TokenDispatcher>(comm, num_experts, d);
            }),
            py::arg("group"), py::arg("num_experts"), py::arg("capacity_factor") = 0.0,
-           py::arg("timeout") = 300.0, py::arg("failure_store") = py::none())
+           py::arg("timeout") = 300.0, py::arg("failure_store") = py::none(),
+           py::arg("exchanges_of") = nullptr,
+           "failure_store: the group's store, through which a failed step and a stopped peer "
+           "are seen within seconds; exchanges_of: a dispatcher over the same group whose "
+           "exchanges (and peer monitor) this one shares")
       .def("dispatch", &moe::TokenDispatcher::dispatch, py::arg("x"), py::arg("experts"),
            py::call_guard<py::gil_scoped_release>(),
            "x [tokens, hidden], experts [tokens, top_k] (int64): collective over the group")

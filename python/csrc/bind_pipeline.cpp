@@ -47,6 +47,38 @@ c10::intrusive_ptr<c10d::Store> store_of(const py::object& store) {
   return c10::intrusive_ptr<c10d::Store>::reclaim_copy(s);
 }
 
+// NOTE [The failure store of a Pipeline]
+// Over the group's own point-to-point, a rank whose step failed while its
+// process lives on tells its peers through a store (NOTE [A failed step
+// reaches the peers] in hp/distributed/comm.h). Python passes the store of
+// the group (torch.distributed's, shared by the group's ranks) or None; the
+// Pipeline's keys go under a prefix of their own: the group's name and how
+// many Pipelines this process made over that group before (the same count on
+// every rank, since making a Pipeline is collective), so two Pipelines over
+// one group never see each other's failures. (A failure is final for a
+// Pipeline: one key per failed rank is all it needs.) The PeerMonitors that
+// watch a group's peers for being stopped (NOTE [A stopped peer] in
+// hp/distributed/comm_internal.h) publish their addresses the same way, one
+// prefix per monitor: the Pipeline's over its group, its data-parallel
+// Comm's ("dp"), and the one the dispatchers of an expert_parallel call
+// share ("ep", bind_moe.cpp): made in the same order on every rank.
+c10::intrusive_ptr<c10d::Store> instance_store(const py::object& store,
+                                               const c10d::ProcessGroup& group,
+                                               const std::string& kind) {
+  auto s = store_of(store);
+  if (!s) return {};
+  static std::mutex mu;
+  static std::map<std::string, int> made;
+  const std::string name = kind + "/" + group.getGroupName();
+  int n;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    n = made[name]++;
+  }
+  return c10::make_intrusive<c10d::PrefixStore>("hyperparallel/" + name + "/" + std::to_string(n),
+                                                s);
+}
+
 namespace {
 
 // NOTE [Python stages on the C++ executor]
@@ -100,16 +132,6 @@ torch::Tensor call_python(const py::object& fn, const char* what, Args&&... args
   return THPVariable_Unpack(o.ptr());
 }
 
-// NOTE [The failure store of a Pipeline]
-// Over the group's own point-to-point, a rank whose step failed while its
-// process lives on tells its peers through a store (NOTE [A failed step
-// reaches the peers] in hp/distributed/comm.h). Python passes the store of
-// the group (torch.distributed's, shared by the group's ranks) or None; the
-// Pipeline's keys go under a prefix of their own: the group's name and how
-// many Pipelines this process made over that group before (the same count on
-// every rank, since making a Pipeline is collective), so two Pipelines over
-// one group never see each other's failures. (A failure is final for a
-// Pipeline: one key per failed rank is all it needs.)
 // Calls `fn(args...)` under the GIL and returns the message (a list of
 // tensors) it returned.
 template <typename... Args>
@@ -127,22 +149,6 @@ pipeline::Message call_python_message(const py::object& fn, const char* what, Ar
     m.push_back(THPVariable_Unpack(h.ptr()));
   }
   return m;
-}
-
-c10::intrusive_ptr<c10d::Store> failure_store_of(const py::object& store,
-                                                 const c10d::ProcessGroup& group) {
-  auto s = store_of(store);
-  if (!s) return {};
-  static std::mutex mu;
-  static std::map<std::string, int> made;
-  const std::string name = group.getGroupName();
-  int n;
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    n = made[name]++;
-  }
-  return c10::make_intrusive<c10d::PrefixStore>(
-      "hyperparallel/pipeline/" + name + "/" + std::to_string(n), s);
 }
 
 /// A Python object that C++ copies freely without the GIL (only the
@@ -179,14 +185,15 @@ class Runtime {
     comm_options.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
     auto pg = process_group_of(group);
     pipeline::PipelineOptions po = std::move(options);
-    po.failure_store =
-        failure_store_of(failure_store, *pg);  // NOTE [The failure store of a Pipeline]
+    // NOTE [The failure store of a Pipeline]
+    po.failure_store = instance_store(failure_store, *pg, "pipeline");
+    c10::intrusive_ptr<c10d::ProcessGroup> dp_pg;
+    c10::intrusive_ptr<c10d::Store> dp_failures, dp_monitor;
     if (!dp_group.is_none()) {
       // NOTE [A failure reaches the expert-parallel peers] in bind_moe.cpp.
-      auto dp_pg = process_group_of(dp_group);
-      po.dp = distributed::with_failure_store(
-          distributed::Comm::from_process_group(dp_pg, comm_options),
-          group_failure_store(dp_failure_store, *dp_pg));
+      dp_pg = process_group_of(dp_group);
+      dp_failures = group_failure_store(dp_failure_store, *dp_pg);
+      dp_monitor = instance_store(dp_failure_store, *dp_pg, "dp");
     }
     for (const auto& g : loss_groups)
       po.loss_groups.push_back(
@@ -286,10 +293,12 @@ class Runtime {
     // With the group's store, its peers are watched for being stopped (NOTE
     // [A stopped peer] in hp/distributed/comm_internal.h): over the group's
     // own point-to-point a stopped peer fails the waits within seconds. The
-    // monitor's rendezvous waits on every rank too.
-    auto borrowed = po.failure_store
-                        ? distributed::Comm::from_process_group(pg, comm_options, po.failure_store)
-                        : distributed::Comm::from_process_group(pg, comm_options);
+    // monitor's rendezvous waits on every rank too, the data-parallel
+    // Comm's (over dp_group) before the pipeline's on every rank.
+    if (dp_pg)
+      po.dp = distributed::with_failure_store(
+          distributed::Comm::from_process_group(dp_pg, comm_options, dp_monitor), dp_failures);
+    auto borrowed = distributed::Comm::from_process_group(pg, comm_options, po.failure_store);
     pipe_ = std::make_unique<pipeline::Pipeline>(sched, borrowed, std::move(chunks),
                                                  std::move(stage_loss), std::move(po));
   }

@@ -48,6 +48,14 @@ c10::intrusive_ptr<c10d::Store> store_of(const py::object& store);
 c10::intrusive_ptr<c10d::Store> group_failure_store(const py::object& store,
                                                     const c10d::ProcessGroup& group);
 
+/// `store` (a torch.distributed Store, or None for none) under a prefix of
+/// `kind`, the group's name and how many stores of that kind this process
+/// made over the group before (NOTE [The failure store of a Pipeline] in
+/// bind_pipeline.cpp).
+c10::intrusive_ptr<c10d::Store> instance_store(const py::object& store,
+                                               const c10d::ProcessGroup& group,
+                                               const std::string& kind);
+
 /// The link model the environment variable HP_LINK ("LATENCY_US,GBPS")
 /// asks for, inactive when it is unset or empty; ValueError naming HP_LINK
 /// when it is malformed (NOTE [The link model] in

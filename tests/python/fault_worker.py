@@ -14,6 +14,14 @@ printed.
                                rank 1 waits for it; the test sends rank 1
                                SIGINT once it printed "rank 1: stepping"
     fault_worker.py badshape   rank 1's activation_shape returns a string
+    fault_worker.py stop [group]  rank 0 stops itself (SIGSTOP) in step 1's
+                               forward; the test reads rank 1's line, then
+                               kills both
+    fault_worker.py stop-dp    the same with pp 1 x dp 2: rank 1 waits for
+                               it in the data-parallel gradient average
+    fault_worker.py stop-ep    the same with pp 1 x ep 2 and an MoE layer
+                               (expert_parallel): rank 1 waits for it in
+                               the dispatch's all-to-all
     fault_worker.py strided    ZB-H1 with stages that return a strided view
                                (y.t().contiguous().t()); the gradients must
                                equal single-process autograd's
@@ -40,6 +48,9 @@ def main():
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    if scenario in ("stop-dp", "stop-ep"):
+        stop_in_a_group(rank, scenario)
+        return
     m = 4 if scenario == "mismatch" and rank == 1 else 2
     sched = hp.pipeline.schedule("1f1b", ranks=2, microbatches=m)
     torch.manual_seed(0)
@@ -92,6 +103,71 @@ def main():
         say(rank, "the next step refused", t0, str(e).splitlines()[0])
     # The process lives on (as a notebook's would) while its peer finishes.
     time.sleep(4)
+
+
+class Experts(torch.nn.Module):
+    """The smallest experts module of transformers' shape (3-D gate_up_proj
+    and down_proj, experts(hidden, top_k_index, top_k_weights)), which
+    expert_parallel converts."""
+
+    def __init__(self, num_experts=4, hidden=4, inner=4):
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        self.num_experts = num_experts
+        self.gate_up_proj = torch.nn.Parameter(
+            torch.randn(num_experts, 2 * inner, hidden, generator=g, dtype=torch.float64))
+        self.down_proj = torch.nn.Parameter(
+            torch.randn(num_experts, hidden, inner, generator=g, dtype=torch.float64))
+
+    def forward(self, h, top_k_index, top_k_weights):
+        out = torch.zeros_like(h)
+        for e in range(self.num_experts):
+            tok, slot = torch.where(top_k_index == e)
+            gate, up = (h[tok] @ self.gate_up_proj[e].t()).chunk(2, -1)
+            y = (torch.nn.functional.silu(gate) * up) @ self.down_proj[e].t()
+            out = out.index_add(0, tok, y * top_k_weights[tok, slot, None])
+        return out
+
+
+def stop_in_a_group(rank, scenario):
+    """pp 1 x dp 2 (stop-dp) or pp 1 x ep 2 (stop-ep): rank 0 stops itself
+    in step 1's forward; rank 1 waits for it over the data-parallel or the
+    expert-parallel group and must fail within seconds, naming it."""
+    singles = [dist.new_group([r]) for r in range(2)]
+    sched = hp.pipeline.schedule("1f1b", ranks=1, microbatches=2)
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 4, dtype=torch.float64)
+    router = torch.nn.Linear(4, 4, dtype=torch.float64)
+    model = torch.nn.ModuleList([lin, router, Experts()])
+    if scenario == "stop-ep":
+        hp.moe.expert_parallel(model, dist.group.WORLD)
+    state = {"step": 0}
+
+    def forward(x):
+        if rank == 0 and state["step"] == 1:
+            print("rank 0: stopping", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)  # the test ends it
+        h = lin(x)
+        if scenario == "stop-ep":
+            w, idx = torch.topk(torch.softmax(router(h), -1), 2)
+            h = h + model[2](h, idx, w)
+        return h
+
+    pipe = hp.pipeline.Pipeline({0: forward}, sched, loss_fn=torch.nn.functional.mse_loss,
+                                activation_shape=(2, 4), parameters={0: list(model.parameters())},
+                                group=singles[rank], dp_group=dist.group.WORLD,
+                                dtype=torch.float64, timeout=60)
+    x = torch.randn(4, 4, dtype=torch.float64)
+    for step in range(3):
+        state["step"] = step
+        t0 = time.monotonic()
+        try:
+            pipe.step(x, x)
+        except Exception as e:  # noqa: BLE001 - the test reads the message
+            say(rank, "step failed", t0, str(e).splitlines()[0])
+            time.sleep(60)  # the test ends it
+            return
+    say(rank, "all steps ran", t0)
 
 
 def strided(rank):

@@ -49,15 +49,19 @@ def test_a_failed_step_on_a_live_rank_ends_its_peers_step_at_once(p2p):
         assert "a previous step failed" in again
 
 
-@pytest.mark.parametrize("p2p,remote", [("auto", False), ("group", False), ("group", True)])
-def test_a_stopped_rank_ends_its_peers_step_within_seconds(p2p, remote):
+@pytest.mark.parametrize("scenario,p2p,remote", [
+    ("stop", "auto", False), ("stop", "group", False), ("stop", "group", True),
+    ("stop-dp", "auto", False), ("stop-ep", "auto", False)])
+def test_a_stopped_rank_ends_its_peers_step_within_seconds(scenario, p2p, remote):
     # NOTE [A stopped peer] in hp/distributed/comm_internal.h: rank 0 stops
     # itself (SIGSTOP) in its second step's forward; rank 1, waiting on it
-    # over the rings ("auto") or Gloo ("group"), fails within seconds naming
-    # it, by its state in /proc or (as if on another host) by the silence of
-    # its heartbeats, not at the 60 s timeout.
+    # over the rings ("auto") or Gloo ("group"), or in the data-parallel
+    # gradient average ("stop-dp") or an MoE layer's all-to-all ("stop-ep"),
+    # fails within seconds naming it, by its state in /proc or (as if on
+    # another host) by the silence of its heartbeats, not at the 60 s
+    # timeout.
     env = {"HP_PEERS_ON_OTHER_HOSTS": "1"} if remote else None
-    procs = ranks.start_ranks(2, [os.path.join(HERE, "fault_worker.py"), "stop", p2p], env=env)
+    procs = ranks.start_ranks(2, [os.path.join(HERE, "fault_worker.py"), scenario, p2p], env=env)
     out1, t0 = "", time.monotonic()
     try:  # rank 1's account, read as it comes (its Pipeline is not torn down)
         while "step failed" not in out1 and time.monotonic() - t0 < 90:

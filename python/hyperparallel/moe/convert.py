@@ -148,12 +148,18 @@ def expert_parallel(model: nn.Module, ep_group: Optional[dist.ProcessGroup],
                 f"expert_parallel: {name} has {m.num_experts} experts, which do not divide over "
                 f"the {size} ranks of the expert-parallel group: use a group size that divides "
                 f"{m.num_experts}")
+    # NOTE [A failure reaches the expert-parallel peers] in python/csrc/bind_moe.cpp:
+    # the group's store carries a failed step; the dispatchers share one
+    # Comm, whose monitor sees a stopped peer.
+    store = (None if ep_group is None else
+             dist.distributed_c10d._world.pg_map.get(ep_group, (None, None))[1])
+    first_dispatcher = None
     for name, m in found:
-        # NOTE [A failure reaches the expert-parallel peers] in python/csrc/bind_moe.cpp.
-        store = (None if ep_group is None else
-                 dist.distributed_c10d._world.pg_map.get(ep_group, (None, None))[1])
         dispatcher = _C.moe.TokenDispatcher(ep_group, m.num_experts, float(capacity_factor),
-                                            float(timeout), failure_store=store)
+                                            float(timeout), failure_store=store,
+                                            exchanges_of=first_dispatcher)
+        if ep_group is not None:
+            first_dispatcher = first_dispatcher or dispatcher
         # The same Parameter objects keep this rank's rows: whatever holds
         # them already (split_model's chunks and their names, an optimizer)
         # sees the slice.
