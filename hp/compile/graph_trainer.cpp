@@ -1,5 +1,5 @@
-// GraphTrainer: lazy compile, replay, gradient accumulation by FQN, the
-// built-in Adam with global-norm clipping over FSDP and TP shards; MeshContext
+// GraphTrainer: lazy compile, replay, gradient accumulation by FQN, a
+// LibTorch optimizer with global-norm clipping over FSDP and TP shards; MeshContext
 // and the checks of a mesh.
 #include "hp/compile/graph_trainer.h"
 
@@ -251,28 +251,44 @@ void GraphTrainer::optimizer_step() {
       for (auto& [p, is_shard] : params)
         p.mutable_grad().mul_(coef);
   }
-  for (auto& [p, is_shard] : params) {
-    if (optimizer_.sgd) {
-      at::Tensor g = p.grad();
-      if (optimizer_.weight_decay > 0) g = g.add(p, optimizer_.weight_decay);
-      p.add_(g, -optimizer_.lr);
-      continue;
+  if (params.empty()) return;
+  // NOTE [Graph mode's optimizer]
+  // The optimizer is LibTorch's, made at the first step that has gradients:
+  // by then compile() has run and FSDPPass has swapped the live parameters
+  // for this rank's shards, so the optimizer's state is per shard (a state
+  // made before would hold the whole tensors). It holds every distinct
+  // parameter of the model; one without a gradient in a step is skipped by
+  // torch::optim as by torch.optim. Clipping stays here: the global norm
+  // sums FSDP shards over the FSDP group and TP splits over the TP group,
+  // which torch::nn::utils::clip_grad_norm_ cannot know.
+  if (!optim_) {
+    std::vector<at::Tensor> all;
+    std::unordered_set<const c10::TensorImpl*> once;
+    for (const auto& p : model_->parameters(true))
+      if (once.insert(p.unsafeGetTensorImpl()).second) all.push_back(p);
+    if (optimizer_.make) {
+      optim_ = optimizer_.make(all);
+      if (!optim_) throw std::invalid_argument("GraphTrainer: OptimizerConfig::make returned null");
+      size_t held = 0;
+      for (const auto& group : optim_->param_groups())
+        for (const auto& p : group.params())
+          held += once.count(p.unsafeGetTensorImpl());
+      if (held == 0)
+        throw std::invalid_argument(
+            "GraphTrainer: the optimizer OptimizerConfig::make returned holds none of the "
+            "model's parameters (make it over the tensors it is given)");
+    } else if (optimizer_.sgd) {
+      optim_ = std::make_unique<torch::optim::SGD>(
+          all, torch::optim::SGDOptions(optimizer_.lr).weight_decay(optimizer_.weight_decay));
+    } else {
+      optim_ = std::make_unique<torch::optim::AdamW>(
+          all, torch::optim::AdamWOptions(optimizer_.lr)
+                   .betas({optimizer_.beta1, optimizer_.beta2})
+                   .eps(optimizer_.eps)
+                   .weight_decay(optimizer_.weight_decay));
     }
-    AdamState& s = adam_[p.unsafeGetTensorImpl()];
-    if (!s.exp_avg.defined()) {
-      s.exp_avg = torch::zeros_like(p);
-      s.exp_avg_sq = torch::zeros_like(p);
-    }
-    const at::Tensor& g = p.grad();
-    if (optimizer_.weight_decay > 0) p.mul_(1 - optimizer_.lr * optimizer_.weight_decay);
-    ++s.step;
-    s.exp_avg.mul_(optimizer_.beta1).add_(g, 1 - optimizer_.beta1);
-    s.exp_avg_sq.mul_(optimizer_.beta2).addcmul_(g, g, 1 - optimizer_.beta2);
-    const double bc1 = 1 - std::pow(optimizer_.beta1, s.step);
-    const double bc2 = 1 - std::pow(optimizer_.beta2, s.step);
-    at::Tensor denom = (s.exp_avg_sq.sqrt() / std::sqrt(bc2)).add_(optimizer_.eps);
-    p.addcdiv_(s.exp_avg, denom, -optimizer_.lr / bc1);
   }
+  optim_->step();
   zero_grad();
 }
 

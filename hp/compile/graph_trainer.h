@@ -1,10 +1,11 @@
 // `GraphTrainer`: graph mode's training loop. Lazily captures the train step,
 // runs the PassPipeline (FSDP shards the live model), replays the graph each
-// step, accumulates gradients by FQN and steps a built-in Adam; `MeshContext`:
+// step, accumulates gradients by FQN and steps a LibTorch optimizer; `MeshContext`:
 // the TP group and the FSDP group it runs on (seed 002 §5.1, §9).
 #pragma once
 
 #include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
 
 #include <functional>
 #include <memory>
@@ -25,9 +26,10 @@ class DeviceMesh;
 
 namespace hp::compile {
 
-/// The built-in optimizers: Adam (torch::optim::Adam's update; with
-/// weight_decay, torch::optim::AdamW's decoupled decay) or plain SGD
-/// (torch::optim::SGD without momentum), and gradient clipping.
+/// The optimizer: a LibTorch one (`make`, any torch::optim::Optimizer), or
+/// else one built from the fields below: torch::optim::AdamW (weight_decay
+/// 0: Adam's update) or torch::optim::SGD; and gradient clipping, which the
+/// trainer does itself over every shard (NOTE [Graph mode's optimizer]).
 struct OptimizerConfig {
   double lr = 1e-3;
   /// Clip the global gradient norm (over all ranks' shards) to this; 0: off.
@@ -40,6 +42,9 @@ struct OptimizerConfig {
   double weight_decay = 0.0;
   /// false: Adam/AdamW; true: SGD.
   bool sgd = false;
+  /// Makes the optimizer over the live parameters (FSDP's shards among
+  /// them); when set, the fields above other than grad_clip are not used.
+  std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor>)> make;
 };
 
 // NOTE [Graph mode on a mesh]
@@ -108,6 +113,8 @@ class GraphTrainer {
 
   /// The PassConfig in use (fsdp_degree and tp_size filled from the mesh).
   const PassConfig& config() const { return config_; }
+  /// The optimizer; null until the first optimizer_step that had gradients.
+  torch::optim::Optimizer* optimizer() const { return optim_.get(); }
   /// The mesh context (the FSDP group is also the one given as `comm`).
   const MeshContext& mesh() const { return mesh_; }
 
@@ -125,8 +132,8 @@ class GraphTrainer {
   /// Replays the graph on one batch and adds the gradients into the live
   /// parameters' .grad (by FQN; a shared parameter once). Returns this rank's loss.
   double train_step(const at::Tensor& input, const at::Tensor& label);
-  /// Clips (if configured), steps Adam (or SGD) on every parameter with a
-  /// gradient, then clears the gradients.
+  /// Clips (if configured), steps the optimizer (made at the first call,
+  /// over the live parameters), then clears the gradients.
   void optimizer_step();
   /// Clears every parameter's .grad.
   void zero_grad();
@@ -142,10 +149,6 @@ class GraphTrainer {
                             const std::function<void(int64_t, double)>& log_fn = {});
 
  private:
-  struct AdamState {
-    int64_t step = 0;
-    at::Tensor exp_avg, exp_avg_sq;
-  };
   std::shared_ptr<torch::nn::Module> model_;
   TrainFn train_fn_;
   PassConfig config_;
@@ -160,7 +163,7 @@ class GraphTrainer {
   Graph graph_;
   std::vector<std::string> pass_names_;
   std::vector<std::string> sharded_;
-  std::unordered_map<const c10::TensorImpl*, AdamState> adam_;
+  std::unique_ptr<torch::optim::Optimizer> optim_;
 };
 
 }  // namespace hp::compile

@@ -94,17 +94,23 @@ TEST(Passes, FsdpOnWorldOfOneLeavesGraphUnsharded) {
 }
 
 // Eager training with torch::optim::Adam (and clip_grad_norm_), full batches.
+using MakeOptimizer =
+    std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor>)>;
+
+/// Plain autograd and a LibTorch optimizer (`make`; default Adam(lr)).
 std::vector<double> eager_train(torch::nn::Module& model, const TrainFn& fn,
                                 const std::vector<std::pair<torch::Tensor, torch::Tensor>>& data,
-                                double lr, double clip) {
-  torch::optim::Adam adam(model.parameters(), torch::optim::AdamOptions(lr));
+                                double lr, double clip, const MakeOptimizer& make = {}) {
+  auto optim = make ? make(model.parameters())
+                    : std::make_unique<torch::optim::Adam>(model.parameters(),
+                                                           torch::optim::AdamOptions(lr));
   std::vector<double> losses;
   for (const auto& [x, y] : data) {
-    adam.zero_grad();
+    optim->zero_grad();
     auto loss = fn(model, x, y);
     loss.backward();
     if (clip > 0) torch::nn::utils::clip_grad_norm_(model.parameters(), clip);
-    adam.step();
+    optim->step();
     losses.push_back(loss.item<double>());
   }
   return losses;
@@ -289,6 +295,58 @@ TEST(Fsdp, TwoRanksMatchEagerWithAndWithoutOverlap) {
     }
     if (overlap) EXPECT_GE(moved, 3) << g.str();
     graphs.push_back(g);
+  }
+}
+
+// NOTE [Graph mode's optimizer]: any LibTorch optimizer, made over the live
+// parameters after FSDP sharded them, steps the shards as it would the whole
+// model (RMSprop is elementwise; the clipping is the trainer's global norm).
+TEST(Fsdp, AnyLibTorchOptimizerStepsTheShardsAsOnTheWholeModel) {
+  auto data = mlp_data(3, 8);
+  MakeOptimizer rmsprop = [](std::vector<at::Tensor> params) {
+    return std::make_unique<torch::optim::RMSprop>(
+        params, torch::optim::RMSpropOptions(0.01).alpha(0.9).momentum(0.5));
+  };
+  OptimizerConfig opt;
+  opt.grad_clip = 0.05;
+  opt.make = rmsprop;
+  torch::manual_seed(15);
+  hp_test::Mlp ref(6, 16, 4);
+  auto want =
+      eager_train(*ref, hp_test::mse_fn<hp_test::MlpImpl>(), data, 0.0, opt.grad_clip, rmsprop);
+  PassPlan plan;
+  plan.add_module("fc1");
+  auto ranks = run_fsdp(PassConfig{}, plan, data, opt);
+  EXPECT_EQ(ranks[0].sharded, (std::vector<std::string>{"fc1.weight", "fc1.bias"}));
+  for (size_t s = 0; s < want.size(); ++s)
+    EXPECT_NEAR((ranks[0].losses[s] + ranks[1].losses[s]) / 2, want[s], 1e-12) << "step " << s;
+  auto ref_params = ref->parameters();
+  for (size_t i = 0; i < ref_params.size(); ++i) {
+    auto full =
+        i < 2 ? torch::cat({ranks[0].params[i], ranks[1].params[i]}, 0) : ranks[0].params[i];
+    expect_close(full, ref_params[i], "param " + std::to_string(i), 1e-10);
+  }
+}
+
+TEST(GraphTrainer, AnOptimizerOverNoneOfTheModelsParametersIsRefused) {
+  torch::manual_seed(12);
+  hp_test::Mlp mlp(6, 16, 4);
+  auto other = torch::zeros({3}, kF64).requires_grad_(true);
+  OptimizerConfig opt;
+  opt.make = [&](std::vector<at::Tensor>) {
+    return std::make_unique<torch::optim::SGD>(std::vector<at::Tensor>{other},
+                                               torch::optim::SGDOptions(0.1));
+  };
+  GraphTrainer trainer(mlp.ptr(), hp_test::mse_fn<hp_test::MlpImpl>(), PassConfig{}, std::nullopt,
+                       opt);
+  auto data = mlp_data(1, 4);
+  trainer.train_step(data[0].first, data[0].second);
+  try {
+    trainer.optimizer_step();
+    FAIL() << "expected the optimizer to be refused";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("holds none of the model's parameters"), std::string::npos)
+        << e.what();
   }
 }
 
