@@ -95,14 +95,18 @@ struct BlockImpl : nn::Module {
     init_linear(fc, gen, 0.02);
     init_linear(fc2, gen, residual_std);
   }
-  torch::Tensor forward(const torch::Tensor& x) {
+  /// `documents`: each token's document number ([B, T] int64), or undefined.
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& documents = {}) {
     const int64_t B = x.size(0), T = x.size(1), D = x.size(2), hd = D / heads;
     auto parts = qkv(ln1(x)).split(D, -1);
     auto split_heads = [&](const torch::Tensor& t) {
       return t.view({B, T, heads, hd}).transpose(1, 2);
     };
     auto q = split_heads(parts[0]), k = split_heads(parts[1]), v = split_heads(parts[2]);
-    auto mask = torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool)).triu(1);
+    auto mask =
+        torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool).device(x.device())).triu(1);
+    if (documents.defined())  // [B, 1, T, T]: no query sees another document's keys
+      mask = mask.logical_or(documents.unsqueeze(2).ne(documents.unsqueeze(1))).unsqueeze(1);
     auto att = q.matmul(k.transpose(-2, -1)).mul(1.0 / std::sqrt(double(hd)));
     att = att.masked_fill(mask, -std::numeric_limits<double>::infinity()).softmax(-1);
     auto y = att.matmul(v).transpose(1, 2).reshape({B, T, D});
@@ -166,26 +170,25 @@ class GptChunk : public Chunk {
     }
     if (last) final_ = register_module("final", Final(s, layer_generator(seed, s.layers + 1)));
     first_ = first;
+    documents_ = s.documents;
   }
   torch::Tensor forward(const torch::Tensor& x) override {
     return forward_with(
         x, [](const BlockForward& block, nn::Module&, const torch::Tensor& h) { return block(h); });
   }
   torch::Tensor forward_with(const torch::Tensor& x, const BlockRunner& run_block) override {
-    torch::Tensor h = x;
-    if (first_) {
-      auto positions = embed_->wpe.narrow(0, 0, x.size(1));
-      h = torch::embedding(embed_->wte, x) + positions;
-    }
-    for (auto& b : blocks_) {
-      std::shared_ptr<BlockImpl> impl = b.ptr();
-      h = run_block([impl](const torch::Tensor& in) { return impl->forward(in); }, *impl, h);
-    }
-    if (final_) {
-      const auto& head = final_->head.defined() ? final_->head : embed_->wte;
-      h = torch::matmul(final_->ln(h), head.t());
-    }
-    return h;
+    TORCH_CHECK(first_ || !documents_,
+                "this chunk of the gpt takes hidden states and their document numbers "
+                "(--documents): call forward_message");
+    return run(x, torch::Tensor(), run_block)[0];
+  }
+  std::vector<torch::Tensor> forward_message(const std::vector<torch::Tensor>& in,
+                                             const BlockRunner& run_block) override {
+    const size_t want = first_ || !documents_ ? 1 : 2;
+    TORCH_CHECK(in.size() == want, "this chunk of the gpt takes ", want, " tensor(s), not ",
+                in.size());
+    if (!run_block) return forward_message(in, plain_runner());
+    return run(in[0], want == 2 ? in[1] : torch::Tensor(), run_block);
   }
   std::vector<std::shared_ptr<nn::Module>> blocks() override {
     std::vector<std::shared_ptr<nn::Module>> out;
@@ -213,7 +216,35 @@ class GptChunk : public Chunk {
   }
 
  private:
+  static BlockRunner plain_runner() {
+    return [](const BlockForward& block, nn::Module&, const torch::Tensor& h) { return block(h); };
+  }
+  // The chunk from its input (tokens, or hidden states and, with documents,
+  // their document numbers) to what it hands on.
+  std::vector<torch::Tensor> run(const torch::Tensor& x, torch::Tensor documents,
+                                 const BlockRunner& run_block) {
+    torch::Tensor h = x;
+    if (first_) {
+      auto positions = embed_->wpe.narrow(0, 0, x.size(1));
+      h = torch::embedding(embed_->wte, x) + positions;
+      if (documents_) documents = document_numbers(x);
+    }
+    for (auto& b : blocks_) {
+      std::shared_ptr<BlockImpl> impl = b.ptr();
+      h = run_block(
+          [impl, documents](const torch::Tensor& in) { return impl->forward(in, documents); },
+          *impl, h);
+    }
+    if (final_) {
+      const auto& head = final_->head.defined() ? final_->head : embed_->wte;
+      return {torch::matmul(final_->ln(h), head.t())};
+    }
+    if (documents_) return {h, documents};
+    return {h};
+  }
+
   bool first_ = false;
+  bool documents_ = false;
   Embed embed_{nullptr};
   std::vector<Block> blocks_;
   Final final_{nullptr};
@@ -269,6 +300,7 @@ void ModelSpec::check() const {
                   "the MoE's capacity factor and load-balancing weight must be >= 0");
     }
   } else {
+    TORCH_CHECK(!documents, "documents are for the gpt, not the mlp");
     TORCH_CHECK(in_features >= 1, "mlp needs in_features >= 1");
     TORCH_CHECK(experts == 0, "experts are for the gpt (--model moe), not the mlp");
   }
@@ -321,6 +353,21 @@ torch::Tensor loss(const ModelSpec& spec, const torch::Tensor& output,
 std::vector<int64_t> activation_shape(const ModelSpec& spec, int64_t rows) {
   if (spec.kind == "gpt") return {rows, spec.seq_len, spec.d_model};
   return {rows, spec.d_model};
+}
+
+// NOTE [Documents in the reference GPT]
+// With ModelSpec::documents the text is a run of documents, each ending at a
+// newline byte (the newline is its document's last token), and a token
+// attends only to earlier tokens of its own document, as packed sequences
+// are trained. Chunk 0 numbers each token's document from the tokens (the
+// newlines before it in its row) and every chunk but the last hands the
+// numbers on with the hidden states: a message of two tensors, the numbers
+// int64 and needing no gradient, so they travel forward only (NOTE
+// [Messages between stages] in hp/pipeline/message.h). The whole model in
+// one chunk takes tokens, as without documents.
+torch::Tensor document_numbers(const torch::Tensor& tokens) {
+  auto ends = tokens.eq(int64_t('\n')).to(torch::kLong);
+  return ends.cumsum(1) - ends;
 }
 
 int64_t parameter_count(const ModelSpec& spec) {

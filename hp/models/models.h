@@ -33,6 +33,10 @@ struct ModelSpec {
   int64_t top_k = 2;
   double aux_coef = 0.01;        ///< the load-balancing loss's weight (0: none)
   double capacity_factor = 0.0;  ///< 0: dropless (hp/moe DispatchOptions)
+  /// gpt: attention stays inside each document, a document ending at each
+  /// newline byte; the chunks hand on each token's document number with the
+  /// hidden states (NOTE [Documents in the reference GPT] in models.cpp).
+  bool documents = false;
   torch::Dtype dtype = torch::kFloat32;
 
   /// Throws c10::Error saying what to change when the spec is inconsistent.
@@ -65,6 +69,16 @@ class Chunk : public torch::nn::Module {
   virtual torch::Tensor forward_with(const torch::Tensor& x, const BlockRunner& run_block) {
     return forward(x);
   }
+  /// What the chunk hands the next chunk, from what the previous handed it
+  /// (the model input for chunk 0): one tensor, or with the gpt's
+  /// `documents` the hidden states and each token's document number (int64,
+  /// no gradient). The last chunk returns the model output alone. An empty
+  /// `run_block` runs each block as it is.
+  virtual std::vector<torch::Tensor> forward_message(const std::vector<torch::Tensor>& in,
+                                                     const BlockRunner& run_block = {}) {
+    TORCH_CHECK(in.size() == 1, "this chunk takes one tensor, not ", in.size());
+    return {run_block ? forward_with(in[0], run_block) : forward(in[0])};
+  }
   /// The experts this chunk holds of its MoE layers (sharded over the
   /// expert-parallel group: NOTE [Expert gradients] in hp/pipeline/pipeline.cpp).
   virtual std::vector<torch::Tensor> expert_parameters() { return {}; }
@@ -93,6 +107,10 @@ torch::Tensor loss(const ModelSpec& spec, const torch::Tensor& output, const tor
 /// Shape of the activation chunk `index` outputs for a microbatch of `rows`
 /// (what the next stage receives, and the gradient it sends back).
 std::vector<int64_t> activation_shape(const ModelSpec& spec, int64_t rows);
+
+/// The document number of each token of `tokens` ([rows, seq] int64): the
+/// newline bytes before it in its row (NOTE [Documents in the reference GPT]).
+torch::Tensor document_numbers(const torch::Tensor& tokens);
 
 /// Number of parameters of the whole model.
 int64_t parameter_count(const ModelSpec& spec);

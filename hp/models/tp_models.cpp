@@ -171,6 +171,8 @@ void TensorParallel::check(const ModelSpec& spec) const {
 std::shared_ptr<Chunk> build_tp_chunk(const ModelSpec& spec, int64_t index, int64_t num_chunks,
                                       uint64_t seed, const TensorParallel& tp) {
   tp.check(spec);
+  if (spec.documents)
+    throw std::invalid_argument("the tensor-parallel gpt has no documents; drop them");
   auto plain = build_chunk(spec, index, num_chunks, seed);  // checks spec, index and the cut
   std::unordered_map<std::string, torch::Tensor> full;
   for (const auto& item : plain->named_parameters())

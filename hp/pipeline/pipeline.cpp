@@ -443,9 +443,28 @@ void Pipeline::sum_replica_gradients() {
 // to it, so after the step's backward it already holds the sum over the
 // group's losses; averaging it over `dp` would mix other experts in. It is
 // divided by the group's size instead, which makes it the gradient of the
-// global batch's mean loss, as one process computes it.
+// global batch's mean loss, as one process computes it. Where `dp` holds
+// several EP groups (PipelineOptions::expert_dp: the EP group is smaller),
+// each expert is held once in every EP group and its holder saw only its
+// own group's rows: the holders' gradients are summed over `expert_dp` (one
+// all-reduce of them all, an expert no token reached counting zeros), then
+// divided by `dp`'s size, the copies that computed the global batch.
 void Pipeline::scale_expert_gradients() {
   if (experts_.empty() || !options_.dp || options_.dp->world_size() == 1) return;
+  if (options_.expert_dp && options_.expert_dp->world_size() > 1) {
+    std::vector<torch::Tensor> grads;
+    for (const auto& t : experts_) {
+      if (!t.grad().defined()) t.mutable_grad() = torch::zeros_like(t);
+      grads.push_back(t.grad().reshape({-1}));
+    }
+    auto flat = torch::cat(grads);
+    options_.expert_dp->all_reduce(flat);
+    int64_t at = 0;
+    for (const auto& t : experts_) {
+      t.grad().copy_(flat.narrow(0, at, t.numel()).view_as(t));
+      at += t.numel();
+    }
+  }
   const double n = options_.dp->world_size();
   for (const auto& t : experts_)
     if (t.grad().defined()) t.grad().div_(n);
@@ -465,12 +484,17 @@ PipelineStep Pipeline::step() {
         "); its microbatches are half done and the group may be broken: make a new Pipeline "
         "(and, after a communication error, a new process group)");
   PipelineStep out;
+  bool owner_began = false;  // before_step returned: after_step is owed
   try {
+    if (options_.before_step) options_.before_step();
+    owner_began = true;
     if (reducer_) reducer_->begin_step();
     out.stats = executor_->run_step();
     if (reducer_) reducer_->finish_step();
     scale_expert_gradients();
     sum_replica_gradients();
+    owner_began = false;
+    if (options_.after_step) options_.after_step(true);
     // The loss (and the extra sum) over the pipeline's ranks, then the mean
     // over the copies and the loss groups: one collective each.
     const double extra = options_.extra_sum ? options_.extra_sum() : 0.0;
@@ -488,6 +512,12 @@ PipelineStep Pipeline::step() {
     out.dp_exposed = reducer_ ? reducer_->exposed_seconds() : 0.0;
   } catch (const std::exception& e) {
     clear_recompute_sessions();
+    if (owner_began && options_.after_step) {
+      try {
+        options_.after_step(false);
+      } catch (...) {  // the step's error is the one to report
+      }
+    }
     std::string why = e.what();
     if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e))
       why = c10_error->what_without_backtrace();

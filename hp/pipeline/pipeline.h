@@ -64,6 +64,11 @@ struct PipelineOptions {
   c10::intrusive_ptr<c10d::Store> failure_store;
   /// The data-parallel group across copies of this pipeline; null: none.
   std::shared_ptr<distributed::Comm> dp;
+  /// Where the expert-parallel group is smaller than `dp`: the copies that
+  /// hold the same experts (one per EP group). Each expert's gradient is
+  /// summed over them before the division by `dp`'s size (NOTE [Expert
+  /// gradients] in pipeline.cpp); null: the EP group is `dp`.
+  std::shared_ptr<distributed::Comm> expert_dp;
   /// Further groups the step's loss (and extra sum) is averaged over, after
   /// `dp`: groups whose ranks computed other microbatches while another owner
   /// reduces their gradients (FSDP2's, NOTE [FSDP2 stages] in
@@ -71,6 +76,16 @@ struct PipelineOptions {
   std::vector<std::shared_ptr<distributed::Comm>> loss_groups;
   /// Hooks around each (stage, microbatch)'s work, the caller's own.
   StageHooks hooks;
+  /// Hooks around the whole step, for an owner of some weights (FSDP2's
+  /// controls: NOTE [FSDP2 stages] in python/hyperparallel/pipeline/fsdp2.py):
+  /// `before_step` before the first action; `after_step(true)` once the
+  /// actions are done and the gradients are whole (averaged over `dp`,
+  /// experts scaled, replicas summed), before the loss's reduction (FSDP2
+  /// reduce-scatters there); `after_step(false)` when the
+  /// step failed after `before_step` returned (what it throws then is
+  /// dropped: the step's own error is the one raised).
+  std::function<void()> before_step;
+  std::function<void(bool ok)> after_step;
   /// Recompute sessions from I to W of each (stage, microbatch) (NOTE
   /// [Recompute in the pipeline] in pipeline.cpp); `prefetch_recompute` also
   /// recomputes a stage's last block while its output gradient is in flight.

@@ -247,6 +247,12 @@ void compare_fingerprint(const std::string& path, const RankFile& file,
              (saved ? "was " + shown(*saved) : "was not recorded") + ", this run has " +
              shown(value);
   }
+  // A setting the file records and this run does not (--documents is
+  // recorded only where it is on).
+  for (const auto& [key, saved] : file.must)
+    if (saved_value(fp.must, key) == nullptr)
+      diffs +=
+          std::string(count++ ? "; " : "") + key + " was " + shown(saved) + ", this run has none";
   if (count > 0) {
     const std::string* sched = saved_value(file.note, "--schedule");
     throw std::invalid_argument(
@@ -361,6 +367,7 @@ CheckpointFingerprint checkpoint_fingerprint(const TrainConfig& c, const schedul
     must("--seq-len", std::to_string(m.seq_len));
     must("vocab", std::to_string(m.vocab));
     must("--untied", m.tied_head ? "no" : "yes");
+    if (m.documents) must("--documents", "yes");  // absent in checkpoints made before it
   } else {
     must("--in-features", std::to_string(m.in_features));
   }

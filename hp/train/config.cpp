@@ -148,15 +148,17 @@ void TrainConfig::validate() const {
     need(model.experts % ep == 0, "--experts " + std::to_string(model.experts) +
                                       " do not divide over --ep " + std::to_string(ep) +
                                       " ranks: use an --ep that divides the experts");
-    need(dp == ep, "--ep " + std::to_string(ep) +
-                       " spreads the experts over the data-parallel "
-                       "copies, so --dp must be " +
-                       std::to_string(ep) + " (or left out), not " + std::to_string(dp));
+    need(dp % ep == 0, "--ep " + std::to_string(ep) +
+                           " spreads the experts over groups of that many data-parallel "
+                           "copies, so --dp must be a multiple of it (or left out: --dp " +
+                           std::to_string(ep) + "), not " + std::to_string(dp));
     need(!fsdp,
          "--fsdp with --ep is not supported yet (FSDP would shard the experts, which "
          "expert parallelism already spreads); drop --fsdp");
     need(!graph, "--graph does not run expert parallelism; drop --ep or --graph");
   }
+  need(!model.documents || !graph,
+       "--graph traces the gpt without documents; drop --documents or --graph");
   need(model.experts == 0 || !graph,
        "--graph runs the dense gpt only; drop --model moe or --graph");
   need(microbatches >= 1, "--microbatches must be at least 1");

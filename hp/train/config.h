@@ -29,9 +29,9 @@ struct TrainConfig {
   /// sharded over the copies between steps, whole during a step (NOTE [PP x
   /// FSDP in hp train] in hp/train/fsdp.h).
   bool fsdp = false;
-  /// --model moe: the experts spread over this many ranks (--ep), which are
-  /// the data-parallel copies: ep > 1 needs dp == ep (NOTE [Expert
-  /// gradients] in hp/pipeline/pipeline.cpp).
+  /// --model moe: the experts spread over this many ranks (--ep), groups of
+  /// consecutive data-parallel copies: ep > 1 needs dp a multiple of ep
+  /// (NOTE [Expert gradients] in hp/pipeline/pipeline.cpp).
   int ep = 1;
   std::string schedule = "1f1b";  ///< any hp/schedule generator name
   /// A schedule CSV to run instead of a generator (`hp schedule recommend -o`,

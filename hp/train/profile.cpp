@@ -55,6 +55,13 @@ StageSample sample_of(const ProfileConfig& c, std::shared_ptr<models::Chunk> chu
   torch::manual_seed(static_cast<uint64_t>(c.seed) * 131 + index);
   StageSample s;
   s.module.forward = [chunk](const torch::Tensor& x) { return chunk->forward(x); };
+  if (spec.documents && index > 0) {
+    // One document per row (NOTE [Documents in the reference GPT]).
+    auto documents = torch::zeros({rows, spec.seq_len}, on.dtype(torch::kLong));
+    s.module.forward = [chunk, documents](const torch::Tensor& x) {
+      return chunk->forward_message({x, documents})[0];
+    };
+  }
   s.module.parameters = chunk->parameters();
   const bool gpt = spec.kind == "gpt";
   if (index == 0) {
@@ -146,6 +153,7 @@ StageCosts measure_stage(const StageSample& sample, const MeasureOptions& option
   if (!device.is_cpu()) on_device.reset_device(device);
   std::function<int64_t()> allocated = options.memory_allocated;
   if (!allocated && device.is_cpu() && memory_tracker_installed()) allocated = memory_allocated;
+  if (!options.measure_memory) allocated = nullptr;
   auto timer = device.is_cpu() ? pipeline::make_host_timer() : pipeline::make_device_timer(device);
   const auto& params = sample.module.parameters;
   autograd::TensorList grads_out;

@@ -51,13 +51,15 @@ struct MeasureOptions {
   /// the CPU tracking allocator (hp/core/memory.h) when the sample is on the
   /// CPU and the tracker is installed; not measured otherwise.
   std::function<int64_t()> memory_allocated;
+  bool measure_memory = true;  ///< false: mem_b and mem_w stay -1
 };
 
 /// Times F, I, W and a fused B of `sample` on its input's device, with the
 /// step timer of that device (events on the current stream on a GPU; NOTE
 /// [Timing on the device]), and measures the activation memory F leaves to I
 /// and I leaves to W. Weight gradients accumulate into the parameters' .grad
-/// (cleared before each run and after the last).
+/// (cleared before each run and after the last). Python's
+/// hyperparallel.profile.measure_stage calls it.
 StageCosts measure_stage(const StageSample& sample, const MeasureOptions& options = {});
 
 /// What the simulator predicts for one schedule.

@@ -119,6 +119,7 @@ std::string report_json(const TrainConfig& c, const TrainResult& r) {
                  {"d_model", c.model.d_model},
                  {"heads", c.model.heads},
                  {"seq_len", c.model.seq_len},
+                 {"documents", c.model.documents},
                  {"dtype", c.model.dtype == torch::kFloat64 ? "float64" : "float32"},
                  {"nproc", c.nproc},
                  {"dp", c.dp},

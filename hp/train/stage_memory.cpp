@@ -46,8 +46,8 @@ namespace {
 std::vector<double> measure_activation_bytes(
     const schedule::Schedule& sched, int rank, const std::map<int, pipeline::StageModule>& modules,
     const std::function<torch::Tensor(const torch::Tensor&, int)>& loss_fn,
-    const std::function<torch::Tensor(int)>& data_input, const std::vector<int64_t>& act_shape,
-    const torch::TensorOptions& act_options, double loss_scale) {
+    const std::function<torch::Tensor(int)>& data_input, const pipeline::Layout& received,
+    const torch::Device& device, double loss_scale) {
   std::vector<double> out(kStageMemFields * sched.num_stages, 0.0);
   StepCacheScope scope;  // as the executor's steps run (the tracker counts requested bytes)
   pipeline::PipelineStage stage(modules, loss_fn, pipeline::StageHooks{}, loss_scale);
@@ -71,16 +71,29 @@ std::vector<double> measure_activation_bytes(
       op();
       return std::max<int64_t>(0, peak_memory_allocated() - at);
     };
+    // What a received message and its gradient hold: random values of the
+    // layout (the numbers of integer leaves, e.g. documents, zeros).
+    auto leaf = [&](const pipeline::Leaf& l) {
+      auto o = torch::TensorOptions().dtype(l.dtype).device(device);
+      return c10::isFloatingType(l.dtype) ? torch::randn(l.shape, o) : torch::zeros(l.shape, o);
+    };
+    std::vector<bool> takes_grad;
+    for (const auto& l : received)
+      takes_grad.push_back(l.grad);
     auto forward = [&](int mb) {
-      pipeline::Message input = {first ? data_input(0) : torch::randn(act_shape, act_options)};
-      stage.forward(st, mb, input, /*takes_grad=*/{!first}, last);
+      pipeline::Message input;
+      if (first) input.push_back(data_input(0));
+      for (size_t k = 0; !first && k < received.size(); ++k)
+        input.push_back(leaf(received[k]));
+      stage.forward(st, mb, input, first ? std::vector<bool>{false} : takes_grad, last);
       input.clear();
       if (!last) stage.release_output(st, mb);
     };
     auto backward = [&](int mb, bool fused) {
       stage.prepare_backward(st, mb);
       pipeline::Message g;
-      if (!last) g.push_back(torch::randn(act_shape, act_options));
+      for (size_t k = 0; !last && k < received.size(); ++k)
+        if (received[k].grad) g.push_back(leaf(received[k]));
       pipeline::Message dx = fused ? stage.backward(st, mb, g) : stage.backward_input(st, mb, g);
     };
     std::array<int64_t, kStageMemFields> v{};
@@ -151,7 +164,7 @@ std::vector<double> measure_stage_bytes(const TrainConfig& config, const schedul
                                         int rank, pipeline::Pipeline& pipe,
                                         const pipeline::LossFn& loss_fn,
                                         const std::function<torch::Tensor(int)>& input_fn,
-                                        const std::vector<int64_t>& act_shape,
+                                        const pipeline::Layout& received,
                                         const torch::Device& device, distributed::Comm& comm) {
   // Not with --recompute: its hooks count every recompute of the run, and
   // what a checkpointed stage holds is another model (left out).
@@ -160,8 +173,7 @@ std::vector<double> measure_stage_bytes(const TrainConfig& config, const schedul
   for (int st : sched.stages_of_rank(rank))
     stage_modules[st] = pipe.stages().module(st);
   std::vector<double> bytes = measure_activation_bytes(
-      sched, rank, stage_modules, loss_fn, input_fn, act_shape,
-      torch::TensorOptions().dtype(config.model.dtype).device(device), 1.0 / config.microbatches);
+      sched, rank, stage_modules, loss_fn, input_fn, received, device, 1.0 / config.microbatches);
   auto all = torch::tensor(bytes, torch::kFloat64);
   comm.all_reduce(all);  // each stage lives on one rank of the pipeline
   bytes.assign(all.data_ptr<double>(), all.data_ptr<double>() + all.numel());

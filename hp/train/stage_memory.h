@@ -22,13 +22,14 @@ constexpr int kStageMemFields = 6;
 
 /// Every stage's kStageMemFields values in bytes, measured on this rank's
 /// stages of `pipe` and summed over `comm` (each stage lives on one rank of
-/// the pipeline); empty where nothing is measured (a device, --recompute, no
+/// the pipeline), a stage after the first receiving random `received`
+/// messages; empty where nothing is measured (a device, --recompute, no
 /// memory tracker). Collective over `comm` when it measures.
 std::vector<double> measure_stage_bytes(const TrainConfig& config, const schedule::Schedule& sched,
                                         int rank, pipeline::Pipeline& pipe,
                                         const pipeline::LossFn& loss_fn,
                                         const std::function<torch::Tensor(int)>& input_fn,
-                                        const std::vector<int64_t>& act_shape,
+                                        const pipeline::Layout& received,
                                         const torch::Device& device, distributed::Comm& comm);
 
 /// The stage costs' mem_b and mem_w from the measured bytes (before the

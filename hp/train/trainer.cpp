@@ -54,6 +54,10 @@ namespace {
 /// without --dp) and which copy this is (NOTE [Pipeline x data parallel]).
 struct RankGroups {
   std::shared_ptr<distributed::Comm> pp, dp;
+  /// --ep: the copies whose experts differ (the EP group: `dp`, or with
+  /// --ep < --dp consecutive copies within it) and, with --ep < --dp, the
+  /// copies holding the same experts (NOTE [Expert gradients]).
+  std::shared_ptr<distributed::Comm> ep, expert_dp;
   int replica = 0;
   distributed::LinkModel link;  ///< --link
 };
@@ -71,6 +75,15 @@ RankGroups make_groups(const TrainConfig& config, std::shared_ptr<distributed::C
     // --link: the experts' all-to-alls and the copies' reductions pay it too.
     g.dp = distributed::with_link_model(mesh.group("dp"), g.link);
     g.replica = mesh.coordinate("dp");
+    g.ep = g.dp;
+    if (config.ep > 1 && config.ep < config.dp) {
+      // Copy d = a * ep + e: EP group a, expert slice e.
+      distributed::DeviceMesh copies(
+          mesh.group("dp"),
+          distributed::MeshShape{{"edp", "ep"}, {config.dp / config.ep, config.ep}});
+      g.ep = distributed::with_link_model(copies.group("ep"), g.link);
+      g.expert_dp = distributed::with_link_model(copies.group("edp"), g.link);
+    }
   }
   return g;
 }
@@ -93,25 +106,32 @@ RankModel build_rank_model(const TrainConfig& config, const schedule::Schedule& 
     // --ep: the copies of the pipeline hold different experts (hp/moe).
     auto chunk =
         models::build_chunk(config.model, c, sched.num_chunks, config.seed,
-                            config.ep > 1 ? distributed::for_device(groups.dp, device) : nullptr);
+                            config.ep > 1 ? distributed::for_device(groups.ep, device) : nullptr);
     chunk->to(device);  // initialised on the CPU: the same values on every device
     chunk->set_aux_scale(
         1.0 / config.microbatches);  // NOTE [The load-balancing loss of the reference MoE]
     model.chunks[c] = chunk;
     pipeline::ChunkModule mod;
-    if (config.recompute) {
-      mod.forward = [chunk](const torch::Tensor& x) {
-        return chunk->forward_with(x, [](const models::Chunk::BlockForward& block,
-                                         torch::nn::Module& module, const torch::Tensor& h) {
-          auto fn = [block](const recompute::TensorList& in) {
-            return recompute::TensorList{block(in[0])};
-          };
-          return recompute::checkpoint(fn, {h}, module.parameters())[0];
-        });
+    // --recompute: each block checkpointed; else each block as it is.
+    models::Chunk::BlockRunner run_block;
+    if (config.recompute)
+      run_block = [](const models::Chunk::BlockForward& block, torch::nn::Module& module,
+                     const torch::Tensor& h) {
+        auto fn = [block](const recompute::TensorList& in) {
+          return recompute::TensorList{block(in[0])};
+        };
+        return recompute::checkpoint(fn, {h}, module.parameters())[0];
       };
-    } else {
-      mod.forward = [chunk](const torch::Tensor& x) { return chunk->forward(x); };
-    }
+    // --documents: the gpt's chunks hand on a message of two tensors (NOTE
+    // [Documents in the reference GPT] in hp/models/models.cpp).
+    if (config.model.documents)
+      mod.forward_message = [chunk, run_block](const pipeline::Message& in) {
+        return chunk->forward_message(in, run_block);
+      };
+    else
+      mod.forward = [chunk, run_block](const torch::Tensor& x) {
+        return run_block ? chunk->forward_with(x, run_block) : chunk->forward(x);
+      };
     // Model-wide names: a tied head's weight is the embedding's, a DualPipe
     // mirror's the original's, so the Pipeline sums their gradients.
     for (const auto& item : chunk->named_parameters()) {
@@ -141,6 +161,7 @@ pipeline::PipelineOptions pipeline_options(const TrainConfig& config, const Rank
   po.dtype = config.model.dtype;
   po.p2p = config.p2p;
   po.dp = groups.dp;
+  po.expert_dp = groups.expert_dp;
   po.recompute_sessions = config.recompute;
   po.prefetch_recompute = true;  // NOTE [Recompute in the pipeline] in hp/pipeline/pipeline.cpp
   po.receive_lookahead = config.receive_lookahead;
@@ -170,7 +191,7 @@ void final_parameters(const TrainConfig& config, const RankModel& model,
   }
   if (config.ep > 1) {
     auto es = torch::tensor({expert_sum}, torch::kFloat64);
-    groups.dp->all_reduce(es);
+    groups.ep->all_reduce(es);  // each expert once: its EP group holds every one
     expert_sum = es.item<double>();
   }
   auto cs = torch::tensor({own_sum + expert_sum}, torch::kFloat64);
@@ -217,9 +238,18 @@ TrainResult run_rank(const TrainConfig& config, std::shared_ptr<distributed::Com
   auto input_fn = [&](int mb) { return data.get(step, first_mb + mb).input.to(device); };
   const std::vector<int64_t> act_shape =
       models::activation_shape(config.model, config.microbatch_size);
+  // What a stage after the first receives: the activation, and with
+  // --documents each token's document number, which takes no gradient.
+  pipeline::Layout received = {{config.model.dtype, act_shape, true}};
   pipeline::PipelineOptions po = pipeline_options(config, groups, device);
-  po.input = input_fn;
-  po.activation_shape = [act_shape](int, int) { return act_shape; };
+  if (config.model.documents) {
+    received.push_back({torch::kLong, {config.microbatch_size, config.model.seq_len}, false});
+    po.input_message = [&](int mb) { return pipeline::Message{input_fn(mb)}; };
+    po.layout = [received](int, int) { return received; };
+  } else {
+    po.input = input_fn;
+    po.activation_shape = [act_shape](int, int) { return act_shape; };
+  }
   pipeline::Pipeline pipe(sched, groups.pp, model.modules, loss_fn, po);
   if (!pipe.p2p_note().empty() && rank == 0 && reporter)
     std::fprintf(stderr, "hp train: --p2p auto uses Gloo's point-to-point: %s\n",
@@ -252,7 +282,7 @@ TrainResult run_rank(const TrainConfig& config, std::shared_ptr<distributed::Com
     comm_cost = distributed::one_way_latency(comm, 0, 1, probe);
   }
   const std::vector<double> stage_bytes =
-      measure_stage_bytes(config, sched, rank, pipe, loss_fn, input_fn, act_shape, device, comm);
+      measure_stage_bytes(config, sched, rank, pipe, loss_fn, input_fn, received, device, comm);
 
   Progress progress(config.progress && rank == 0 && reporter, first, config.steps);
   pipeline::PipelineStep last;

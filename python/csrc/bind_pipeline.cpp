@@ -180,7 +180,8 @@ class Runtime {
           py::object extra_sum, const py::object& failure_store,
           const std::map<int, std::vector<torch::Tensor>>& chunk_expert_parameters,
           const py::object& dp_failure_store, const std::vector<py::object>& loss_groups,
-          const std::map<int, std::vector<std::string>>& chunk_parameter_names) {
+          const std::map<int, std::vector<std::string>>& chunk_parameter_names,
+          py::object before_step, py::object after_step, const py::object& expert_dp_group) {
     distributed::CommOptions comm_options;
     comm_options.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
     auto pg = process_group_of(group);
@@ -239,6 +240,18 @@ class Runtime {
         return call_held(*shape_fn, "activation_shape", stage, mb).cast<std::vector<int64_t>>();
       };
     }
+    // The owner of some weights around each step (FSDP2's: NOTE [FSDP2
+    // stages] in python/hyperparallel/pipeline/fsdp2.py).
+    if (!before_step.is_none())
+      po.before_step = [fn = held(before_step)]() {
+        py::gil_scoped_acquire gil;
+        call_held(*fn, "the step's before_step hook");
+      };
+    if (!after_step.is_none())
+      po.after_step = [fn = held(after_step)](bool ok) {
+        py::gil_scoped_acquire gil;
+        call_held(*fn, "the step's after_step hook", ok);
+      };
     if (!extra_sum.is_none())
       po.extra_sum = [fn = held(extra_sum)]() {
         py::gil_scoped_acquire gil;
@@ -295,6 +308,10 @@ class Runtime {
     // own point-to-point a stopped peer fails the waits within seconds. The
     // monitor's rendezvous waits on every rank too, the data-parallel
     // Comm's (over dp_group) before the pipeline's on every rank.
+    // NOTE [Expert gradients] in hp/pipeline/pipeline.cpp.
+    if (!expert_dp_group.is_none())
+      po.expert_dp =
+          distributed::Comm::from_process_group(process_group_of(expert_dp_group), comm_options);
     if (dp_pg)
       po.dp = distributed::with_failure_store(
           distributed::Comm::from_process_group(dp_pg, comm_options, dp_monitor), dp_failures);
@@ -433,8 +450,8 @@ void bind_pipeline(py::module_& m) {
                     pipeline::PipelineOptions, double, const py::object&,
                     const std::map<int, std::vector<torch::Tensor>>&, py::object, const py::object&,
                     const std::map<int, std::vector<torch::Tensor>>&, const py::object&,
-                    const std::vector<py::object>&,
-                    const std::map<int, std::vector<std::string>>&>(),
+                    const std::vector<py::object>&, const std::map<int, std::vector<std::string>>&,
+                    py::object, py::object, const py::object&>(),
            // std::invalid_argument (a bad option) reaches Python as ValueError.
            py::arg("schedule"), py::arg("group"), py::arg("chunk_forward"),
            py::arg("chunk_parameters"), py::arg("loss"), py::arg("activation_shape"),
@@ -445,7 +462,9 @@ void bind_pipeline(py::module_& m) {
            py::arg("chunk_expert_parameters") = std::map<int, std::vector<torch::Tensor>>{},
            py::arg("dp_failure_store") = py::none(),
            py::arg("loss_groups") = std::vector<py::object>{},
-           py::arg("chunk_parameter_names") = std::map<int, std::vector<std::string>>{})
+           py::arg("chunk_parameter_names") = std::map<int, std::vector<std::string>>{},
+           py::arg("before_step") = py::none(), py::arg("after_step") = py::none(),
+           py::arg("expert_dp_group") = py::none())
       .def("step", &Runtime::step, py::arg("inputs"),
            "Runs one step of this rank's actions; returns the loss and timings.")
       .def("abandon", &Runtime::abandon, py::arg("why"),

@@ -1,10 +1,13 @@
-// hyperparallel._C.profile: what hyperparallel.profile needs from C++ - the
+// hyperparallel._C.profile: what hyperparallel.profile needs from C++ - one
+// stage's measurement (hp/train/profile.h's, as `hp profile` measures), the
 // cost model of measured stages, every schedule's predicted step at a target
 // p and m (hp/train/profile.h, the same code as `hp profile`), the paper's
 // Table 5 rows, and the CPU tracking allocator for activation memory.
 #include <stdexcept>
 #include <string>
 #include <vector>
+
+#include <torch/csrc/autograd/python_variable.h>
 
 #include "bindings.h"
 #include "hp/core/memory.h"
@@ -24,10 +27,67 @@ train::StageCosts costs_of(const py::dict& d) {
   return c;
 }
 
+// `fn(x)` under the GIL, which must return a tensor.
+torch::Tensor tensor_from(const py::object& fn, const torch::Tensor& x, const char* what) {
+  py::gil_scoped_acquire gil;
+  py::object o = fn(x);
+  if (!THPVariable_Check(o.ptr()))
+    throw py::type_error(std::string(what) + " must return a torch.Tensor, got " +
+                         std::string(py::str(py::type::of(o))));
+  return THPVariable_Unpack(o.ptr());
+}
+
+py::object bytes_or_none(int64_t bytes) {
+  return bytes < 0 ? py::none() : py::object(py::int_(bytes));
+}
+
 }  // namespace
 
 void bind_profile(py::module_& m) {
   auto sub = m.def_submodule("profile", "measured costs and predicted schedules (hp profile)");
+  sub.def(
+      "measure_stage",
+      [](const py::object& forward, const torch::Tensor& input, bool input_needs_grad,
+         const std::vector<torch::Tensor>& weights, const py::object& loss,
+         const py::object& grad_output, int warmup, int repeats, const py::object& memory_allocated,
+         bool measure_memory) {
+        // The Python callables take the GIL back; the measurement runs
+        // without it (the autograd engine's device threads may run Python).
+        train::StageSample s;
+        s.module.forward = [&forward](const torch::Tensor& x) {
+          return tensor_from(forward, x, "the stage");
+        };
+        s.module.parameters = weights;
+        s.input = input;
+        s.input_needs_grad = input_needs_grad;
+        if (!loss.is_none())
+          s.loss = [&loss](const torch::Tensor& out) { return tensor_from(loss, out, "loss_fn"); };
+        else
+          s.grad_output = grad_output.cast<torch::Tensor>();
+        train::MeasureOptions o;
+        o.warmup = warmup;
+        o.repeats = repeats;
+        o.measure_memory = measure_memory;
+        if (!memory_allocated.is_none())
+          o.memory_allocated = [&memory_allocated]() {
+            py::gil_scoped_acquire gil;
+            return memory_allocated().cast<int64_t>();
+          };
+        train::StageCosts c;
+        {
+          py::gil_scoped_release release;
+          c = train::measure_stage(s, o);
+        }
+        py::dict d;
+        d["f"] = c.f, d["i"] = c.i, d["w"] = c.w, d["b"] = c.b;
+        d["mem_b"] = bytes_or_none(c.mem_b), d["mem_w"] = bytes_or_none(c.mem_w);
+        return d;
+      },
+      py::arg("forward"), py::arg("input"), py::arg("input_needs_grad"), py::arg("weights"),
+      py::arg("loss"), py::arg("grad_output"), py::arg("warmup"), py::arg("repeats"),
+      py::arg("memory_allocated"), py::arg("measure_memory"),
+      "F, I, W and a fused B of a stage in seconds (medians) and its mem_b / mem_w in bytes "
+      "(None: not measured): hp::train::measure_stage, as hp profile measures a stage.");
   sub.def(
       "stage_cost_model",
       [](const py::dict& first, const py::dict& middle, const py::dict& last, double comm, int p) {

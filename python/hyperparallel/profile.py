@@ -14,9 +14,10 @@ code as ``hp profile``)::
     preds = hp.profile.predict(costs, p=8, m=24)   # simulated on these costs
     print(hp.profile.report(costs, preds, p=8, m=24))
 
-I and W are timed as the pipeline runs them (``forward_and_gradfn``'s
-``compute_input_grad`` and ``compute_weight_grad``), B as one plain
-``torch.autograd.backward``; on CUDA with events on the current stream. With
+The measurement is ``hp profile``'s own (``hp::train::measure_stage``): I
+and W are timed as the pipeline runs them (the split's
+``compute_input_grad`` and ``compute_weight_grad``), B as one fused
+backward of the same stage; on CUDA with events on the current stream. With
 ``compare_torch=True`` the same stage is also split by PyTorch's own
 ``stage_backward_input``/``stage_backward_weight``
 (``torch.distributed.pipelining``), in the same run.
@@ -32,7 +33,6 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from . import _C
-from .split import forward_and_gradfn
 
 __all__ = [
     "StageCosts",
@@ -189,77 +189,46 @@ def measure_stage(
         out = stage(x)
         return loss_fn(out) if loss_fn is not None else out
 
-    def leaf():
-        x = example_input.detach()
-        return x.requires_grad_(True) if input_requires_grad else x
+    # The measurement itself is hp profile's (hp::train::measure_stage).
+    got = _C.profile.measure_stage(stage, example_input, input_requires_grad, weights, loss_fn,
+                                   grad_output, warmup, repeats, memory, memory is not None)
+    ti = tw = None
+    if compare_torch:
+        ti, tw = _torch_split(run_stage, example_input, input_requires_grad, weights,
+                              grad_output, warmup, repeats)
+    return StageCosts(device=str(device), torch_i=ti, torch_w=tw, **got)
 
-    def clear():
+
+def _torch_split(run_stage, example_input, input_requires_grad, weights, sens, warmup, repeats):
+    """The medians of PyTorch's stage_backward_input and stage_backward_weight
+    (torch.distributed.pipelining) on the same stage, in seconds."""
+    from torch.distributed.pipelining._backward import (
+        stage_backward_input,
+        stage_backward_weight,
+    )
+
+    ti, tw = [], []
+    for run in range(warmup + repeats):
+        timer = _Timer(example_input.device)
         for q in weights:
             q.grad = None
-
-    sens = None if grad_output is None else grad_output
-    f, i, w, b, ti, tw = [], [], [], [], [], []
-    mem_b = mem_w = None
-    for run in range(warmup + repeats):
-        timer = _Timer(device)
-        clear()
-        before = memory() if memory else 0
+        x = example_input.detach()
+        if input_requires_grad:
+            x.requires_grad_(True)
+        out = run_stage(x)
         m0 = timer.mark()
-        x = leaf()
-        out, gf = forward_and_gradfn(run_stage, x, weights=weights,
-                                     grad_position=0 if input_requires_grad else None)
+        _, groups = stage_backward_input([out], None if sens is None else [sens],
+                                         [x] if input_requires_grad else [], iter(weights))
         m1 = timer.mark()
-        after_f = memory() if memory else 0
-        dx = gf.compute_input_grad(sens)
+        stage_backward_weight(iter(weights), groups)
         m2 = timer.mark()
-        after_i = memory() if memory else 0
-        gf.compute_weight_grad()
-        m3 = timer.mark()
-        del gf
-        clear()
-        x2 = leaf()
-        out2 = run_stage(x2)
-        m4 = timer.mark()
-        torch.autograd.backward(out2, sens)
-        m5 = timer.mark()
-        del out2, x2
-        if compare_torch:
-            from torch.distributed.pipelining._backward import (
-                stage_backward_input,
-                stage_backward_weight,
-            )
-
-            clear()
-            x3 = leaf()
-            out3 = run_stage(x3)
-            m6 = timer.mark()
-            _, groups = stage_backward_input([out3], None if sens is None else [sens],
-                                             [x3] if input_requires_grad else [], iter(weights))
-            m7 = timer.mark()
-            stage_backward_weight(iter(weights), groups)
-            m8 = timer.mark()
-            del out3, x3, groups
-        if run < warmup:
-            continue
-        f.append(timer.between(m0, m1))
-        i.append(timer.between(m1, m2))
-        w.append(timer.between(m2, m3))
-        b.append(timer.between(m4, m5))
-        if compare_torch:
-            ti.append(timer.between(m6, m7))
-            tw.append(timer.between(m7, m8))
-        if memory:
-            sent_out = 0 if loss_fn is not None else out.untyped_storage().nbytes()
-            sent_dx = dx.untyped_storage().nbytes() if isinstance(dx, torch.Tensor) else 0
-            mem_b = max(0, after_f - before - sent_out)
-            mem_w = max(0, after_i - before - sent_out - sent_dx)
-        del out, dx
-    clear()
-    med = statistics.median
-    return StageCosts(
-        f=med(f), i=med(i), w=med(w), b=med(b), mem_b=mem_b, mem_w=mem_w, device=str(device),
-        torch_i=med(ti) if ti else None, torch_w=med(tw) if tw else None,
-    )
+        del out, x, groups
+        if run >= warmup:
+            ti.append(timer.between(m0, m1))
+            tw.append(timer.between(m1, m2))
+    for q in weights:
+        q.grad = None
+    return statistics.median(ti), statistics.median(tw)
 
 
 def cost_model(first: StageCosts, middle: Optional[StageCosts] = None,

@@ -2,6 +2,8 @@
 // hp/pipeline/agreement.cpp): the collectives its construction makes, counted
 // on the pipeline's group and on the data-parallel group, and the ranks'
 // common failure when one rank could not make its pipeline or its executor.
+// And the step's owner hooks (PipelineOptions::before_step / after_step):
+// where a step calls them, and on a failed step.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -130,6 +132,83 @@ TEST(PipelineAgreement, ARankThatCannotMakeItsPipelineOrExecutorFailsEveryRank) 
     EXPECT_NE(errors[0].find("rank 0: rank 1 could not make its " + what), std::string::npos)
         << errors[0];
   }
+}
+
+TEST(PipelineStepHooks, AroundEveryStepWithWholeGradientsAndOnAFailedStep) {
+  const auto sched = hp::schedule::build("zb-h1", 2, 4);
+  std::vector<std::vector<std::string>> log(2);
+  std::vector<std::string> errors(2);
+  hp::testing::run_ranks_as_threads(
+      2,
+      [&](int r, std::shared_ptr<Comm> world) {
+        auto group = std::make_shared<CountingComm>(world);
+        auto chunks = chunks_of(sched, r);
+        const torch::Tensor w = chunks.begin()->second.parameters[0];
+        std::atomic<bool> fail{false};
+        chunks.begin()->second.forward = [w, &fail](const torch::Tensor& x) {
+          if (fail) throw std::runtime_error("this forward fails");
+          return torch::tanh(x.matmul(w));
+        };
+        auto options = options_of();
+        int collectives_at_after = -1;
+        options.before_step = [&] {
+          log[r].push_back(w.grad().defined() ? "before, with a gradient" : "before");
+        };
+        options.after_step = [&](bool ok) {
+          collectives_at_after = group->collectives;
+          // After the last W: the weight's gradient of every microbatch is in.
+          log[r].push_back(std::string(ok ? "after ok" : "after failed") +
+                           (w.grad().defined() && w.grad().abs().sum().item<double>() > 0
+                                ? ", with a gradient"
+                                : ""));
+        };
+        hp::pipeline::Pipeline pipeline(sched, group, chunks, loss_of(), options);
+        for (int step = 0; step < 2; ++step) {
+          pipeline.step();
+          // The loss's reduction (one all-reduce over the group) comes after.
+          EXPECT_EQ(group->collectives, collectives_at_after + 1) << "rank " << r;
+          w.mutable_grad() = torch::Tensor();
+        }
+        fail = true;
+        try {
+          pipeline.step();
+        } catch (const std::exception& e) {
+          errors[r] = e.what();
+        }
+      },
+      std::chrono::seconds(5));
+  for (int r = 0; r < 2; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    EXPECT_NE(errors[r], "") << "the step did not fail";
+    const std::vector<std::string> want = {"before", "after ok, with a gradient",
+                                           "before", "after ok, with a gradient",
+                                           "before", "after failed"};
+    ASSERT_EQ(log[r].size(), want.size());
+    for (size_t k = 0; k < want.size(); ++k)
+      EXPECT_EQ(log[r][k].substr(0, want[k].size()), want[k]) << k;
+  }
+  EXPECT_NE(errors[0].find("this forward fails"), std::string::npos) << errors[0];
+}
+
+TEST(PipelineStepHooks, AFailedBeforeStepFailsTheStepWithoutAfterStep) {
+  const auto sched = hp::schedule::build("1f1b", 2, 2);
+  std::vector<std::string> errors(2);
+  std::atomic<int> afters{0};
+  hp::testing::run_ranks_as_threads(2, [&](int r, std::shared_ptr<Comm> group) {
+    auto options = options_of();
+    options.before_step = [] { throw std::runtime_error("the owner could not unshard"); };
+    options.after_step = [&](bool) { ++afters; };
+    hp::pipeline::Pipeline pipeline(sched, group, chunks_of(sched, r), loss_of(), options);
+    try {
+      pipeline.step();
+    } catch (const std::exception& e) {
+      errors[r] = e.what();
+    }
+    EXPECT_TRUE(pipeline.broken());
+  });
+  for (int r = 0; r < 2; ++r)
+    EXPECT_NE(errors[r].find("the owner could not unshard"), std::string::npos) << errors[r];
+  EXPECT_EQ(afters, 0);
 }
 
 }  // namespace

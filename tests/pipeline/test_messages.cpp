@@ -14,11 +14,16 @@
 #include <string>
 #include <vector>
 
+#include <filesystem>
+#include <fstream>
+
 #include "hp/distributed/comm.h"
+#include "hp/models/models.h"
 #include "hp/pipeline/pipeline.h"
 #include "hp/schedule/generators.h"
 #include "tests/common/forwarding_comm.h"
 #include "tests/common/threads_as_ranks.h"
+#include "tests/pipeline/tiny_train.h"
 
 namespace {
 
@@ -301,6 +306,85 @@ TEST(MessagesOfSeveralTensors, DeclaredOnOneRankCarriedOnAnotherIsRefused) {
   EXPECT_NE(errors[1].find("rank 1: rank 0's pipeline has messages of a declared layout"),
             std::string::npos)
       << errors[1];
+}
+
+// The reference GPT with documents (NOTE [Documents in the reference GPT]):
+// a token's logits do not depend on tokens of earlier lines, and the model
+// cut into two chunks hands on [hidden, document numbers] and equals the
+// whole model.
+TEST(GptDocuments, ATokenSeesOnlyItsOwnLineAndTheCutModelEqualsTheWhole) {
+  hp::models::ModelSpec spec;
+  spec.dtype = torch::kFloat64;
+  spec.layers = 2, spec.d_model = 16, spec.heads = 2, spec.seq_len = 8;
+  spec.documents = true;
+  auto whole = hp::models::build_chunk(spec, 0, 1, 3);
+  auto first = hp::models::build_chunk(spec, 0, 2, 3),
+       last = hp::models::build_chunk(spec, 1, 2, 3);
+  auto tokens =
+      torch::tensor(std::vector<int64_t>{'a', 'b', '\n', 'c', 'd', 'e', '\n', 'f'}).view({1, 8});
+  EXPECT_TRUE(hp::models::document_numbers(tokens).equal(
+      torch::tensor(std::vector<int64_t>{0, 0, 0, 1, 1, 1, 1, 2}).view({1, 8})));
+  auto other = tokens.clone();
+  other[0][0] = int64_t('x'), other[0][1] = int64_t('y');  // the first line only
+  torch::NoGradGuard no_grad;
+  auto a = whole->forward(tokens), b = whole->forward(other);
+  EXPECT_TRUE(a.narrow(1, 3, 5).equal(b.narrow(1, 3, 5))) << "a later line saw the first";
+  EXPECT_FALSE(a.narrow(1, 0, 3).equal(b.narrow(1, 0, 3)));
+  hp::models::ModelSpec plain = spec;
+  plain.documents = false;
+  auto c = hp::models::build_chunk(plain, 0, 1, 3);
+  EXPECT_FALSE(c->forward(tokens).narrow(1, 3, 5).equal(c->forward(other).narrow(1, 3, 5)))
+      << "without documents every token sees the whole row";
+  // Cut in two: a message of two tensors between the chunks.
+  auto message = first->forward_message({tokens});
+  ASSERT_EQ(message.size(), 2u);
+  EXPECT_EQ(message[1].scalar_type(), torch::kLong);
+  EXPECT_TRUE(message[1].equal(hp::models::document_numbers(tokens)));
+  auto out = last->forward_message(message);
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_LE((out[0] - a).abs().max().item<double>(), 1e-12);
+  try {
+    last->forward(message[0]);
+    ADD_FAILURE() << "a later chunk ran without its document numbers";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("call forward_message"), std::string::npos) << e.what();
+  }
+}
+
+// `hp train --documents`: the stages hand on a message of two tensors (the
+// int64 numbers forward only), and the pipeline trains as one process on
+// every kind of schedule (split backward, V, replicas, overlapped pairs,
+// recompute). The text has a newline every few bytes, so the mask is at work
+// (the reference without documents trains otherwise).
+TEST(GptDocuments, HpTrainHandsOnTheDocumentsAndTrainsAsOneProcess) {
+  const auto text = std::filesystem::temp_directory_path() /
+                    ("hp-documents-" + std::to_string(::getpid()) + ".txt");
+  {
+    std::ofstream out(text);
+    for (int i = 0; i < 400; ++i)
+      out << "line " << i * 7919 % 1000 << (i % 3 ? " of text" : "") << "\n";
+  }
+  struct Run {
+    std::string schedule;
+    int m;
+    bool overlap, recompute;
+  };
+  for (const Run& run :
+       {Run{"1f1b", 4, false, false}, Run{"zbv", 4, false, true}, Run{"dualpipev", 6, true, false},
+        Run{"interleaved-zb", 4, false, false}}) {
+    SCOPED_TRACE(run.schedule);
+    hp::train::TrainConfig c = hp::testing::tiny(run.schedule, 2, run.m, "gpt");
+    c.model.documents = true;
+    c.data = text.string();
+    c.fb_overlap = run.overlap;
+    c.recompute = run.recompute;
+    const hp::train::TrainResult ref = hp::train::train_reference(c);
+    hp::testing::expect_copies_equal_the_reference(hp::testing::run_threads(c), ref);
+    hp::train::TrainConfig plain = c;
+    plain.model.documents = false;
+    EXPECT_GT(std::abs(hp::train::train_reference(plain).losses.back() - ref.losses.back()), 1e-6);
+  }
+  std::filesystem::remove(text);
 }
 
 }  // namespace

@@ -599,6 +599,36 @@ INSTANTIATE_TEST_SUITE_P(Schedules, ExpertParallelPipelines,
                            return n;
                          });
 
+// --ep 2 --dp 4: two EP groups of two copies each; the copies holding the
+// same experts (one in each EP group) sum their gradients before the
+// division by the four copies (NOTE [Expert gradients]).
+TEST(ExpertParallelPipelines, FewerExpertRanksThanCopiesEqualOneProcess) {
+  for (const std::string schedule : {"zb-h1", "dualpipev"}) {
+    SCOPED_TRACE(schedule);
+    TrainConfig c = tiny(schedule, 2, schedule == "dualpipev" ? 6 : 4, "gpt");
+    c.model.experts = 4;
+    c.model.top_k = 2;
+    c.ep = 2;
+    c.dp = 4;
+    auto ranks = run_threads(c);
+    TrainConfig whole = c;
+    whole.dp = whole.ep = 1;
+    whole.microbatches = c.dp * c.microbatches;
+    expect_copies_equal_the_reference(ranks, hp::train::train_reference(whole));
+  }
+  TrainConfig bad = tiny("1f1b", 2, 4, "gpt");
+  bad.model.experts = 4;
+  bad.ep = 2;
+  bad.dp = 3;
+  try {
+    bad.validate();
+    ADD_FAILURE() << "--ep 2 --dp 3 must be refused";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("--dp must be a multiple of it"), std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(DataParallelPipelines, BadMeshesAreRefusedBeforeAnyWork) {
   TrainConfig c = tiny("1f1b", 2, 4, "gpt");
   c.dp = 0;

@@ -14,7 +14,10 @@ this rank's rows). The models, the data and the one-process reference
 
 A model name ending in "+fsdp2" also shards each layer's attention with
 FSDP2 over the EP dimension of an (ep, pp) DeviceMesh; one ending in
-"+overlap" trains with fb_overlap=True under HP_LINK (a modelled link)."""
+"+overlap" trains with fb_overlap=True under HP_LINK (a modelled link); one
+ending in "-dp4" is pp 1 x dp 4 with the experts over the same EP groups:
+every rank a whole pipeline, dp_group the world, and expert_dp_group the
+ranks holding the same experts (one per EP group: {2e, 2e + 1})."""
 
 import os
 import sys
@@ -181,11 +184,13 @@ def main():
     pp_groups = [dist.new_group([e * PP + s for s in range(PP)]) for e in range(EP)]
     ep_groups = [dist.new_group([e * PP + s for e in range(EP)]) for s in range(PP)]
     pp_group, ep_group = pp_groups[copy], ep_groups[stage_rank]
+    solo = [dist.new_group([r]) for r in range(PP * EP)][rank]  # a pipeline of one rank
     mesh = None
     results = {}
     for kind, name in cases:
         m = microbatches(name)
-        sched = hp.pipeline.schedule(name, ranks=PP, microbatches=m)
+        dp4 = kind.endswith("-dp4")
+        sched = hp.pipeline.schedule(name, ranks=1 if dp4 else PP, microbatches=m)
         fsdp = kind.endswith("+fsdp2")
         # "+overlap": fb_overlap under a modelled link (HP_LINK), read by the
         # dispatchers expert_parallel makes and by the Pipeline.
@@ -201,11 +206,16 @@ def main():
         # Cut first (split_model runs the model alone to find its layers'
         # inputs), then spread the experts of the chunks, which share the
         # model's modules.
-        model = make_model(kind.removesuffix("+fsdp2").removesuffix("+overlap"))
-        chunks = hp.pipeline.split_model(model, sched, stage_rank)
+        model = make_model(
+            kind.removesuffix("+fsdp2").removesuffix("+overlap").removesuffix("-dp4"))
+        chunks = hp.pipeline.split_model(model, sched, 0 if dp4 else stage_rank)
         hp.moe.expert_parallel(model, groups[1])
         length = [T]  # this step's sequence length, for the declared shapes
         extra = {}
+        if dp4:
+            groups = (solo, dist.group.WORLD)
+            extra["expert_dp_group"] = pp_group
+            results["dp4-refusals"] = dp4_refusals(hp, chunks, sched, solo, ep_group)
         if fsdp:
             # FSDP2 over the EP dimension for the attention of every layer
             # this rank holds; the experts (spread) and the rest (averaged by
@@ -223,9 +233,10 @@ def main():
         os.environ.pop("HP_LINK", None)
         opt = torch.optim.SGD([q for c in chunks.values() for q in c.parameters()], lr=LR)
         losses, aux, dropped, hidden = [], [], 0, 0.0
-        rows = slice(copy * m * MB, (copy + 1) * m * MB)
+        part = rank if dp4 else copy  # this copy's part of the global batch
+        rows = slice(part * m * MB, (part + 1) * m * MB)
         for step in range(STEPS):
-            x, y, mask = batch(step, m)
+            x, y, mask = batch(step, 2 * m if dp4 else m)
             length[0] = x.shape[1]
             opt.zero_grad()
             kw = {} if mask is None else {"attention_mask": mask[rows]}
@@ -254,6 +265,23 @@ def main():
     # The groups saw a failure: leave without tearing them down.
     sys.stdout.flush()
     os._exit(0)
+
+
+def dp4_refusals(hp, chunks, sched, solo, ep_group):
+    """What Pipeline says, on every rank, where dp_group (the world) is larger
+    than the expert-parallel group and expert_dp_group is missing, or is not
+    one rank of each EP group."""
+    import torch.distributed as dist
+
+    out = []
+    for edp in (None, ep_group):
+        try:
+            hp.pipeline.Pipeline(chunks, sched, loss_fn=loss_fn, group=solo,
+                                 dp_group=dist.group.WORLD, expert_dp_group=edp, timeout=60)
+            out.append(None)
+        except ValueError as e:
+            out.append(str(e))
+    return out
 
 
 def fail_in_a_step(hp, copy, stage_rank, pp_group, ep_group):

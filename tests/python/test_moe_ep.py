@@ -2,8 +2,8 @@
 experts, its refusals, and pp 2 x ep 2 on 4 processes equal to one process
 in float64 (losses, auxiliary losses, every parameter after 3 SGD steps)
 for transformers' Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3 on fused, split, V and
-DualPipe schedules, with a sequence length that changes and padding, and
-pp 2 x ep 2 x FSDP2; in the same launch, torchtitan's MoE layer over each EP
+DualPipe schedules, with a sequence length that changes and padding,
+pp 2 x ep 2 x FSDP2, and pp 1 x dp 4 with the experts over EP groups of 2; in the same launch, torchtitan's MoE layer over each EP
 group and a rank that fails inside an overlapped pair of a step."""
 
 import os
@@ -21,11 +21,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # step of mixtral-one-expert sends every token to expert 0 (rank 0 of each EP
 # group) and none to the other three; "+fsdp2": pp 2 x ep 2 x FSDP2 (each
 # layer's attention fully_shard'ed over the EP dimension, shapes declared);
-# "+overlap": fb_overlap=True under HP_LINK (docs/overlap.md).
+# "+overlap": fb_overlap=True under HP_LINK (docs/overlap.md); "-dp4": pp 1
+# x dp 4, each expert held in both EP groups (expert_dp_group).
 CASES = ["mixtral:1f1b", "mixtral:zb-h1", "mixtral:zbv", "mixtral:dualpipev",
          "qwen3_moe:zb-h1", "qwen3_moe:dualpipev", "qwen2_moe:zbv", "deepseek_v3:zb-h1",
          "deepseek_v3:zbv", "mixtral-one-expert:1f1b", "mixtral+fsdp2:zb-h1",
-         "mixtral+overlap:dualpipev"]
+         "mixtral+overlap:dualpipev", "mixtral-dp4:1f1b"]
 
 
 def test_pp2_ep2_equals_one_process(tmp_path):
@@ -36,9 +37,11 @@ def test_pp2_ep2_equals_one_process(tmp_path):
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
     for case in CASES:
         kind, name = case.split(":")
-        overlap = kind.endswith("+overlap")
-        kind = kind.removesuffix("+fsdp2").removesuffix("+overlap")
-        ref_losses, ref_aux, ref_params = w.reference(kind, w.microbatches(name))
+        overlap, dp4 = kind.endswith("+overlap"), kind.endswith("-dp4")
+        kind = kind.removesuffix("+fsdp2").removesuffix("+overlap").removesuffix("-dp4")
+        # dp 4: four copies of m microbatches, the global batch of 2m per EP copy.
+        m = w.microbatches(name)
+        ref_losses, ref_aux, ref_params = w.reference(kind, 2 * m if dp4 else m)
         if kind != "deepseek_v3":
             assert min(ref_aux) > 0.01, case  # the load-balancing term matters
         seen = set()
@@ -64,6 +67,12 @@ def test_pp2_ep2_equals_one_process(tmp_path):
                 assert err <= 1e-9 * max(1.0, want.abs().max().item()), (case, r, n, err)
                 seen.add(n)
         assert seen == set(ref_params), case
+    # dp 4 without expert_dp_group, or with one that is not one rank of each
+    # EP group: refused on every rank, saying what to give.
+    for r, res in enumerate(results):
+        missing, wrong = res["dp4-refusals"]
+        assert missing is not None and "expert_dp_group=<the ranks of dp_group" in missing, missing
+        assert wrong is not None and "must be tiled by the expert-parallel groups" in wrong, wrong
     # torchtitan's MoE layer with its experts over each EP group: the local
     # layer's output and input gradient on the rank's own rows; the
     # experts' gradients from both copies' rows, the rest from its own.

@@ -60,6 +60,13 @@ def test_measure_stage_times_the_split_and_its_memory():
     # A first stage: its input is data, no dx.
     first = profile.measure_stage(stage, x, grad_output=g, input_requires_grad=False, repeats=1)
     assert first.i >= 0
+    # The measurement is hp profile's (hp::train::measure_stage): per run one
+    # forward for the split and one for the fused backward.
+    calls = []
+    counted = profile.measure_stage(lambda t: calls.append(1) or stage(t), x, grad_output=g,
+                                    weights=list(stage.parameters()), warmup=1, repeats=2,
+                                    measure_memory=False)
+    assert len(calls) == 2 * 3 and counted.mem_b is None and counted.mem_w is None
 
 
 def test_predictions_are_the_simulators():
@@ -118,6 +125,8 @@ def test_errors_say_what_to_give():
         profile.measure_stage(lambda t: t * 2, x, grad_output=x)
     with pytest.raises(ValueError, match="repeats"):
         profile.measure_stage(stage, x, grad_output=x, repeats=0)
+    with pytest.raises(TypeError, match="the stage must return a torch.Tensor, got <class 'tuple'>"):
+        profile.measure_stage(lambda t: (t,), x, grad_output=x, weights=[])
     with pytest.raises(ValueError, match="p must be"):
         profile.predict(profile.StageCosts(1, 1, 1, 2), p=0, m=4)
     with pytest.raises(TypeError, match="StageCosts"):

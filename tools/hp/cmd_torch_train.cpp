@@ -73,7 +73,8 @@ void refuse_options_that_do_not_apply(const TrainArgs& a) {
     for (const char* o : {"--experts", "--top-k", "--ep", "--capacity-factor", "--aux-coef"})
       if (given(o)) refuse(std::string(o) + " applies only to --model moe; drop it");
   if (c.model.kind == "mlp") {
-    for (const char* o : {"--heads", "--seq-len", "--untied", "--data", "--recompute"})
+    for (const char* o :
+         {"--heads", "--seq-len", "--untied", "--data", "--recompute", "--documents"})
       if (given(o))
         refuse(std::string(o) +
                " applies only to --model gpt (the mlp learns a synthetic task and has no "
@@ -198,7 +199,7 @@ int run_launcher(const TrainArgs& a) {
   std::fprintf(stderr, "hp train: %s, %s, %s, %d microbatches of %lld, %d steps\n",
                (c.model.experts > 0 ? "moe (" + std::to_string(c.model.experts) + " experts, top " +
                                           std::to_string(c.model.top_k) + ")"
-                                    : c.model.kind)
+                                    : c.model.kind + (c.model.documents ? " (documents)" : ""))
                    .c_str(),
                ranks.c_str(), c.graph ? "graph mode" : ("schedule " + c.schedule).c_str(),
                c.microbatches, (long long)c.microbatch_size, c.steps);
@@ -246,6 +247,9 @@ void add_train_command(CLI::App& app) {
   t->add_option("--in-features", c.model.in_features, "input width (mlp)");
   t->add_flag("--untied", a->untied,
               "give the gpt its own output head (default: tied to the embedding)");
+  t->add_flag("--documents", c.model.documents,
+              "gpt: attention stays inside each line of the text; the stages hand on each "
+              "token's line number with the hidden states (a message of two tensors)");
   t->add_option("--nproc,-p,--pp", c.nproc, "pipeline ranks (processes per pipeline copy)");
   t->add_option("--schedule-file", c.schedule_file,
                 "run this schedule CSV instead of --schedule (hp schedule recommend -o writes one; "

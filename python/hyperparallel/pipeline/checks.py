@@ -260,11 +260,16 @@ def _is_expert(p: torch.Tensor) -> bool:
     return getattr(p, "_hp_expert_group", None) is not None
 
 
-def _expert_parallel_check(params: Dict[int, List[torch.Tensor]], dp_group) -> Optional[str]:
+def _expert_parallel_check(params: Dict[int, List[torch.Tensor]], dp_group,
+                           expert_dp_group=None) -> Optional[str]:
     """Why this rank's expert-parallel chunks cannot train with `dp_group`
-    (NOTE [Expert gradients] in hp/pipeline/pipeline.cpp), or None."""
+    (and `expert_dp_group`: NOTE [Expert gradients] in
+    hp/pipeline/pipeline.cpp), or None."""
     groups = {getattr(q, "_hp_expert_group") for ps in params.values() for q in ps if _is_expert(q)}
     if not groups or groups == {(0,)}:
+        if expert_dp_group is not None:
+            return ("expert_dp_group was given but this rank's chunks hold no experts sharded "
+                    "by hyperparallel.moe.expert_parallel: drop expert_dp_group")
         return None
     if len(groups) > 1:
         return (f"this rank's chunks hold experts sharded over different groups {sorted(groups)}: "
@@ -276,11 +281,23 @@ def _expert_parallel_check(params: Dict[int, List[torch.Tensor]], dp_group) -> O
                 "parallelism, so give dp_group=<the expert-parallel group> (its ranks train "
                 "their own parts of the batch and average the other parameters)")
     dp_ranks = tuple(_group_ranks(dp_group))
-    if tuple(sorted(dp_ranks)) != tuple(sorted(ep_ranks)):
-        return (f"dp_group has ranks {list(dp_ranks)} but the experts are spread over ranks "
-                f"{list(ep_ranks)}: give the expert-parallel group as dp_group (a data-parallel "
-                "group larger than the expert-parallel one, with experts replicated over it, is "
-                "not supported yet)")
+    if expert_dp_group is None:
+        if tuple(sorted(dp_ranks)) != tuple(sorted(ep_ranks)):
+            return (f"dp_group has ranks {list(dp_ranks)} but the experts are spread over ranks "
+                    f"{list(ep_ranks)}: give the expert-parallel group as dp_group, or, where "
+                    "the experts are replicated over a larger dp_group, expert_dp_group=<the "
+                    "ranks of dp_group holding this rank's experts>")
+        return None
+    edp_ranks = tuple(_group_ranks(expert_dp_group))
+    me = dist.get_rank() if dist.is_initialized() else -1
+    if (not set(ep_ranks) <= set(dp_ranks) or not set(edp_ranks) <= set(dp_ranks)
+            or set(ep_ranks) & set(edp_ranks) != {me}
+            or len(ep_ranks) * len(edp_ranks) != len(dp_ranks)):
+        return (f"expert_dp_group has ranks {list(edp_ranks)}, the experts are spread over "
+                f"ranks {list(ep_ranks)} and dp_group has ranks {list(dp_ranks)}: dp_group must "
+                "be tiled by the expert-parallel groups, with expert_dp_group holding one rank "
+                "of each (this rank in its own), e.g. the 'ep' and 'edp' dimensions of "
+                "init_device_mesh(..., (dp // ep, ep), mesh_dim_names=('edp', 'ep'))")
     return None
 
 
@@ -325,7 +342,7 @@ def _placement_check(chunks, params: Dict[int, List[torch.Tensor]], group,
 
 
 def _composition_error(fsdp, schedule, chunks, params, parameters, group,
-                       dp_group) -> Optional[str]:
+                       dp_group, expert_dp_group=None) -> Optional[str]:
     """Why this rank's chunks cannot make this pipeline, or None: FSDP2's
     checks, then expert parallelism's, the
     placement of parameters and groups (NOTE [Ranks agree on their
@@ -334,7 +351,7 @@ def _composition_error(fsdp, schedule, chunks, params, parameters, group,
     if fsdp:
         error = fsdp.pipeline_error(schedule, group, dp_group, params, parameters)
     if error is None:
-        error = _expert_parallel_check(params, dp_group)
+        error = _expert_parallel_check(params, dp_group, expert_dp_group)
     if error is None:
         error = _placement_check(chunks, params, group, dp_group)
     if error is None:
@@ -361,10 +378,11 @@ def _tied_check(chunks) -> Optional[str]:
     return None
 
 
-def _groups_to_agree_on(group, dp_group, fsdp, params) -> list:
+def _groups_to_agree_on(group, dp_group, fsdp, params, expert_dp_group=None) -> list:
     """[(what it is for, group)]: the groups this rank's Pipeline uses, the
     pipeline's group first (what _agree compares across the ranks)."""
-    agree_on = [("the pipeline's group", group), ("dp_group", dp_group)]
+    agree_on = [("the pipeline's group", group), ("dp_group", dp_group),
+                ("expert_dp_group", expert_dp_group)]
     for c, groups in fsdp.chunk_groups.items():
         agree_on.extend((f"FSDP2's mesh of chunk {c}", g)
                         for pg in groups for g in fsdp.mesh_groups(pg))

@@ -44,6 +44,9 @@ from .checks import _group_ranks
 #  - The split's weights are the unsharded parameters (made once at
 #    construction: one all-gather and reshard per FSDP module), beside the
 #    chunk's plain parameters; dp_group's reducer averages only the plain ones.
+#  - The C++ step calls begin_step before its first action and end_step
+#    after its last (PipelineOptions::before_step / after_step in
+#    hp/pipeline/pipeline.h), end_step(False) when the step failed.
 #  - During a step every FSDP2 group of the rank's stages runs with
 #    requires_gradient_sync off, reshard_after_backward off, no reshard after
 #    forward and is_last_backward off: FSDP2's own pre-forward all-gathers at

@@ -68,7 +68,7 @@ Shape = Union[Sequence[int], Callable[[int, int], Sequence[int]]]
 
 
 def _check_arguments(chunks, schedule, loss_fn, receive_lookahead, p2p, fb_overlap, timeout,
-                     dtype, group, dp_group) -> dist.ProcessGroup:
+                     dtype, group, dp_group, expert_dp_group) -> dist.ProcessGroup:
     """Pipeline's arguments checked, one by one in this order (a TypeError or
     ValueError naming the first wrong one); the pipeline's group (the
     world's when None)."""
@@ -117,10 +117,9 @@ def _check_arguments(chunks, schedule, loss_fn, receive_lookahead, p2p, fb_overl
             "group must be a torch.distributed.ProcessGroup (e.g. "
             f"torch.distributed.group.WORLD after init_process_group), got {type(group)}"
         )
-    if dp_group is not None and not isinstance(dp_group, dist.ProcessGroup):
-        raise TypeError(
-            f"dp_group must be None or a torch.distributed.ProcessGroup, got {type(dp_group)}"
-        )
+    for name, g in (("dp_group", dp_group), ("expert_dp_group", expert_dp_group)):
+        if g is not None and not isinstance(g, dist.ProcessGroup):
+            raise TypeError(f"{name} must be None or a torch.distributed.ProcessGroup, got {type(g)}")
     return group
 
 
@@ -224,6 +223,12 @@ class Pipeline:
             global batch. Only for parameters that FSDP2 does not manage
             (FSDP2 reduces its own; giving dp_group where FSDP2 manages every
             parameter is a ValueError on every rank).
+        expert_dp_group: where the expert-parallel group of
+            ``hyperparallel.moe.expert_parallel`` is smaller than dp_group
+            (inside it): the ranks of dp_group holding this rank's experts,
+            one in each expert-parallel group. Their expert gradients are
+            summed over it, then divided by dp_group's size (NOTE [Expert
+            gradients] in hp/pipeline/pipeline.cpp).
         receive_lookahead: post each receive this many batches of
             sends and receives ahead of where the schedule lists it (Gloo
             only; NCCL, whose operations run in posting order, refuses more
@@ -286,20 +291,22 @@ class Pipeline:
         parameters: Optional[Mapping[int, Sequence[torch.Tensor]]] = None,
         timeout: float = 300.0,
         dp_group: Optional[dist.ProcessGroup] = None,
+        expert_dp_group: Optional[dist.ProcessGroup] = None,
         receive_lookahead: int = 0,
         keep_freed_memory: Optional[bool] = None,
         p2p: str = "auto",
         fb_overlap: bool = False,
     ):
         group = _check_arguments(chunks, schedule, loss_fn, receive_lookahead, p2p, fb_overlap,
-                                 timeout, dtype, group, dp_group)
+                                 timeout, dtype, group, dp_group, expert_dp_group)
         forward, params = _forwards_and_parameters(chunks, parameters)
         # Compositions (NOTE [FSDP2 stages]): every rank checks its own, then
         # all agree before the runtime's construction waits on all of them.
         fsdp = _Fsdp2Stages(chunks)
         split = schedule.has_split
-        error = _composition_error(fsdp, schedule, chunks, params, parameters, group, dp_group)
-        agree_on = _groups_to_agree_on(group, dp_group, fsdp, params)
+        error = _composition_error(fsdp, schedule, chunks, params, parameters, group, dp_group,
+                                   expert_dp_group)
+        agree_on = _groups_to_agree_on(group, dp_group, fsdp, params, expert_dp_group)
         self._step_context = _compiled_step_context(chunks, split)
         # NOTE [Auxiliary losses]: every chunk's forward collects add_loss().
         # NOTE [Keyword arguments of every stage]: and the step's kwargs.
@@ -346,7 +353,8 @@ class Pipeline:
         self.schedule = schedule
         self._runtime = self._make_runtime(schedule, group, forward, params,
                                            _parameter_names(chunks, params), shape, dtype,
-                                           device, timeout, dp_group, receive_lookahead, p2p,
+                                           device, timeout, (dp_group, expert_dp_group),
+                                           receive_lookahead, p2p,
                                            keep_freed_memory, dp_params, split, fb_overlap)
         self.rank = self._runtime.rank
         self._loss.rank = self.rank
@@ -366,7 +374,7 @@ class Pipeline:
         self.last_stats: Dict[str, object] = {}
 
     def _make_runtime(self, schedule, group, forward, params, names, shape, dtype, device, timeout,
-                      dp_group, receive_lookahead, p2p, keep_freed_memory, dp_params, split,
+                      dp_groups, receive_lookahead, p2p, keep_freed_memory, dp_params, split,
                       fb_overlap):
         """The C++ pipeline (``_C.pipeline.Runtime``) over this rank's stage
         forwards, weights, loss and shapes."""
@@ -375,6 +383,7 @@ class Pipeline:
         options.receive_lookahead, options.cache_cpu_memory = receive_lookahead, keep_freed_memory
         options.recompute_sessions, options.fb_overlap = split, fb_overlap
         store_of = dist.distributed_c10d._world.pg_map.get
+        dp_group, expert_dp_group = dp_groups
         return _C.pipeline.Runtime(
             schedule,
             group,
@@ -391,9 +400,14 @@ class Pipeline:
             chunk_expert_parameters={c: [q for q in ps if _is_expert(q)] for c, ps in params.items()},
             chunk_parameter_names=names,
             dp_failure_store=None if dp_group is None else store_of(dp_group, (None, None))[1],
+            expert_dp_group=expert_dp_group,
             # The step's loss (and auxiliary losses): the mean over FSDP2's
             # data-parallel ranks too, in the C++ step.
             loss_groups=self._loss_groups,
+            # FSDP2's controls around the step, called by the C++ step
+            # (NOTE [FSDP2 stages]).
+            before_step=None if self._fsdp is None else self._fsdp.begin_step,
+            after_step=None if self._fsdp is None else self._fsdp.end_step,
         )
 
     def _accepted_by_the_pipeline(self, mine, everyone, group) -> Optional[frozenset]:
@@ -556,9 +570,6 @@ class Pipeline:
         self._kw_fp = fingerprint
         self._kwargs.per_microbatch, self._kwargs.constant = per_mb, constant
         self._loss.targets = tgts
-        ok = False
-        if self._fsdp is not None:
-            self._fsdp.begin_step()
         counter = _CheckpointCounter() if self._watch_checkpoints else None
         try:
             with contextlib.ExitStack() as scope:
@@ -567,13 +578,10 @@ class Pipeline:
                 if self._step_context is not None:
                     scope.enter_context(self._step_context())
                 stats = self._runtime.step(ins)
-            ok = True
         finally:
             self._loss.targets = []
             self._kwargs.per_microbatch, self._kwargs.constant = [], {}
             self._loss.last_outputs.clear()
-            if self._fsdp is not None:
-                self._fsdp.end_step(ok)
         if counter is not None:
             self._watch_checkpoints = False
             if counter.count:
