@@ -14,7 +14,8 @@ this rank's rows). The models, the data and the one-process reference
 
 A model name ending in "+fsdp2" also shards each layer's attention with
 FSDP2 over the EP dimension of an (ep, pp) DeviceMesh; one ending in
-"+overlap" trains with fb_overlap=True under HP_LINK (a modelled link); one
+"+overlap" trains with fb_overlap=True under HP_LINK (a modelled link), one
+ending in "+defer" with defer_wgrad=True as well; one
 ending in "-dp4" is pp 1 x dp 4 with the experts over the same EP groups:
 every rank a whole pipeline, dp_group the world, and expert_dp_group the
 ranks holding the same experts (one per EP group: {2e, 2e + 1})."""
@@ -194,7 +195,8 @@ def main():
         fsdp = kind.endswith("+fsdp2")
         # "+overlap": fb_overlap under a modelled link (HP_LINK), read by the
         # dispatchers expert_parallel makes and by the Pipeline.
-        overlap = kind.endswith("+overlap")
+        defer = kind.endswith("+defer")
+        overlap = kind.endswith("+overlap") or defer
         if overlap:
             os.environ["HP_LINK"] = "500,0.5"
         if fsdp and mesh is None:
@@ -207,7 +209,8 @@ def main():
         # inputs), then spread the experts of the chunks, which share the
         # model's modules.
         model = make_model(
-            kind.removesuffix("+fsdp2").removesuffix("+overlap").removesuffix("-dp4"))
+            kind.removesuffix("+fsdp2").removesuffix("+overlap").removesuffix("+defer")
+            .removesuffix("-dp4"))
         chunks = hp.pipeline.split_model(model, sched, 0 if dp4 else stage_rank)
         hp.moe.expert_parallel(model, groups[1])
         length = [T]  # this step's sequence length, for the declared shapes
@@ -229,10 +232,11 @@ def main():
             extra["activation_shape"] = lambda st, mb: (MB, length[0], model.config.hidden_size)
         pipe = hp.pipeline.Pipeline(chunks, sched, loss_fn=loss_fn, group=groups[0],
                                     dp_group=groups[1], timeout=60, fb_overlap=overlap,
+                                    defer_wgrad=defer,
                                     **extra)
         os.environ.pop("HP_LINK", None)
         opt = torch.optim.SGD([q for c in chunks.values() for q in c.parameters()], lr=LR)
-        losses, aux, dropped, hidden = [], [], 0, 0.0
+        losses, aux, dropped, hidden, deferred = [], [], 0, 0.0, 0
         part = rank if dp4 else copy  # this copy's part of the global batch
         rows = slice(part * m * MB, (part + 1) * m * MB)
         for step in range(STEPS):
@@ -243,6 +247,8 @@ def main():
             losses.append(pipe.step(x[rows], y[rows], **kw))
             aux.append(pipe.last_stats["aux_loss"])
             hidden += pipe.last_stats["pair_hidden"]
+            deferred += (pipe.last_stats["deferred_w_in_waits"]
+                         + pipe.last_stats["deferred_w_at_end"])
             opt.step()
         full = {}
         for mod in chunks.values():
@@ -250,6 +256,7 @@ def main():
                 full[k] = (q.full_tensor() if hasattr(q, "full_tensor") else q).detach().clone()
         results[f"{kind}:{name}"] = {
             "losses": losses, "aux": aux, "params": full, "pair_hidden": hidden,
+            "deferred": deferred,
             "experts": sorted(k for mod in chunks.values() for k, q in mod.named_model_parameters()
                               if hp.moe.is_expert_parameter(q)),
         }

@@ -21,12 +21,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # step of mixtral-one-expert sends every token to expert 0 (rank 0 of each EP
 # group) and none to the other three; "+fsdp2": pp 2 x ep 2 x FSDP2 (each
 # layer's attention fully_shard'ed over the EP dimension, shapes declared);
-# "+overlap": fb_overlap=True under HP_LINK (docs/overlap.md); "-dp4": pp 1
+# "+overlap": fb_overlap=True under HP_LINK (docs/overlap.md), "+defer" with
+# defer_wgrad=True too; "-dp4": pp 1
 # x dp 4, each expert held in both EP groups (expert_dp_group).
 CASES = ["mixtral:1f1b", "mixtral:zb-h1", "mixtral:zbv", "mixtral:dualpipev",
          "qwen3_moe:zb-h1", "qwen3_moe:dualpipev", "qwen2_moe:zbv", "deepseek_v3:zb-h1",
          "deepseek_v3:zbv", "mixtral-one-expert:1f1b", "mixtral+fsdp2:zb-h1",
-         "mixtral+overlap:dualpipev", "mixtral-dp4:1f1b"]
+         "mixtral+overlap:dualpipev", "mixtral+defer:dualpipev", "mixtral-dp4:1f1b"]
 
 
 def test_pp2_ep2_equals_one_process(tmp_path):
@@ -37,8 +38,10 @@ def test_pp2_ep2_equals_one_process(tmp_path):
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
     for case in CASES:
         kind, name = case.split(":")
-        overlap, dp4 = kind.endswith("+overlap"), kind.endswith("-dp4")
-        kind = kind.removesuffix("+fsdp2").removesuffix("+overlap").removesuffix("-dp4")
+        defer, dp4 = kind.endswith("+defer"), kind.endswith("-dp4")
+        overlap = kind.endswith("+overlap") or defer
+        kind = (kind.removesuffix("+fsdp2").removesuffix("+overlap").removesuffix("+defer")
+                .removesuffix("-dp4"))
         # dp 4: four copies of m microbatches, the global batch of 2m per EP copy.
         m = w.microbatches(name)
         ref_losses, ref_aux, ref_params = w.reference(kind, 2 * m if dp4 else m)
@@ -57,6 +60,8 @@ def test_pp2_ep2_equals_one_process(tmp_path):
                 assert got["pair_hidden"] > 0, f"{case} rank {r}: nothing hidden"
             else:
                 assert got["pair_hidden"] == 0, case
+            # defer_wgrad: the pairs' weight gradients were queued (and ran).
+            assert (got["deferred"] > 0) == defer, (case, r, got["deferred"])
             for n, q in got["params"].items():
                 want = ref_params[n]
                 if n in got["experts"]:

@@ -67,7 +67,7 @@ __all__ = ["Pipeline"]
 Shape = Union[Sequence[int], Callable[[int, int], Sequence[int]]]
 
 
-def _check_arguments(chunks, schedule, loss_fn, receive_lookahead, p2p, fb_overlap, timeout,
+def _check_arguments(chunks, schedule, loss_fn, receive_lookahead, p2p, overlap, timeout,
                      dtype, group, dp_group, expert_dp_group) -> dist.ProcessGroup:
     """Pipeline's arguments checked, one by one in this order (a TypeError or
     ValueError naming the first wrong one); the pipeline's group (the
@@ -95,8 +95,13 @@ def _check_arguments(chunks, schedule, loss_fn, receive_lookahead, p2p, fb_overl
         )
     if p2p not in ("auto", "group", "shm"):
         raise ValueError(f"p2p must be 'auto', 'group' or 'shm', got {p2p!r}")
-    if not isinstance(fb_overlap, bool):
-        raise TypeError(f"fb_overlap must be a bool, got {type(fb_overlap).__name__}")
+    fb_overlap, defer_wgrad = overlap
+    for name, v in (("fb_overlap", fb_overlap), ("defer_wgrad", defer_wgrad)):
+        if not isinstance(v, bool):
+            raise TypeError(f"{name} must be a bool, got {type(v).__name__}")
+    if defer_wgrad and not fb_overlap:
+        raise ValueError("defer_wgrad=True queues the weight gradients of overlapped pairs: "
+                         "it needs fb_overlap=True")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
         raise TypeError(f"timeout must be a number of seconds, got {type(timeout).__name__}")
     if not math.isfinite(timeout) or not 0 < timeout <= 7 * 24 * 3600:
@@ -276,6 +281,13 @@ class Pipeline:
             The environment variable ``HP_LINK=LATENCY_US,GBPS`` gives this
             pipeline's transfers and the dispatchers made after it is set the
             cost of a network link, to see the overlap on one host.
+        defer_wgrad: with ``fb_overlap``, each pair's backward computes its
+            input gradient only and queues its weight gradient, which runs in
+            a later wait that nothing else fills, or at the step's end (NOTE
+            [Weight gradients in the waits] in hp/pipeline/overlap.cpp).
+            Exact; its weight gradients hold their activations longer.
+            ``last_stats`` counts them (``deferred_w_in_waits``,
+            ``deferred_w_at_end``).
     """
 
     def __init__(
@@ -296,8 +308,10 @@ class Pipeline:
         keep_freed_memory: Optional[bool] = None,
         p2p: str = "auto",
         fb_overlap: bool = False,
+        defer_wgrad: bool = False,
     ):
-        group = _check_arguments(chunks, schedule, loss_fn, receive_lookahead, p2p, fb_overlap,
+        group = _check_arguments(chunks, schedule, loss_fn, receive_lookahead, p2p,
+                                 (fb_overlap, defer_wgrad),
                                  timeout, dtype, group, dp_group, expert_dp_group)
         forward, params = _forwards_and_parameters(chunks, parameters)
         # Compositions (NOTE [FSDP2 stages]): every rank checks its own, then
@@ -355,7 +369,8 @@ class Pipeline:
                                            _parameter_names(chunks, params), shape, dtype,
                                            device, timeout, (dp_group, expert_dp_group),
                                            receive_lookahead, p2p,
-                                           keep_freed_memory, dp_params, split, fb_overlap)
+                                           keep_freed_memory, dp_params, split,
+                                           (fb_overlap, defer_wgrad))
         self.rank = self._runtime.rank
         self._loss.rank = self.rank
         self._group, self._timeout = group, float(timeout)
@@ -375,13 +390,14 @@ class Pipeline:
 
     def _make_runtime(self, schedule, group, forward, params, names, shape, dtype, device, timeout,
                       dp_groups, receive_lookahead, p2p, keep_freed_memory, dp_params, split,
-                      fb_overlap):
+                      overlap):
         """The C++ pipeline (``_C.pipeline.Runtime``) over this rank's stage
         forwards, weights, loss and shapes."""
         options = _C.pipeline.PipelineOptions()
         options.dtype, options.device, options.p2p = dtype, device, p2p
         options.receive_lookahead, options.cache_cpu_memory = receive_lookahead, keep_freed_memory
-        options.recompute_sessions, options.fb_overlap = split, fb_overlap
+        options.recompute_sessions = split
+        options.fb_overlap, options.defer_wgrad = overlap
         store_of = dist.distributed_c10d._world.pg_map.get
         dp_group, expert_dp_group = dp_groups
         return _C.pipeline.Runtime(
