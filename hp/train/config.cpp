@@ -152,9 +152,6 @@ void TrainConfig::validate() const {
                            " spreads the experts over groups of that many data-parallel "
                            "copies, so --dp must be a multiple of it (or left out: --dp " +
                            std::to_string(ep) + "), not " + std::to_string(dp));
-    need(!fsdp,
-         "--fsdp with --ep is not supported yet (FSDP would shard the experts, which "
-         "expert parallelism already spreads); drop --fsdp");
     need(!graph, "--graph does not run expert parallelism; drop --ep or --graph");
   }
   need(!model.documents || !graph,

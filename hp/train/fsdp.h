@@ -33,6 +33,10 @@ namespace hp::train {
 // The step's loss is averaged over the copies by the Pipeline (its dp
 // option), which reduces no gradient here (the chunks' dp_parameters are
 // empty). Two collectives per step per rank, not per parameter.
+// With --ep the experts stay out of the shards: each copy of an EP group
+// holds other experts (nothing to shard across it), their gradients are the
+// Pipeline's (NOTE [Expert gradients]), and the optimizer steps them whole
+// beside the shards.
 class FsdpShards {
  public:
   /// `params`: the rank's distinct parameters, whole (as built); `dp`: the

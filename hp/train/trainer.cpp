@@ -258,8 +258,20 @@ TrainResult run_rank(const TrainConfig& config, std::shared_ptr<distributed::Com
 
   // --fsdp: the optimizer steps this copy's shards (NOTE [PP x FSDP in hp train]).
   std::unique_ptr<FsdpShards> fsdp;
-  if (config.fsdp) fsdp = std::make_unique<FsdpShards>(groups.dp, model.params);
-  auto optimizer = make_optimizer(config, fsdp ? fsdp->shards() : model.params);
+  std::vector<torch::Tensor> stepped = model.params;
+  if (config.fsdp) {
+    std::set<const void*> experts;  // --ep: stepped whole, beside the shards
+    for (const auto& [c, mod] : model.modules)
+      for (const auto& t : mod.expert_parameters)
+        experts.insert(t.unsafeGetTensorImpl());
+    std::vector<torch::Tensor> plain, whole;
+    for (const auto& p : model.params)
+      (experts.count(p.unsafeGetTensorImpl()) ? whole : plain).push_back(p);
+    fsdp = std::make_unique<FsdpShards>(groups.dp, plain);
+    stepped = fsdp->shards();
+    stepped.insert(stepped.end(), whole.begin(), whole.end());
+  }
+  auto optimizer = make_optimizer(config, stepped);
 
   TrainResult result;
   result.items_per_step = data.items_per_microbatch() * m * config.dp;  // all copies

@@ -602,14 +602,23 @@ INSTANTIATE_TEST_SUITE_P(Schedules, ExpertParallelPipelines,
 // --ep 2 --dp 4: two EP groups of two copies each; the copies holding the
 // same experts (one in each EP group) sum their gradients before the
 // division by the four copies (NOTE [Expert gradients]).
-TEST(ExpertParallelPipelines, FewerExpertRanksThanCopiesEqualOneProcess) {
-  for (const std::string schedule : {"zb-h1", "dualpipev"}) {
-    SCOPED_TRACE(schedule);
-    TrainConfig c = tiny(schedule, 2, schedule == "dualpipev" ? 6 : 4, "gpt");
+// With --fsdp (ep 2 x dp 2, and dp 4): the plain parameters sharded over the
+// copies, the experts stepped whole.
+TEST(ExpertParallelPipelines, FewerExpertRanksThanCopiesAndFsdpEqualOneProcess) {
+  struct Run {
+    std::string schedule;
+    int dp;
+    bool fsdp;
+  };
+  for (const Run& run : {Run{"zb-h1", 4, false}, Run{"dualpipev", 4, false}, Run{"zbv", 2, true},
+                         Run{"1f1b", 4, true}}) {
+    SCOPED_TRACE(run.schedule + " dp " + std::to_string(run.dp) + (run.fsdp ? " fsdp" : ""));
+    TrainConfig c = tiny(run.schedule, 2, run.schedule == "dualpipev" ? 6 : 4, "gpt");
     c.model.experts = 4;
     c.model.top_k = 2;
     c.ep = 2;
-    c.dp = 4;
+    c.dp = run.dp;
+    c.fsdp = run.fsdp;
     auto ranks = run_threads(c);
     TrainConfig whole = c;
     whole.dp = whole.ep = 1;
