@@ -49,6 +49,24 @@ void MeshShape::check(int world) const {
                                 "; the sizes' product must equal the number of ranks");
 }
 
+MeshShape training_mesh(int world, int pp, int dp, int ep) {
+  const std::string sizes =
+      "pp " + std::to_string(pp) + ", dp " + std::to_string(dp) + ", ep " + std::to_string(ep);
+  if (pp < 1 || dp < 1 || ep < 1)
+    throw std::invalid_argument("mesh: pp, dp and ep must be at least 1 (got " + sizes + ")");
+  if (dp % ep != 0)
+    throw std::invalid_argument("mesh: ep " + std::to_string(ep) + " does not divide dp " +
+                                std::to_string(dp) +
+                                ": the expert-parallel groups (ep consecutive data-parallel "
+                                "copies each) must tile the copies; make dp a multiple of ep");
+  if (int64_t(pp) * dp != world)
+    throw std::invalid_argument("mesh: pp " + std::to_string(pp) + " x dp " + std::to_string(dp) +
+                                " is " + std::to_string(int64_t(pp) * dp) +
+                                " ranks but the world has " + std::to_string(world) +
+                                "; start pp x dp ranks, or change pp or dp");
+  return MeshShape{{"edp", "ep", "pp"}, {dp / ep, ep, pp}};
+}
+
 std::vector<int> DeviceMesh::coordinates_of(int rank) const {
   TORCH_CHECK(rank >= 0 && rank < world_size(), "mesh ", shape_.str(), ": rank ", rank,
               " is not in [0, ", world_size(), ")");

@@ -35,6 +35,21 @@ struct MeshShape {
   std::string str() const;
 };
 
+// NOTE [The training mesh]
+// One description of how a training run's ranks are laid out, for `hp
+// train` and for Python's hyperparallel.pipeline.mesh: pp ranks per
+// pipeline, dp copies of it (data parallel), and the experts spread over ep
+// consecutive copies (expert parallelism, carved out of data parallelism).
+// Dimensions, outermost first: edp = dp / ep (the copies holding the same
+// experts), ep, pp; so the ranks of one pipeline are consecutive, and copy d
+// = edp * ep + e is in EP group edp with expert slice e. The data-parallel
+// group of a rank is its slice along edp and ep together.
+
+/// The training mesh's shape over `world` ranks (NOTE [The training mesh]);
+/// std::invalid_argument saying what to change when a size is below 1, ep
+/// does not divide dp, or pp x dp is not the world.
+MeshShape training_mesh(int world, int pp, int dp, int ep);
+
 /// A mesh of ranks with a Comm per dimension for this rank's slice.
 class DeviceMesh {
  public:

@@ -9,6 +9,7 @@
 #include <stdexcept>
 
 #include "hp/distributed/comm.h"
+#include "hp/distributed/mesh.h"
 #include "hp/models/data.h"
 #include "hp/schedule/cost_file.h"
 #include "hp/schedule/generators.h"
@@ -148,10 +149,11 @@ void TrainConfig::validate() const {
     need(model.experts % ep == 0, "--experts " + std::to_string(model.experts) +
                                       " do not divide over --ep " + std::to_string(ep) +
                                       " ranks: use an --ep that divides the experts");
-    need(dp % ep == 0, "--ep " + std::to_string(ep) +
-                           " spreads the experts over groups of that many data-parallel "
-                           "copies, so --dp must be a multiple of it (or left out: --dp " +
-                           std::to_string(ep) + "), not " + std::to_string(dp));
+    try {  // NOTE [The training mesh] in hp/distributed/mesh.h
+      distributed::training_mesh(nproc * dp, nproc, dp, ep);
+    } catch (const std::invalid_argument& e) {
+      need(false, std::string(e.what()) + " (--ep, --dp)");
+    }
     need(!graph, "--graph does not run expert parallelism; drop --ep or --graph");
   }
   need(!model.documents || !graph,

@@ -69,20 +69,22 @@ RankGroups make_groups(const TrainConfig& config, std::shared_ptr<distributed::C
   g.pp = world;
   if (!config.link.empty()) g.link = distributed::LinkModel::parse(config.link, "--link");
   if (config.dp > 1) {
-    distributed::DeviceMesh mesh(world,
-                                 distributed::MeshShape{{"dp", "pp"}, {config.dp, config.nproc}});
-    g.pp = mesh.group("pp");
+    // NOTE [The training mesh] in hp/distributed/mesh.h: (edp, ep, pp), the
+    // copies edp x ep; the (dp, pp) mesh is the same layout, edp and ep
+    // flattened.
+    const auto shape =
+        distributed::training_mesh(world->world_size(), config.nproc, config.dp, config.ep);
+    distributed::DeviceMesh copies(world,
+                                   distributed::MeshShape{{"dp", "pp"}, {config.dp, config.nproc}});
+    g.pp = copies.group("pp");
     // --link: the experts' all-to-alls and the copies' reductions pay it too.
-    g.dp = distributed::with_link_model(mesh.group("dp"), g.link);
-    g.replica = mesh.coordinate("dp");
+    g.dp = distributed::with_link_model(copies.group("dp"), g.link);
+    g.replica = copies.coordinate("dp");
     g.ep = g.dp;
     if (config.ep > 1 && config.ep < config.dp) {
-      // Copy d = a * ep + e: EP group a, expert slice e.
-      distributed::DeviceMesh copies(
-          mesh.group("dp"),
-          distributed::MeshShape{{"edp", "ep"}, {config.dp / config.ep, config.ep}});
-      g.ep = distributed::with_link_model(copies.group("ep"), g.link);
-      g.expert_dp = distributed::with_link_model(copies.group("edp"), g.link);
+      distributed::DeviceMesh mesh(world, shape);
+      g.ep = distributed::with_link_model(mesh.group("ep"), g.link);
+      g.expert_dp = distributed::with_link_model(mesh.group("edp"), g.link);
     }
   }
   return g;

@@ -15,6 +15,7 @@
 #include "bindings.h"
 #include "hp/core/memory.h"
 #include "hp/distributed/comm.h"
+#include "hp/distributed/mesh.h"
 #include "hp/pipeline/pipeline.h"
 #include "hp/schedule/schedule.h"
 
@@ -433,6 +434,22 @@ void bind_pipeline(py::module_& m) {
           "hp/core/memory.cpp).");
   sub.def("empty_cpu_cache", &empty_step_cache,
           "Hands every free block of the step cache back to malloc.");
+  sub.def(
+      "training_mesh",
+      [](int world, int pp, int dp, int ep) {
+        try {
+          const auto shape = distributed::training_mesh(world, pp, dp, ep);
+          std::vector<std::pair<std::string, int>> out;
+          for (size_t d = 0; d < shape.names.size(); ++d)
+            out.emplace_back(shape.names[d], shape.sizes[d]);
+          return out;
+        } catch (const std::invalid_argument& e) {
+          throw py::value_error(e.what());
+        }
+      },
+      py::arg("world"), py::arg("pp"), py::arg("dp"), py::arg("ep"),
+      "[(name, size)] of the training mesh, outermost first (NOTE [The training mesh] in "
+      "hp/distributed/mesh.h); ValueError saying what to change.");
   // The Pipeline's plain options, said once: hp/pipeline/pipeline.h has
   // what each means.
   py::class_<pipeline::PipelineOptions>(sub, "PipelineOptions")

@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "hp/distributed/comm.h"
+#include "hp/distributed/mesh.h"
 #include "hp/pipeline/executor.h"
 #include "hp/pipeline/stage.h"
 #include "hp/recompute/session.h"
@@ -633,9 +634,29 @@ TEST(ExpertParallelPipelines, FewerExpertRanksThanCopiesAndFsdpEqualOneProcess) 
     bad.validate();
     ADD_FAILURE() << "--ep 2 --dp 3 must be refused";
   } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("--dp must be a multiple of it"), std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("make dp a multiple of ep (--ep, --dp)"),
+              std::string::npos)
         << e.what();
   }
+}
+
+// NOTE [The training mesh]: hp train's and hyperparallel.pipeline.mesh's.
+TEST(TrainingMesh, LaysOutEdpEpPpAndSaysWhatToChange) {
+  const auto shape = hp::distributed::training_mesh(16, 2, 8, 4);
+  EXPECT_EQ(shape.names, (std::vector<std::string>{"edp", "ep", "pp"}));
+  EXPECT_EQ(shape.sizes, (std::vector<int>{2, 4, 2}));
+  auto error = [](int world, int pp, int dp, int ep) {
+    try {
+      hp::distributed::training_mesh(world, pp, dp, ep);
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(error(6, 2, 3, 2).find("ep 2 does not divide dp 3"), std::string::npos);
+  EXPECT_NE(error(8, 2, 2, 1).find("pp 2 x dp 2 is 4 ranks but the world has 8"),
+            std::string::npos);
+  EXPECT_NE(error(2, 0, 2, 1).find("at least 1"), std::string::npos);
 }
 
 TEST(DataParallelPipelines, BadMeshesAreRefusedBeforeAnyWork) {

@@ -16,9 +16,9 @@ A model name ending in "+fsdp2" also shards each layer's attention with
 FSDP2 over the EP dimension of an (ep, pp) DeviceMesh; one ending in
 "+overlap" trains with fb_overlap=True under HP_LINK (a modelled link), one
 ending in "+defer" with defer_wgrad=True as well; one
-ending in "-dp4" is pp 1 x dp 4 with the experts over the same EP groups:
-every rank a whole pipeline, dp_group the world, and expert_dp_group the
-ranks holding the same experts (one per EP group: {2e, 2e + 1})."""
+ending in "-dp4" is pp 1 x dp 4 x ep 2 (hp.pipeline.mesh): every rank a
+whole pipeline, dp_group the world, the experts over {0, 1} and {2, 3},
+expert_dp_group the ranks holding the same experts ({0, 2}, {1, 3})."""
 
 import os
 import sys
@@ -181,11 +181,14 @@ def main():
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     assert dist.get_world_size() == PP * EP
-    copy, stage_rank = divmod(rank, PP)
-    pp_groups = [dist.new_group([e * PP + s for s in range(PP)]) for e in range(EP)]
-    ep_groups = [dist.new_group([e * PP + s for e in range(EP)]) for s in range(PP)]
-    pp_group, ep_group = pp_groups[copy], ep_groups[stage_rank]
-    solo = [dist.new_group([r]) for r in range(PP * EP)][rank]  # a pipeline of one rank
+    # The training mesh (hp train's layout): rank 2e + s is copy e, stage
+    # rank s; the EP groups are {0, 2} and {1, 3}.
+    grid = hp.pipeline.mesh(pp=PP, dp=EP, ep=EP)
+    copy, stage_rank = grid.copy, grid.stage_rank
+    assert (copy, stage_rank) == divmod(rank, PP)
+    pp_group, ep_group = grid.pp, grid.ep
+    # pp 1 x dp 4 x ep 2: EP groups {0, 1} and {2, 3}, the same experts on {0, 2} and {1, 3}.
+    grid4 = hp.pipeline.mesh(pp=1, dp=4, ep=2)
     mesh = None
     results = {}
     for kind, name in cases:
@@ -212,13 +215,13 @@ def main():
             kind.removesuffix("+fsdp2").removesuffix("+overlap").removesuffix("+defer")
             .removesuffix("-dp4"))
         chunks = hp.pipeline.split_model(model, sched, 0 if dp4 else stage_rank)
-        hp.moe.expert_parallel(model, groups[1])
+        hp.moe.expert_parallel(model, grid4.ep if dp4 else groups[1])
         length = [T]  # this step's sequence length, for the declared shapes
         extra = {}
         if dp4:
-            groups = (solo, dist.group.WORLD)
-            extra["expert_dp_group"] = pp_group
-            results["dp4-refusals"] = dp4_refusals(hp, chunks, sched, solo, ep_group)
+            groups = (grid4.pp, grid4.dp)
+            extra["expert_dp_group"] = grid4.expert_dp
+            results["dp4-refusals"] = dp4_refusals(hp, chunks, sched, grid4)
         if fsdp:
             # FSDP2 over the EP dimension for the attention of every layer
             # this rank holds; the experts (spread) and the rest (averaged by
@@ -274,17 +277,15 @@ def main():
     os._exit(0)
 
 
-def dp4_refusals(hp, chunks, sched, solo, ep_group):
+def dp4_refusals(hp, chunks, sched, grid4):
     """What Pipeline says, on every rank, where dp_group (the world) is larger
     than the expert-parallel group and expert_dp_group is missing, or is not
     one rank of each EP group."""
-    import torch.distributed as dist
-
     out = []
-    for edp in (None, ep_group):
+    for edp in (None, grid4.ep):
         try:
-            hp.pipeline.Pipeline(chunks, sched, loss_fn=loss_fn, group=solo,
-                                 dp_group=dist.group.WORLD, expert_dp_group=edp, timeout=60)
+            hp.pipeline.Pipeline(chunks, sched, loss_fn=loss_fn, group=grid4.pp,
+                                 dp_group=grid4.dp, expert_dp_group=edp, timeout=60)
             out.append(None)
         except ValueError as e:
             out.append(str(e))

@@ -50,7 +50,7 @@ def test_pp2_ep2_equals_one_process(tmp_path):
         seen = set()
         for r, res in enumerate(results):
             got = res[case]
-            copy = r // w.PP
+            copy = r % 2 if dp4 else r // w.PP  # the rank's place in its EP group
             for s in range(w.STEPS):
                 for key, ref in (("losses", ref_losses), ("aux", ref_aux)):
                     a, b = got[key][s], ref[s]
@@ -109,6 +109,24 @@ def test_pp2_ep2_equals_one_process(tmp_path):
             assert "injected failure" in text, text
         if r in (1, 2):  # rank 3 is rank 1 of their shared group (EP, pipeline)
             assert "rank 1" in text, (r, text)
+
+
+def test_the_training_mesh_is_hp_trains():
+    # NOTE [The training mesh]: (edp, ep, pp), the same checks and words.
+    assert hp.pipeline.mesh_shape(16, pp=2, dp=8, ep=4) == [("edp", 2), ("ep", 4), ("pp", 2)]
+    assert hp.pipeline.mesh_shape(4, pp=4) == [("edp", 1), ("ep", 1), ("pp", 4)]
+    with pytest.raises(ValueError, match="ep 2 does not divide dp 3: .* make dp a multiple of ep"):
+        hp.pipeline.mesh_shape(6, pp=2, dp=3, ep=2)
+    with pytest.raises(ValueError, match="pp 2 x dp 2 is 4 ranks but the world has 8"):
+        hp.pipeline.mesh_shape(8, pp=2, dp=2)
+    with pytest.raises(ValueError, match="at least 1"):
+        hp.pipeline.mesh_shape(2, pp=0, dp=2)
+    with pytest.raises(TypeError, match="pp must be an int"):
+        hp.pipeline.mesh_shape(2, pp=2.0)
+    from hyperparallel.pipeline.training_mesh import _slices
+
+    assert _slices([2, 2, 1], [0]) == [[0, 2], [1, 3]]  # edp of pp 1 x dp 4 x ep 2
+    assert _slices([1, 2, 2], [0, 1]) == [[0, 2], [1, 3]]  # dp of pp 2 x dp 2
 
 
 def test_conversion_keeps_the_models_values_and_refuses_what_it_cannot_take():

@@ -10,6 +10,7 @@ One job per file:
 * ``transfers.py``: what one stage hands the next: a tensor or structure as a message;
 * ``fsdp2.py``: FSDP2 (``fully_shard``) modules inside the chunks;
 * ``checks.py``: what the ranks check before they run, and how they agree on it;
+* ``training_mesh.py``: the process groups of pp x dp x ep, laid out as ``hp train`` does;
 * ``helpers.py``: ``schedule``, ``PipelineSchedule``, the step cache's memory.
 
 The auxiliary losses (``add_loss``, ``collect_losses``) live in
@@ -26,10 +27,11 @@ from ..pretrained import load_checkpoint, load_pretrained, save_checkpoint, save
 from ..router_losses import moe_aux_losses  # a transformers MoE's router loss, pipelined
 from ..split_model import split_model  # cutting one model into chunks
 from .helpers import PipelineSchedule, cpu_cache_bytes, empty_cpu_cache, schedule
+from .training_mesh import TrainingMesh, mesh, mesh_shape
 from .runtime import Pipeline
 from .transfers import _from_message, _to_message  # noqa: F401  (tests call them)
 
 __all__ = ["PipelineSchedule", "schedule", "Pipeline", "add_loss", "collect_losses",
            "cpu_cache_bytes", "empty_cpu_cache",
            "split_model", "materialize", "moe_aux_losses", "load_pretrained", "save_pretrained",
-           "save_checkpoint", "load_checkpoint"]
+           "save_checkpoint", "load_checkpoint", "mesh", "mesh_shape", "TrainingMesh"]
