@@ -12,10 +12,10 @@ this rank's rows). The models, the data and the one-process reference
 
     ep_worker.py OUT_DIR CASES   (CASES: model:schedule,... ; WORLD_SIZE 4)
 
-A model name ending in "+fsdp2" also shards each layer's attention with
+A model name with "+fsdp2" also shards each layer's attention with
 FSDP2 over the EP dimension of an (ep, pp) DeviceMesh; one ending in
 "+overlap" trains with fb_overlap=True under HP_LINK (a modelled link), one
-ending in "+defer" with defer_wgrad=True as well; one
+with "+defer" with defer_wgrad=True as well (the flags combine); one
 ending in "-dp4" is pp 1 x dp 4 x ep 2 (hp.pipeline.mesh): every rank a
 whole pipeline, dp_group the world, the experts over {0, 1} and {2, 3},
 expert_dp_group the ranks holding the same experts ({0, 2}, {1, 3})."""
@@ -30,6 +30,13 @@ import torch  # noqa: E402
 import hyperparallel as hp  # noqa: E402
 
 PP, EP, MB, T, VOCAB, STEPS, LR = 2, 2, 2, 5, 32, 3, 0.1
+
+
+def variant(kind):
+    """(model, {flags after "+"}, pp 1 x dp 4) of a case's model name, e.g.
+    "mixtral+fsdp2+overlap" -> ("mixtral", {"fsdp2", "overlap"}, False)."""
+    base, *flags = kind.split("+")
+    return base.removesuffix("-dp4"), set(flags), base.endswith("-dp4")
 
 
 def microbatches(schedule):
@@ -193,13 +200,13 @@ def main():
     results = {}
     for kind, name in cases:
         m = microbatches(name)
-        dp4 = kind.endswith("-dp4")
+        base, flags, dp4 = variant(kind)
         sched = hp.pipeline.schedule(name, ranks=1 if dp4 else PP, microbatches=m)
-        fsdp = kind.endswith("+fsdp2")
+        fsdp = "fsdp2" in flags
         # "+overlap": fb_overlap under a modelled link (HP_LINK), read by the
         # dispatchers expert_parallel makes and by the Pipeline.
-        defer = kind.endswith("+defer")
-        overlap = kind.endswith("+overlap") or defer
+        defer = "defer" in flags
+        overlap = "overlap" in flags or defer
         if overlap:
             os.environ["HP_LINK"] = "500,0.5"
         if fsdp and mesh is None:
@@ -211,9 +218,7 @@ def main():
         # Cut first (split_model runs the model alone to find its layers'
         # inputs), then spread the experts of the chunks, which share the
         # model's modules.
-        model = make_model(
-            kind.removesuffix("+fsdp2").removesuffix("+overlap").removesuffix("+defer")
-            .removesuffix("-dp4"))
+        model = make_model(base)
         chunks = hp.pipeline.split_model(model, sched, 0 if dp4 else stage_rank)
         hp.moe.expert_parallel(model, grid4.ep if dp4 else groups[1])
         length = [T]  # this step's sequence length, for the declared shapes

@@ -3,7 +3,8 @@ experts, its refusals, and pp 2 x ep 2 on 4 processes equal to one process
 in float64 (losses, auxiliary losses, every parameter after 3 SGD steps)
 for transformers' Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3 on fused, split, V and
 DualPipe schedules, with a sequence length that changes and padding,
-pp 2 x ep 2 x FSDP2, and pp 1 x dp 4 with the experts over EP groups of 2; in the same launch, torchtitan's MoE layer over each EP
+pp 2 x ep 2 x FSDP2 (also inside overlapped pairs), and pp 1 x dp 4 with
+the experts over EP groups of 2; in the same launch, torchtitan's MoE layer over each EP
 group and a rank that fails inside an overlapped pair of a step."""
 
 import os
@@ -22,12 +23,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # group) and none to the other three; "+fsdp2": pp 2 x ep 2 x FSDP2 (each
 # layer's attention fully_shard'ed over the EP dimension, shapes declared);
 # "+overlap": fb_overlap=True under HP_LINK (docs/overlap.md), "+defer" with
-# defer_wgrad=True too; "-dp4": pp 1
+# defer_wgrad=True too ("+fsdp2+overlap": FSDP2 inside overlapped pairs); "-dp4": pp 1
 # x dp 4, each expert held in both EP groups (expert_dp_group).
 CASES = ["mixtral:1f1b", "mixtral:zb-h1", "mixtral:zbv", "mixtral:dualpipev",
          "qwen3_moe:zb-h1", "qwen3_moe:dualpipev", "qwen2_moe:zbv", "deepseek_v3:zb-h1",
          "deepseek_v3:zbv", "mixtral-one-expert:1f1b", "mixtral+fsdp2:zb-h1",
-         "mixtral+overlap:dualpipev", "mixtral+defer:dualpipev", "mixtral-dp4:1f1b"]
+         "mixtral+overlap:dualpipev", "mixtral+defer:dualpipev", "mixtral-dp4:1f1b",
+         "mixtral+fsdp2+overlap:dualpipev"]
 
 
 def test_pp2_ep2_equals_one_process(tmp_path):
@@ -38,10 +40,9 @@ def test_pp2_ep2_equals_one_process(tmp_path):
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
     for case in CASES:
         kind, name = case.split(":")
-        defer, dp4 = kind.endswith("+defer"), kind.endswith("-dp4")
-        overlap = kind.endswith("+overlap") or defer
-        kind = (kind.removesuffix("+fsdp2").removesuffix("+overlap").removesuffix("+defer")
-                .removesuffix("-dp4"))
+        kind, flags, dp4 = w.variant(kind)
+        defer = "defer" in flags
+        overlap = "overlap" in flags or defer
         # dp 4: four copies of m microbatches, the global batch of 2m per EP copy.
         m = w.microbatches(name)
         ref_losses, ref_aux, ref_params = w.reference(kind, 2 * m if dp4 else m)
