@@ -609,17 +609,19 @@ TEST(ExpertParallelPipelines, FewerExpertRanksThanCopiesAndFsdpEqualOneProcess) 
   struct Run {
     std::string schedule;
     int dp;
-    bool fsdp;
+    bool fsdp, overlap = false;
   };
   for (const Run& run : {Run{"zb-h1", 4, false}, Run{"dualpipev", 4, false}, Run{"zbv", 2, true},
-                         Run{"1f1b", 4, true}}) {
-    SCOPED_TRACE(run.schedule + " dp " + std::to_string(run.dp) + (run.fsdp ? " fsdp" : ""));
+                         Run{"1f1b", 4, true}, Run{"dualpipev", 2, true, true}}) {
+    SCOPED_TRACE(run.schedule + " dp " + std::to_string(run.dp) + (run.fsdp ? " fsdp" : "") +
+                 (run.overlap ? " fb-overlap" : ""));
     TrainConfig c = tiny(run.schedule, 2, run.schedule == "dualpipev" ? 6 : 4, "gpt");
     c.model.experts = 4;
     c.model.top_k = 2;
     c.ep = 2;
     c.dp = run.dp;
     c.fsdp = run.fsdp;
+    c.fb_overlap = run.overlap;  // FSDP's shards around overlapped pairs
     auto ranks = run_threads(c);
     TrainConfig whole = c;
     whole.dp = whole.ep = 1;
