@@ -177,6 +177,18 @@ SimResult simulate(const Schedule& s, const CostModel& costs, const SimOptions& 
   for (const auto& row : s.actions)
     remaining += row.size();
   if (opts.record_timeline) res.timeline.events.reserve(remaining);
+  // NOTE [An overlapped pair in the simulator]
+  // The executor's overlapped pair (NOTE [Overlapped pairs] in
+  // hp/pipeline/overlap.cpp) runs its two halves on one CPU, taking turns at
+  // every wait on communication. The pipeline's part of those waits is each
+  // half's input: F's activation and B's output gradient. So the pair starts
+  // when the rank is free and either input is there, runs that half whole,
+  // then the other as soon as its input is there; each half's output leaves
+  // when the half ends (its consumer may start before the pair ends), and
+  // the rank is busy for the two halves' compute only. The timeline holds
+  // the halves as the F and B events they ran as. The waits inside a
+  // chunk (an expert layer's all-to-alls, hidden by the partner's compute)
+  // are not in the cost model: a MoE pair is predicted as a dense one.
   // NOTE [Simulation order]
   // Start times depend only on dependencies and on the rank's previous
   // action, never on the order ranks are visited. A worklist of ranks that
@@ -207,11 +219,34 @@ SimResult simulate(const Schedule& s, const CostModel& costs, const SimOptions& 
         if (is_compute(a.op)) {
           double start = std::max(ready, free_at[r]);
           double end = start + costs.cost(s, a);
+          double busy = end - start;
+          if (a.op == Op::FB && opts.overlap_pairs) {
+            // NOTE [An overlapped pair in the simulator]
+            const Action f = Action::make(Op::F, a.stage, a.microbatch);
+            const Action g = Action::make(Op::B, a.stage2, a.microbatch2);
+            const double f_ready = progress.ready_at(f, transfer);
+            const double g_ready = progress.ready_at(g, transfer);
+            const double df = costs.stage_cost(s, Op::F, a.stage);
+            const double dg = costs.stage_cost(s, Op::B, a.stage2);
+            const bool f_first = f_ready <= g_ready;
+            start = std::max(free_at[r], f_first ? f_ready : g_ready);
+            const double first_end = start + (f_first ? df : dg);
+            end = std::max(first_end, f_first ? g_ready : f_ready) + (f_first ? dg : df);
+            busy = df + dg;
+            progress.finish(f, f_first ? first_end : end);
+            progress.finish(g, f_first ? end : first_end);
+            if (opts.record_timeline) {  // each half as it ran
+              const double second = end - (f_first ? dg : df);
+              res.timeline.events.push_back(Event{r, f_first ? f : g, start, first_end});
+              res.timeline.events.push_back(Event{r, f_first ? g : f, second, end});
+            }
+          } else {
+            progress.finish(a, end);
+          }
           free_at[r] = end + costs.send_cost(s, a);  // NOTE [Sending occupies the sender]
           last_end[r] = end;
-          res.rank_busy[r] += end - start;
+          res.rank_busy[r] += busy;
           if (first_f[r] < 0 && (a.op == Op::F || a.op == Op::FB)) first_f[r] = start;
-          progress.finish(a, end);
           auto on_f = [&](int st, int mb) {
             mem[r] += costs.stage_mem_b_of(s, st);
             wake(s.next_stage(st, mb));
@@ -242,7 +277,8 @@ SimResult simulate(const Schedule& s, const CostModel& costs, const SimOptions& 
               break;
           }
           res.peak_memory[r] = std::max(res.peak_memory[r], mem[r]);
-          if (opts.record_timeline) res.timeline.events.push_back(Event{r, a, start, end});
+          if (opts.record_timeline && !(a.op == Op::FB && opts.overlap_pairs))
+            res.timeline.events.push_back(Event{r, a, start, end});
         }
         ++pc[r];
         --remaining;

@@ -85,6 +85,12 @@ struct CostModel {
 /// Options of simulate().
 struct SimOptions {
   bool record_timeline = true;  ///< fill SimResult::timeline
+  /// Each FB pair runs as the executor's overlapped pair does (`--fb-overlap`,
+  /// NOTE [An overlapped pair in the simulator] in simulate.cpp): the half
+  /// whose input is there first runs first, each half's output leaves when
+  /// that half ends (the timeline holds the halves as F and B events). False: the pair starts when
+  /// both inputs are there and both outputs leave at its end.
+  bool overlap_pairs = false;
 };
 
 /// What simulate() reports.

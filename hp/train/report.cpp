@@ -97,7 +97,9 @@ void gather_and_report(const TrainConfig& config, const schedule::Schedule& sche
   // simulator's memory count under the measured bytes of every stage (they
   // also land in the report's stage costs, as mem_b and mem_w in bytes).
   if (!stage_bytes.empty()) set_stage_memory(result.stage_costs, stage_bytes);
-  auto sim = schedule::simulate(sched, result.stage_costs);
+  schedule::SimOptions so;
+  so.overlap_pairs = config.fb_overlap;  // NOTE [An overlapped pair in the simulator]
+  auto sim = schedule::simulate(sched, result.stage_costs, so);
   result.simulated_bubble = sim.bubble_rate;
   result.simulated_makespan = sim.makespan;
   if (!stage_bytes.empty()) predict_rank_memory(sched, stage_bytes, sim, result);

@@ -392,3 +392,15 @@ TEST(Cli, StandardOutputThatCannotBeWrittenIsAnError) {
   ::close(p[1]);
   std::system(("rm -rf '" + dir + "'").c_str());
 }
+
+// show --fb-overlap: the pairs as hp train --fb-overlap runs them (NOTE [An
+// overlapped pair in the simulator]): dualpipev at p 4, m 10, comm 2 ends at
+// 76 instead of 80.5.
+TEST(Cli, ShowSimulatesOverlappedPairs) {
+  CliRun plain = hp("schedule show dualpipev -p 4 -m 10 --comm 2 --json");
+  CliRun pair = hp("schedule show dualpipev -p 4 -m 10 --comm 2 --fb-overlap --json");
+  ASSERT_EQ(plain.status, 0) << plain.out;
+  ASSERT_EQ(pair.status, 0) << pair.out;
+  EXPECT_NE(plain.out.find("\"makespan\": 80.5"), std::string::npos) << plain.out;
+  EXPECT_NE(pair.out.find("\"makespan\": 76.0"), std::string::npos) << pair.out;
+}

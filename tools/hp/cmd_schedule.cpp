@@ -134,7 +134,7 @@ hs::BuildOptions options_of(const Common& o) {
 struct ShowArgs {
   Common c;
   std::string name, from, svg, trace, csv;
-  bool json = false, lowered = false, no_color = false;
+  bool json = false, lowered = false, no_color = false, fb_overlap = false;
   int width = 160;
 };
 
@@ -155,7 +155,9 @@ void run_show(const ShowArgs& a) {
   hs::validate(low);
   const hs::Schedule& shown = a.lowered ? low : s;
   hs::CostModel costs = costs_of(a.c);
-  hs::SimResult r = hs::simulate(shown, costs);
+  hs::SimOptions so;
+  so.overlap_pairs = a.fb_overlap;  // NOTE [An overlapped pair in the simulator]
+  hs::SimResult r = hs::simulate(shown, costs, so);
   std::string title =
       s.name + "  p=" + std::to_string(s.num_ranks) + " m=" + std::to_string(s.num_microbatches);
   r.timeline.title = title;
@@ -314,6 +316,9 @@ void add_schedule_command(CLI::App& app) {
   show->add_option("--csv", show_args->csv, "write the action lists as CSV to FILE");
   show->add_flag("--json", show_args->json, "print the statistics as JSON");
   show->add_flag("--lowered", show_args->lowered, "include SEND/RECV (lowered lists)");
+  show->add_flag("--fb-overlap", show_args->fb_overlap,
+                 "run each FB pair as hp train --fb-overlap does: the half whose input is there "
+                 "first runs first, each half drawn as it ran");
   show->add_flag("--no-color", show_args->no_color, "no ANSI colours even on a terminal");
   show->add_option("--width", show_args->width, "max timeline width in characters")
       ->capture_default_str();
