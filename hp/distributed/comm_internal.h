@@ -42,6 +42,13 @@ c10::intrusive_ptr<c10d::ProcessGroup> make_gloo_group(const c10::intrusive_ptr<
                                                        const GlooEndpoint& endpoint,
                                                        std::chrono::milliseconds timeout);
 
+/// make_gloo_group, with the members agreeing through `store` that every one
+/// of them connected, and making the group again where one could not
+/// (NOTE [A Gloo group's connect, agreed] in gloo_group.cpp).
+c10::intrusive_ptr<c10d::ProcessGroup> make_agreed_gloo_group(
+    const c10::intrusive_ptr<c10d::Store>& store, int rank, int world_size,
+    const GlooEndpoint& endpoint, std::chrono::milliseconds timeout);
+
 /// A ProcessGroup (default backend Gloo, for CPU tensors) around `backend`.
 c10::intrusive_ptr<c10d::ProcessGroup> wrap_gloo_backend(
     const c10::intrusive_ptr<c10d::Store>& store, int rank, int world_size,

@@ -231,8 +231,8 @@ class ProcessGroupComm : public Comm, public std::enable_shared_from_this<Proces
         // Our own rendezvous: a fresh Gloo group over a prefix of the root store.
         auto store = c10::make_intrusive<c10d::PrefixStore>(
             "hp/group/" + name + "/" + std::to_string(n), shared_->store);
-        sub = detail::make_gloo_group(store, my, int(ranks.size()), shared_->endpoint,
-                                      options_.timeout);
+        sub = detail::make_agreed_gloo_group(store, my, int(ranks.size()), shared_->endpoint,
+                                             options_.timeout);
       } else {
         sub = compat::split_process_group(*pg_, ranks, options_.timeout, borrowed_split_name(name));
       }
@@ -529,8 +529,8 @@ std::shared_ptr<Comm> gloo_comm_over_store(c10::intrusive_ptr<c10d::Store> store
   shared->endpoint = endpoint;
   std::shared_ptr<Comm> comm;
   try {
-    auto pg = make_gloo_group(c10::make_intrusive<c10d::PrefixStore>("hp/group/all", store), rank,
-                              world_size, endpoint, options.timeout);
+    auto pg = make_agreed_gloo_group(c10::make_intrusive<c10d::PrefixStore>("hp/group/all", store),
+                                     rank, world_size, endpoint, options.timeout);
     comm = std::make_shared<ProcessGroupComm>(shared, pg, iota(world_size), options);
     shared->monitor =
         std::make_shared<PeerMonitor>(store, rank, world_size, endpoint.address, options.timeout);

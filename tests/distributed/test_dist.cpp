@@ -324,6 +324,49 @@ TEST(DistEnv, NamesTheMissingOrInvalidVariableWithAnExample) {
   EXPECT_EQ(c.master_port, 29500);
 }
 
+// NOTE [A Gloo group's connect, agreed] in hp/distributed/gloo_group.cpp: a
+// member whose connect its peer closed makes every member make the group
+// again (the world's group and a split), and the group then works; three
+// closes in a row end every member, naming the member that failed.
+TEST(DistRendezvous, AConnectClosedByThePeerIsMadeAgainOnEveryMember) {
+  for (const std::string faults : {"1:0", "0:0,1:1", "1:0,1:1,1:2"}) {
+    SCOPED_TRACE(faults);
+    setenv("HP_FAULT_GLOO_CONNECT", faults.c_str(), 1);
+    struct Unset {
+      ~Unset() { unsetenv("HP_FAULT_GLOO_CONNECT"); }
+    } unset;
+    TempDir dir;
+    std::vector<std::string> got(2);
+    std::vector<std::thread> ts;
+    for (int r = 0; r < 2; ++r)
+      ts.emplace_back([&, r] {
+        try {
+          hp::distributed::CommOptions o;
+          o.timeout = std::chrono::seconds(20);
+          auto world = Comm::from_file_store(dir.path + "/s", r, 2, o);
+          auto sub = world->split({0, 1});
+          auto t = at::full({3}, double(r + 1), at::kDouble);
+          sub->all_reduce(t);
+          got[r] = std::to_string(int(t[0].item<double>()));
+        } catch (const std::exception& e) {
+          got[r] = std::string("error: ") + e.what();
+        }
+      });
+    for (auto& t : ts)
+      t.join();
+    if (faults != "1:0,1:1,1:2") {
+      EXPECT_EQ(got[0], "3");
+      EXPECT_EQ(got[1], "3");
+    } else {
+      EXPECT_NE(got[0].find("member 1 of the group could not connect (try 3)"), std::string::npos)
+          << got[0];
+      for (const auto& e : got)
+        EXPECT_NE(e.find("closed by peer (injected by HP_FAULT_GLOO_CONNECT)"), std::string::npos)
+            << e;
+    }
+  }
+}
+
 TEST(DistRendezvous, UnreachableMasterFailsWithinTheTimeout) {
   int port = hp::launch::pick_free_port();  // nobody listens there
   EnvGuard g({{"RANK", "1"},
