@@ -87,12 +87,14 @@ c10::intrusive_ptr<c10d::ProcessGroup> make_agreed_gloo_group(
     for (int r = 0; r < world_size; ++r)
       keys.push_back(key + std::to_string(r));
     store->wait(keys, timeout);
+    // The failure that decides: one no new try can cure, else the first.
     int failed = -1;
     std::string why;
-    for (int r = 0; r < world_size && failed < 0; ++r) {
+    for (int r = 0; r < world_size; ++r) {
       const auto v = store->get(keys[r]);
       const std::string text(v.begin(), v.end());
-      if (text != "ok") failed = r, why = text;
+      if (text != "ok" && (failed < 0 || (transient(why) && !transient(text))))
+        failed = r, why = text;
     }
     if (failed < 0) return pg;
     pg.reset();
@@ -103,10 +105,10 @@ c10::intrusive_ptr<c10d::ProcessGroup> make_agreed_gloo_group(
                    failed, world_size, attempt + 2, kTries);
     if (!transient(why) || attempt + 1 == kTries)
       throw std::runtime_error(
-          error.empty()
-              ? "member " + std::to_string(failed) + " of the group could not connect" +
-                    (attempt > 0 ? " (try " + std::to_string(attempt + 1) + ")" : "") + ": " + why
-              : error);
+          failed == rank
+              ? error
+              : "member " + std::to_string(failed) + " of the group could not connect" +
+                    (attempt > 0 ? " (try " + std::to_string(attempt + 1) + ")" : "") + ": " + why);
   }
 }
 

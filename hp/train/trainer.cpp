@@ -72,8 +72,6 @@ RankGroups make_groups(const TrainConfig& config, std::shared_ptr<distributed::C
     // NOTE [The training mesh] in hp/distributed/mesh.h: (edp, ep, pp), the
     // copies edp x ep; the (dp, pp) mesh is the same layout, edp and ep
     // flattened.
-    const auto shape =
-        distributed::training_mesh(world->world_size(), config.nproc, config.dp, config.ep);
     distributed::DeviceMesh copies(world,
                                    distributed::MeshShape{{"dp", "pp"}, {config.dp, config.nproc}});
     g.pp = copies.group("pp");
@@ -82,7 +80,9 @@ RankGroups make_groups(const TrainConfig& config, std::shared_ptr<distributed::C
     g.replica = copies.coordinate("dp");
     g.ep = g.dp;
     if (config.ep > 1 && config.ep < config.dp) {
-      distributed::DeviceMesh mesh(world, shape);
+      distributed::DeviceMesh mesh(
+          world,
+          distributed::training_mesh(world->world_size(), config.nproc, config.dp, config.ep));
       g.ep = distributed::with_link_model(mesh.group("ep"), g.link);
       g.expert_dp = distributed::with_link_model(mesh.group("edp"), g.link);
     }
@@ -155,6 +155,15 @@ RankModel build_rank_model(const TrainConfig& config, const schedule::Schedule& 
   return model;
 }
 
+/// The rank's expert parameters (--ep), by tensor.
+std::set<const void*> expert_set(const RankModel& model) {
+  std::set<const void*> experts;
+  for (const auto& [c, mod] : model.modules)
+    for (const auto& t : mod.expert_parameters)
+      experts.insert(t.unsafeGetTensorImpl());
+  return experts;
+}
+
 /// The Pipeline's options as `hp train` sets them.
 pipeline::PipelineOptions pipeline_options(const TrainConfig& config, const RankGroups& groups,
                                            const torch::Device& device) {
@@ -179,10 +188,7 @@ pipeline::PipelineOptions pipeline_options(const TrainConfig& config, const Rank
 void final_parameters(const TrainConfig& config, const RankModel& model,
                       const pipeline::Pipeline& pipe, const RankGroups& groups,
                       distributed::Comm& comm, TrainResult& result) {
-  std::set<const void*> experts;
-  for (const auto& [c, mod] : model.modules)
-    for (const auto& t : mod.expert_parameters)
-      experts.insert(t.unsafeGetTensorImpl());
+  const std::set<const void*> experts = expert_set(model);
   double own_sum = 0.0, expert_sum = 0.0;
   for (const auto& [name, tensors] : model.by_name) {
     result.parameters[name] = tensors[0].detach().to(torch::kCPU, /*non_blocking=*/false,
@@ -262,10 +268,7 @@ TrainResult run_rank(const TrainConfig& config, std::shared_ptr<distributed::Com
   std::unique_ptr<FsdpShards> fsdp;
   std::vector<torch::Tensor> stepped = model.params;
   if (config.fsdp) {
-    std::set<const void*> experts;  // --ep: stepped whole, beside the shards
-    for (const auto& [c, mod] : model.modules)
-      for (const auto& t : mod.expert_parameters)
-        experts.insert(t.unsafeGetTensorImpl());
+    const std::set<const void*> experts = expert_set(model);  // --ep: stepped whole
     std::vector<torch::Tensor> plain, whole;
     for (const auto& p : model.params)
       (experts.count(p.unsafeGetTensorImpl()) ? whole : plain).push_back(p);
