@@ -10,6 +10,9 @@
 #include <string>
 #include <vector>
 
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
 #include <c10/util/intrusive_ptr.h>
 
 /// True when the LibTorch we build against is at least MAJOR.MINOR.
@@ -36,6 +39,18 @@ c10::intrusive_ptr<c10d::ProcessGroup> split_process_group(c10d::ProcessGroup& g
                                                            const std::vector<int>& ranks,
                                                            std::chrono::milliseconds timeout,
                                                            const std::string& name);
+
+/// True where this LibTorch has a grouped matrix product
+/// (`at::_grouped_mm`, 2.9 and later) that takes `dtype` on `device`,
+/// backward included: probed once per (dtype, device) with a small product
+/// (float32 and bfloat16 on the CPU in 2.11; never float64). False on older
+/// LibTorch (NOTE [Grouped expert products] in hp/moe/moe_layer.cpp).
+bool has_grouped_mm(c10::ScalarType dtype, c10::Device device);
+
+/// out[offs[g-1]:offs[g]] = a[offs[g-1]:offs[g]] @ b[g] for each group g:
+/// `a` [rows, k], `b` [groups, k, n], `offs` int32 [groups], the running
+/// row ends. Only where has_grouped_mm; throws elsewhere.
+at::Tensor grouped_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offs);
 
 }  // namespace compat
 }  // namespace hp

@@ -86,6 +86,7 @@ struct BlockImpl : nn::Module {
       o.router.num_experts = s.experts;
       o.router.top_k = s.top_k;
       o.dispatch.capacity_factor = s.capacity_factor;
+      o.experts = moe::expert_compute_from_string(s.expert_compute);
       experts =
           register_module("moe", moe::MoELayer(o, std::move(ep), moe_seed, 0.02, residual_std));
       return;
@@ -298,6 +299,7 @@ void ModelSpec::check() const {
       r.check();
       TORCH_CHECK(capacity_factor >= 0 && aux_coef >= 0 && std::isfinite(aux_coef),
                   "the MoE's capacity factor and load-balancing weight must be >= 0");
+      (void)moe::expert_compute_from_string(expert_compute);
     }
   } else {
     TORCH_CHECK(!documents, "documents are for the gpt, not the mlp");

@@ -33,6 +33,9 @@ struct ModelSpec {
   int64_t top_k = 2;
   double aux_coef = 0.01;        ///< the load-balancing loss's weight (0: none)
   double capacity_factor = 0.0;  ///< 0: dropless (hp/moe DispatchOptions)
+  /// How the experts are computed: "auto", "loop" or "grouped" (hp/moe's
+  /// ExpertCompute, NOTE [Grouped expert products]).
+  std::string expert_compute = "auto";
   /// gpt: attention stays inside each document, a document ending at each
   /// newline byte; the chunks hand on each token's document number with the
   /// hidden states (NOTE [Documents in the reference GPT] in models.cpp).

@@ -16,6 +16,15 @@
 
 namespace hp::moe {
 
+/// How a layer computes its local experts (NOTE [Grouped expert products]
+/// in moe_layer.cpp): `Auto` takes the grouped product where LibTorch has
+/// one for the input's dtype and device and the widths fit it, the loop
+/// elsewhere; `Grouped` insists (an error where it cannot); `Loop` never.
+enum class ExpertCompute { Auto, Loop, Grouped };
+
+/// "auto", "loop" or "grouped"; throws naming the choices otherwise.
+ExpertCompute expert_compute_from_string(const std::string& name);
+
 /// The shape of a MoE layer.
 struct MoELayerOptions {
   int64_t d_model = 64;
@@ -25,6 +34,7 @@ struct MoELayerOptions {
   /// (DeepSeek-V3), each of `hidden` width; 0: none.
   int64_t shared_experts = 0;
   DispatchOptions dispatch;
+  ExpertCompute experts = ExpertCompute::Auto;
 };
 
 /// One MoE layer holding experts [first, first + local) of the group's
@@ -45,6 +55,9 @@ class MoELayerImpl : public torch::nn::Module {
   /// not average them over the EP group: NOTE [Expert gradients]).
   std::vector<torch::Tensor> expert_parameters() const;
   const ExpertPlacement& placement() const { return dispatcher_.placement(); }
+  /// Whether the last forward computed its experts with one grouped product
+  /// per projection (true) or a loop over the experts (false).
+  bool last_grouped() const { return grouped_; }
 
  private:
   MoELayerOptions options_;
@@ -54,6 +67,11 @@ class MoELayerImpl : public torch::nn::Module {
   std::vector<torch::nn::Linear> shared_up_, shared_down_;
   torch::Tensor balance_loss_;
   int64_t dropped_ = 0;
+  bool grouped_ = false;
+
+  /// The experts on `rows` (grouped by local expert, `counts` each), by
+  /// loop or by grouped product.
+  torch::Tensor experts(const torch::Tensor& rows, const std::vector<int64_t>& counts);
 };
 TORCH_MODULE(MoELayer);
 

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "hp/autograd/grad_function.h"
+#include "hp/core/compat.h"
 #include "hp/distributed/comm.h"
 #include "hp/moe/all_to_all.h"
 #include "hp/moe/dispatch.h"
@@ -225,6 +226,85 @@ TEST(MoELayer, TwoRanksEqualEveryExpertLocalFusedAndSplit) {
     EXPECT_EQ(errors[0], "") << (split ? "split" : "fused");
     EXPECT_EQ(errors[1], "") << (split ? "split" : "fused");
   }
+}
+
+// NOTE [Grouped expert products] in hp/moe/moe_layer.cpp: in float32 the
+// grouped product equals the loop over 2 expert-parallel ranks (outputs,
+// input gradient, every parameter's gradient, fused and split); float64
+// takes the loop under Auto. Where LibTorch has no grouped product (2.6),
+// Auto is the loop and Grouped is refused, naming the version.
+TEST(MoELayer, GroupedProductsEqualTheLoop) {
+  auto o = layer_options();
+  o.d_model = 8;  // float32 rows: multiples of 16 bytes
+  o.hidden = 12;
+  o.router.num_experts = 8;
+  const bool have = hp::compat::has_grouped_mm(torch::kFloat, torch::kCPU);
+  EXPECT_EQ(have, HP_TORCH_AT_LEAST(2, 9)) << hp::torch_version();
+  for (bool split : {false, true}) {
+    auto errors = on_ranks(2, [&](int r, std::shared_ptr<Comm> g) {
+      auto make = [&](ExpertCompute how, torch::Dtype dtype) {
+        auto oo = o;
+        oo.experts = how;
+        MoELayer layer(oo, g, 11, 0.3, 0.2);
+        layer->to(dtype);
+        return layer;
+      };
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(100 + r);
+      auto x0 = torch::randn({2, 7, o.d_model}, gen, torch::kFloat);
+      std::vector<torch::Tensor> outs, dxs;
+      std::vector<std::map<std::string, torch::Tensor>> grads;
+      for (auto how : {ExpertCompute::Loop, ExpertCompute::Grouped}) {
+        if (how == ExpertCompute::Grouped && !have) {
+          auto layer = make(how, torch::kFloat);
+          try {
+            layer->forward(x0);
+            TORCH_CHECK(false, "Grouped ran without a grouped product");
+          } catch (const c10::Error& e) {
+            TORCH_CHECK(
+                std::string(e.what()).find("need LibTorch 2.9 or later") != std::string::npos,
+                e.what());
+          }
+          return;
+        }
+        auto layer = make(how, torch::kFloat);
+        auto x = x0.clone().requires_grad_(true);
+        auto out = layer->forward(x);
+        TORCH_CHECK(layer->last_grouped() == (how == ExpertCompute::Grouped), "path taken");
+        auto loss = (out * out).sum() + layer->last_balance_loss();
+        torch::Tensor dx;
+        if (split) {
+          std::vector<torch::Tensor> params;
+          for (const auto& p : layer->parameters())
+            params.push_back(p);
+          hp::autograd::GradFunction fn({loss}, {x}, params);
+          dx = fn.compute_input_grad()[0];
+          fn.weight_grad_into_grad();
+        } else {
+          dx = torch::autograd::grad({loss}, {x}, {}, /*retain_graph=*/true)[0];
+          torch::autograd::backward({loss});
+        }
+        outs.push_back(out.detach());
+        dxs.push_back(dx);
+        grads.emplace_back();
+        for (const auto& p : layer->named_parameters())
+          grads.back()[p.key()] = p.value().grad();
+      }
+      TORCH_CHECK(torch::allclose(outs[0], outs[1], 1e-5, 1e-6), "forward");
+      TORCH_CHECK(torch::allclose(dxs[0], dxs[1], 1e-5, 1e-6), "input gradient");
+      for (const auto& [name, want] : grads[0]) {
+        const auto& got = grads[1].at(name);
+        TORCH_CHECK(got.defined() && torch::allclose(got, want, 1e-5, 1e-6), "gradient of ", name);
+      }
+      // float64 under Auto: the loop.
+      auto wide = make(ExpertCompute::Auto, torch::kDouble);
+      wide->forward(x0.to(torch::kDouble));
+      TORCH_CHECK(!wide->last_grouped(), "float64 took the grouped product");
+    });
+    EXPECT_EQ(errors[0], "") << (split ? "split" : "fused");
+    EXPECT_EQ(errors[1], "") << (split ? "split" : "fused");
+  }
+  EXPECT_EQ(expert_compute_from_string("grouped"), ExpertCompute::Grouped);
+  EXPECT_THROW(expert_compute_from_string("batched"), c10::Error);
 }
 
 TEST(MoELayer, ExpertsMustDivideOverTheGroup) {

@@ -43,15 +43,17 @@ def microbatches(schedule):
     return 2 * PP + 2 if schedule == "dualpipev" else 2 * PP
 
 
-def make_model(kind):
+def make_model(kind, dtype=torch.float64, experts="eager"):
     """A tiny float64 MoE model of transformers, seeded; "mixtral-one-expert"
     is Mixtral with one expert per token and a zero router, so that the
-    first step sends every token to expert 0 and none to the others."""
+    first step sends every token to expert 0 and none to the others.
+    `experts`: transformers' experts implementation ("grouped_mm": one
+    torch._grouped_mm per projection, which takes no float64)."""
     import transformers as tf
 
     common = dict(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=4, num_attention_heads=2,
                   num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=False,
-                  attn_implementation="eager", experts_implementation="eager")
+                  attn_implementation="eager", experts_implementation=experts)
     if kind.startswith("mixtral"):
         one = kind == "mixtral-one-expert"
         config = tf.MixtralConfig(intermediate_size=16, num_local_experts=4,
@@ -78,7 +80,7 @@ def make_model(kind):
     else:
         raise ValueError(kind)
     torch.manual_seed(4321)
-    model = cls(config).to(torch.float64)
+    model = cls(config).to(dtype)
     if kind == "mixtral-one-expert":
         with torch.no_grad():
             for layer in model.model.layers:
@@ -152,11 +154,11 @@ def batch(step, m):
     return ids[:, :-1], ids[:, 1:], mask
 
 
-def reference(kind, m):
-    """One process, every expert local: each copy's microbatches in turn,
-    the mean over all of them of loss + auxiliary losses, SGD. Returns
-    (losses, auxiliary means, {name: parameter})."""
-    model = make_model(kind)
+def reference(kind, m, dtype=torch.float64):
+    """One process, every expert local (transformers' loop over experts):
+    each copy's microbatches in turn, the mean over all of them of loss +
+    auxiliary losses, SGD. Returns (losses, auxiliary means, {name: parameter})."""
+    model = make_model(kind, dtype)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses, aux_means = [], []
     n = EP * m
@@ -198,6 +200,15 @@ def main():
     grid4 = hp.pipeline.mesh(pp=1, dp=4, ep=2)
     mesh = None
     results = {}
+    # Counts the grouped products ("+grouped": transformers' grouped_mm
+    # experts on this rank's slice, float32; NOTE [Grouped expert products]).
+    grouped_calls, plain_grouped_mm = [0], torch._grouped_mm
+
+    def counted(*a, **k):
+        grouped_calls[0] += 1
+        return plain_grouped_mm(*a, **k)
+
+    torch._grouped_mm = counted
     for kind, name in cases:
         m = microbatches(name)
         base, flags, dp4 = variant(kind)
@@ -218,9 +229,11 @@ def main():
         # Cut first (split_model runs the model alone to find its layers'
         # inputs), then spread the experts of the chunks, which share the
         # model's modules.
-        model = make_model(base)
+        grouped = "grouped" in flags
+        model = (make_model(base, torch.float32, "grouped_mm") if grouped else make_model(base))
         chunks = hp.pipeline.split_model(model, sched, 0 if dp4 else stage_rank)
         hp.moe.expert_parallel(model, grid4.ep if dp4 else groups[1])
+        grouped_calls[0] = 0  # from here on: the pipeline's steps
         length = [T]  # this step's sequence length, for the declared shapes
         extra = {}
         if dp4:
@@ -264,7 +277,7 @@ def main():
                 full[k] = (q.full_tensor() if hasattr(q, "full_tensor") else q).detach().clone()
         results[f"{kind}:{name}"] = {
             "losses": losses, "aux": aux, "params": full, "pair_hidden": hidden,
-            "deferred": deferred,
+            "deferred": deferred, "grouped_calls": grouped_calls[0],
             "experts": sorted(k for mod in chunks.values() for k, q in mod.named_model_parameters()
                               if hp.moe.is_expert_parameter(q)),
         }

@@ -239,6 +239,11 @@ void add_train_command(CLI::App& app) {
   t->add_option("--capacity-factor", c.model.capacity_factor,
                 "--model moe: rows an expert takes per rank, as a multiple of an even share "
                 "(0: dropless)");
+  t->add_option("--expert-compute", c.model.expert_compute,
+                "--model moe: the local experts as a loop of products, one grouped product "
+                "per projection (LibTorch 2.9+, float32/bfloat16), or auto (grouped where it "
+                "can)")
+      ->check(CLI::IsMember({"auto", "loop", "grouped"}));
   t->add_option("--aux-coef", c.model.aux_coef, "--model moe: weight of the load-balancing loss");
   t->add_option("--layers", c.model.layers, "transformer blocks (gpt) or hidden layers (mlp)");
   t->add_option("--d-model", c.model.d_model, "width");
