@@ -446,25 +446,65 @@ struct Executor::State {
           store_dx(b.stage, b.microbatch, stage.backward_input(b.stage, b.microbatch, g));
           deferred_w.emplace_back(b.stage, b.microbatch);
         };
-        if (!opts.fb_overlap) {
+        // NOTE [Overlapped pairs] in overlap.cpp
+        auto overlapped = [&] {
+          if (!pairs) pairs = std::make_unique<PairRunner>();
+          std::function<bool()> idle;
+          if (defer) idle = [this] { return run_deferred_w(); };
+          const PairStats ps = pairs->run(run_f, run_b, idle);
+          ++stats.pairs;
+          stats.pair_hidden += ps.hidden;
+          stats.pair_exposed += ps.exposed;
+          stats.deferred_w_in_waits += ps.filled;
+        };
+        if (opts.pair_function) {
+          run_pair_function(a, run_f, run_b, overlapped);
+        } else if (opts.fb_overlap) {
+          overlapped();
+        } else {
           run_f();
           run_b();
-          break;
         }
-        // NOTE [Overlapped pairs] in overlap.cpp
-        if (!pairs) pairs = std::make_unique<PairRunner>();
-        std::function<bool()> idle;
-        if (defer) idle = [this] { return run_deferred_w(); };
-        const PairStats ps = pairs->run(run_f, run_b, idle);
-        ++stats.pairs;
-        stats.pair_hidden += ps.hidden;
-        stats.pair_exposed += ps.exposed;
-        stats.deferred_w_in_waits += ps.filled;
         break;
       }
       default:
         TORCH_INTERNAL_ASSERT(false, "not a compute action");
     }
+  }
+
+  // NOTE [A pair function]
+  // A user's pair function (torch's register_custom_function(OVERLAP_F_B,
+  // fn)) decides how an FB pair runs: the F half and the B half in either
+  // order, on threads or streams of its own, or the built-in overlapped
+  // runner. Whatever it does, the executor needs each half run exactly once
+  // before the next action (the pair's sends follow it in the list): a
+  // second call of a half, and a function that returns with a half not run,
+  // are errors naming the pair. Its exceptions end the step as any
+  // action's do (NOTE [The actions around a failure]).
+  void run_pair_function(const Action& a, const std::function<void()>& run_f,
+                         const std::function<void()>& run_b,
+                         const std::function<void()>& overlapped) {
+    bool f_ran = false, b_ran = false;
+    auto once = [&](bool& ran, const char* what, const std::function<void()>& fn) {
+      TORCH_CHECK(!ran, "the pair function ran the ", what, " of ", schedule::to_string(a),
+                  " twice");
+      ran = true;
+      fn();
+    };
+    PairCall call;
+    call.action = a;
+    call.forward = [&] { once(f_ran, "forward half", run_f); };
+    call.backward = [&] { once(b_ran, "backward half", run_b); };
+    call.overlapped = [&] {
+      TORCH_CHECK(!f_ran && !b_ran, "the pair function ran overlapped() after a half of ",
+                  schedule::to_string(a));
+      f_ran = b_ran = true;
+      overlapped();
+    };
+    opts.pair_function(call);
+    TORCH_CHECK(f_ran && b_ran, "the pair function returned without running the ",
+                f_ran ? "backward" : "forward", " half of ", schedule::to_string(a),
+                " (call pair.forward() and pair.backward(), or pair.overlapped())");
   }
 
   // Runs the oldest deferred W, if any (NOTE [Weight gradients in the waits]).
@@ -628,6 +668,10 @@ Executor::Executor(const schedule::Schedule& schedule, int rank, PipelineStage& 
 }
 
 Executor::~Executor() = default;
+
+void Executor::set_pair_function(std::function<void(PairCall&)> fn) {
+  state_->opts.pair_function = std::move(fn);
+}
 
 StepStats Executor::run_step() {
   try {

@@ -19,6 +19,16 @@
 
 namespace hp::pipeline {
 
+/// One FB pair handed to a pair function (ExecutorOptions::pair_function;
+/// NOTE [A pair function] in executor.cpp). Call `forward` and `backward`
+/// once each, in any order, or `overlapped` once for both.
+struct PairCall {
+  schedule::Action action;         ///< the FB: F of (stage, microbatch), B of (stage2, microbatch2)
+  std::function<void()> forward;   ///< the F half
+  std::function<void()> backward;  ///< the B half (I alone under defer_wgrad)
+  std::function<void()> overlapped;  ///< both, as partners (the built-in overlapped runner)
+};
+
 /// What the executor needs to know about the data flowing between stages.
 struct ExecutorOptions {
   /// The model input of microbatch `mb` (read by the first stage of its
@@ -64,6 +74,9 @@ struct ExecutorOptions {
   /// which runs in a wait of a later half that nothing else fills, or at the
   /// step's end (NOTE [Weight gradients in the waits] in overlap.cpp).
   bool defer_wgrad = false;
+  /// Runs each FB pair in place of the built-in order (torch's
+  /// register_custom_function(OVERLAP_F_B, fn)); unset: fb_overlap decides.
+  std::function<void(PairCall&)> pair_function;
 };
 
 /// What one step did on this rank.
@@ -152,6 +165,9 @@ class Executor {
   /// Runs every action of this rank once. Throws (naming stage, microbatch
   /// and action) on any failure, including a lost peer.
   StepStats run_step();
+
+  /// Replaces ExecutorOptions::pair_function (between steps).
+  void set_pair_function(std::function<void(PairCall&)> fn);
 
  private:
   struct State;

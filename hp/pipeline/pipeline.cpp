@@ -355,6 +355,7 @@ Pipeline::Pipeline(schedule::Schedule schedule, std::shared_ptr<distributed::Com
   eo.cache_cpu_memory = options_.cache_cpu_memory;
   eo.fb_overlap = options_.fb_overlap;
   eo.defer_wgrad = options_.defer_wgrad;
+  eo.pair_function = options_.pair_function;
   try {
     executor_ = std::make_unique<Executor>(sched_, rank_, *stage_, comm_, std::move(eo));
   } catch (...) {
@@ -475,6 +476,11 @@ void Pipeline::clear_recompute_sessions() {
   for (int st : sched_.stages_of_rank(rank_))
     for (int mb = 0; mb < sched_.num_microbatches; ++mb)
       recompute::clear_session(session_id(number_, st, mb));
+}
+
+void Pipeline::set_pair_function(std::function<void(PairCall&)> fn) {
+  options_.pair_function = fn;
+  if (executor_) executor_->set_pair_function(std::move(fn));
 }
 
 PipelineStep Pipeline::step() {

@@ -91,10 +91,11 @@ struct PipelineOptions {
   /// recomputes a stage's last block while its output gradient is in flight.
   bool recompute_sessions = false;
   bool prefetch_recompute = false;
-  int receive_lookahead = 0;      ///< ExecutorOptions::receive_lookahead
-  bool cache_cpu_memory = false;  ///< ExecutorOptions::cache_cpu_memory
-  bool fb_overlap = false;        ///< ExecutorOptions::fb_overlap
-  bool defer_wgrad = false;       ///< ExecutorOptions::defer_wgrad (with fb_overlap)
+  int receive_lookahead = 0;                     ///< ExecutorOptions::receive_lookahead
+  bool cache_cpu_memory = false;                 ///< ExecutorOptions::cache_cpu_memory
+  bool fb_overlap = false;                       ///< ExecutorOptions::fb_overlap
+  bool defer_wgrad = false;                      ///< ExecutorOptions::defer_wgrad (with fb_overlap)
+  std::function<void(PairCall&)> pair_function;  ///< ExecutorOptions::pair_function
   /// The cost every pipeline transfer pays (distributed::with_link_model;
   /// CPU only). Where active, transfers take the group's own point-to-point
   /// ("auto" does not choose the rings, "shm" is refused): the rings would
@@ -149,6 +150,10 @@ class Pipeline {
   /// accumulate into the parameters' .grad. After a step that threw, every
   /// later step throws (the microbatches are half done): make a new Pipeline.
   PipelineStep step();
+
+  /// Replaces PipelineOptions::pair_function (between steps; unset: the
+  /// built-in order). NOTE [A pair function] in executor.cpp.
+  void set_pair_function(std::function<void(PairCall&)> fn);
 
   int rank() const { return rank_; }
   const schedule::Schedule& schedule() const { return sched_; }

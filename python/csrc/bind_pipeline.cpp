@@ -343,6 +343,22 @@ class Runtime {
   Runtime(const Runtime&) = delete;
   Runtime& operator=(const Runtime&) = delete;
 
+  /// A Python function run for each FB pair, fn(pair) with pair a PairCall
+  /// (NOTE [A pair function] in hp/pipeline/executor.cpp); None: the
+  /// built-in order.
+  void set_pair_function(py::object fn) {
+    std::function<void(pipeline::PairCall&)> f;
+    if (!fn.is_none()) {
+      Held h = held(std::move(fn));
+      f = [h](pipeline::PairCall& call) {
+        py::gil_scoped_acquire gil;
+        call_held(*h, "the pair function", py::cast(&call, py::return_value_policy::reference));
+      };
+    }
+    py::gil_scoped_release release;
+    pipe_->set_pair_function(std::move(f));
+  }
+
   /// One step: every action of this rank once. Returns the mean loss over
   /// the microbatches (the same on every rank) and this rank's timings.
   py::dict step(std::vector<torch::Tensor> inputs) {
@@ -463,6 +479,34 @@ void bind_pipeline(py::module_& m) {
       .def_readwrite("cache_cpu_memory", &pipeline::PipelineOptions::cache_cpu_memory)
       .def_readwrite("fb_overlap", &pipeline::PipelineOptions::fb_overlap)
       .def_readwrite("defer_wgrad", &pipeline::PipelineOptions::defer_wgrad);
+  // One FB pair as a pair function sees it; each half runs without the GIL
+  // (a chunk's forward takes it back).
+  py::class_<pipeline::PairCall>(sub, "PairCall")
+      .def_property_readonly(
+          "action", [](const pipeline::PairCall& c) { return schedule::to_string(c.action); })
+      .def_property_readonly("forward_stage",
+                             [](const pipeline::PairCall& c) { return c.action.stage; })
+      .def_property_readonly("forward_microbatch",
+                             [](const pipeline::PairCall& c) { return c.action.microbatch; })
+      .def_property_readonly("backward_stage",
+                             [](const pipeline::PairCall& c) { return c.action.stage2; })
+      .def_property_readonly("backward_microbatch",
+                             [](const pipeline::PairCall& c) { return c.action.microbatch2; })
+      .def(
+          "forward", [](pipeline::PairCall& c) { c.forward(); },
+          py::call_guard<py::gil_scoped_release>(), "Runs the pair's forward half (once).")
+      .def(
+          "backward", [](pipeline::PairCall& c) { c.backward(); },
+          py::call_guard<py::gil_scoped_release>(),
+          "Runs the pair's backward half (once; I alone under defer_wgrad).")
+      .def(
+          "overlapped", [](pipeline::PairCall& c) { c.overlapped(); },
+          py::call_guard<py::gil_scoped_release>(),
+          "Runs both halves as partners (the built-in runner of fb_overlap), instead of "
+          "forward() and backward().")
+      .def("__repr__", [](const pipeline::PairCall& c) {
+        return "PairCall(" + schedule::to_string(c.action) + ")";
+      });
   py::class_<Runtime>(sub, "Runtime")
       .def(py::init<const schedule::Schedule&, const py::object&, const std::map<int, py::object>&,
                     const std::map<int, std::vector<torch::Tensor>>&, py::object, py::object,
@@ -486,6 +530,8 @@ void bind_pipeline(py::module_& m) {
            py::arg("expert_dp_group") = py::none())
       .def("step", &Runtime::step, py::arg("inputs"),
            "Runs one step of this rank's actions; returns the loss and timings.")
+      .def("set_pair_function", &Runtime::set_pair_function, py::arg("fn"),
+           "fn(pair) runs each FB pair (NOTE [A pair function]); None: the built-in order.")
       .def("abandon", &Runtime::abandon, py::arg("why"),
            "Tells the peers that this rank will not take part in the running step (final).")
       .def_property_readonly("rank", &Runtime::rank)

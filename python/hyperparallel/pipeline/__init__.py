@@ -28,10 +28,10 @@ from ..router_losses import moe_aux_losses  # a transformers MoE's router loss, 
 from ..split_model import split_model  # cutting one model into chunks
 from .helpers import PipelineSchedule, cpu_cache_bytes, empty_cpu_cache, schedule
 from .training_mesh import TrainingMesh, mesh, mesh_shape
-from .runtime import Pipeline
+from .runtime import OVERLAP_F_B, Pipeline
 from .transfers import _from_message, _to_message  # noqa: F401  (tests call them)
 
-__all__ = ["PipelineSchedule", "schedule", "Pipeline", "add_loss", "collect_losses",
+__all__ = ["PipelineSchedule", "schedule", "Pipeline", "OVERLAP_F_B", "add_loss", "collect_losses",
            "cpu_cache_bytes", "empty_cpu_cache",
            "split_model", "materialize", "moe_aux_losses", "load_pretrained", "save_pretrained",
            "save_checkpoint", "load_checkpoint", "mesh", "mesh_shape", "TrainingMesh"]

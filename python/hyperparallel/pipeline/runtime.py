@@ -61,7 +61,11 @@ from .stage_forward import (
 )
 from .transfers import _declared_shape
 
-__all__ = ["Pipeline"]
+__all__ = ["Pipeline", "OVERLAP_F_B"]
+
+#: What Pipeline.register_custom_function replaces: how an ``FB`` pair runs
+#: (torch's ``_ComputationType.OVERLAP_F_B`` is taken too).
+OVERLAP_F_B = "OVERLAP_F_B"
 
 
 Shape = Union[Sequence[int], Callable[[int, int], Sequence[int]]]
@@ -182,6 +186,16 @@ def _dtype_and_device(dtype, device, first, keep_freed_memory):
     if keep_freed_memory:
         _C.pipeline.keep_freed_memory_mapped()
     return dtype, device, keep_freed_memory
+
+
+def _is_overlap_kind(kind) -> bool:
+    if kind == OVERLAP_F_B:
+        return True
+    try:  # torch's own name for it
+        from torch.distributed.pipelining.schedules import _ComputationType
+    except ImportError:  # pragma: no cover  (torch without pipelining)
+        return False
+    return kind is getattr(_ComputationType, "OVERLAP_F_B", None)
 
 
 class Pipeline:
@@ -520,6 +534,26 @@ class Pipeline:
         return [b.decode() for b in _all_gather_bytes(
             self._group, text.encode(), self._loss_device, self._timeout,
             f"rank {self.rank}: {what}")]
+
+    def register_custom_function(self, kind, fn) -> None:
+        """Runs ``fn(pair)`` for each ``FB`` pair of the schedule (dualpipe,
+        dualpipev) in place of the built-in order, as torch's
+        ``register_custom_function(OVERLAP_F_B, fn)`` does for its runtime.
+        ``pair`` says which pair (``action``, e.g. ``"3F1+0B0"``,
+        ``forward_stage``, ``forward_microbatch``, ``backward_stage``,
+        ``backward_microbatch``) and runs it: ``pair.forward()`` and
+        ``pair.backward()`` once each, in any order, or ``pair.overlapped()``
+        for both as partners (``fb_overlap``'s runner). A function that
+        returns with a half not run, or runs one twice, fails the step naming
+        the pair (NOTE [A pair function] in hp/pipeline/executor.cpp).
+        ``fn=None`` restores the built-in order. ``kind``: :data:`OVERLAP_F_B`."""
+        if not _is_overlap_kind(kind):
+            raise ValueError(f"register_custom_function replaces how FB pairs run: kind must be "
+                             f"hyperparallel.pipeline.OVERLAP_F_B, got {kind!r}")
+        if fn is not None and not callable(fn):
+            raise TypeError(f"register_custom_function needs a callable fn(pair) or None, "
+                            f"got {type(fn).__name__}")
+        self._runtime.set_pair_function(fn)
 
     def step(self, inputs=None, targets=None, **kwargs) -> float:
         """Runs one step: forward and backward of every microbatch of this

@@ -1,0 +1,114 @@
+"""Pipeline.register_custom_function(OVERLAP_F_B, fn): a user's function runs
+each FB pair (NOTE [A pair function] in hp/pipeline/executor.cpp), checked
+against plain autograd in float64 on a one-rank dualpipev (two chunks on the
+rank, five FB pairs per step at 4 microbatches)."""
+
+import pytest
+import torch
+from torch import nn
+
+import hyperparallel as hp
+
+M = 4
+
+
+def chunks():
+    torch.manual_seed(3)
+    return {0: nn.Sequential(nn.Linear(4, 8), nn.Tanh()).double(),
+            1: nn.Sequential(nn.Linear(8, 4)).double()}
+
+
+def mse(out, target):
+    return ((out - target) ** 2).mean()
+
+
+def batch():
+    g = torch.Generator().manual_seed(9)
+    return (torch.randn(2 * M, 4, generator=g, dtype=torch.float64),
+            torch.randn(2 * M, 4, generator=g, dtype=torch.float64))
+
+
+def reference(steps):
+    """Plain autograd: the mean of the microbatches' losses, SGD."""
+    model = chunks()
+    params = [q for c in model.values() for q in c.parameters()]
+    opt = torch.optim.SGD(params, lr=0.1)
+    x, y = batch()
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        total = 0.0
+        for mb in range(M):
+            rows = slice(2 * mb, 2 * mb + 2)
+            loss = mse(model[1](model[0](x[rows])), y[rows]) / M
+            loss.backward()
+            total += loss.item()
+        losses.append(total)
+        opt.step()
+    return losses, params
+
+
+def pipeline(group, **kw):
+    model = chunks()
+    sched = hp.pipeline.schedule("dualpipev", ranks=1, microbatches=M)
+    pipe = hp.pipeline.Pipeline(model, sched, loss_fn=mse, activation_shape=(2, 8), group=group,
+                                **kw)
+    params = [q for c in model.values() for q in c.parameters()]
+    return pipe, params
+
+
+@pytest.mark.parametrize("how", ["backward-first", "overlapped", "torch-kind"])
+def test_a_pair_function_runs_every_pair_exactly(one_rank_group, how):
+    from torch.distributed.pipelining.schedules import _ComputationType
+
+    pipe, params = pipeline(one_rank_group, fb_overlap=how == "overlapped")
+    seen = []
+
+    def run(pair):
+        seen.append((pair.action, pair.forward_stage, pair.forward_microbatch,
+                     pair.backward_stage, pair.backward_microbatch))
+        if how == "overlapped":
+            pair.overlapped()
+        else:
+            pair.backward()  # the order is the function's to choose
+            pair.forward()
+
+    kind = _ComputationType.OVERLAP_F_B if how == "torch-kind" else hp.pipeline.OVERLAP_F_B
+    pipe.register_custom_function(kind, run)
+    opt = torch.optim.SGD(params, lr=0.1)
+    x, y = batch()
+    losses = []
+    for _ in range(3):
+        opt.zero_grad()
+        losses.append(pipe.step(x, y))
+        opt.step()
+    want_losses, want = reference(3)
+    assert losses == pytest.approx(want_losses, rel=1e-12, abs=1e-14)
+    for q, w in zip(params, want):
+        assert torch.allclose(q, w, rtol=0, atol=1e-13)
+    pairs = [a for a in pipe.schedule.actions[0] if "+" in str(a)]
+    assert len(pairs) == 5 and len(seen) == 3 * len(pairs)
+    assert seen[0] == ("1F1+0B0", 1, 1, 0, 0), seen[0]
+    assert (pipe.last_stats["pairs"] > 0) == (how == "overlapped")
+    # None restores the built-in order.
+    pipe.register_custom_function(hp.pipeline.OVERLAP_F_B, None)
+    pipe.step(x, y)
+    assert len(seen) == 3 * len(pairs)
+
+
+def test_a_pair_function_that_skips_or_repeats_a_half_fails_the_step(one_rank_group):
+    x, y = batch()
+    cases = [(lambda p: p.forward(), "returned without running the backward half of 1F1[+]0B0"),
+             (lambda p: (p.forward(), p.forward()), "ran the forward half of 1F1[+]0B0 twice"),
+             (lambda p: (p.backward(), p.overlapped()), "ran overlapped[(][)] after a half"),
+             (lambda p: 1 / 0, "the pair function raised ZeroDivisionError")]
+    for fn, words in cases:
+        pipe, _ = pipeline(one_rank_group)
+        pipe.register_custom_function(hp.pipeline.OVERLAP_F_B, fn)
+        with pytest.raises(RuntimeError, match=words):
+            pipe.step(x, y)
+    pipe, _ = pipeline(one_rank_group)
+    with pytest.raises(ValueError, match="kind must be hyperparallel.pipeline.OVERLAP_F_B"):
+        pipe.register_custom_function("FB", print)
+    with pytest.raises(TypeError, match="a callable fn[(]pair[)] or None, got int"):
+        pipe.register_custom_function(hp.pipeline.OVERLAP_F_B, 3)
