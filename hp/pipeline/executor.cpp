@@ -76,6 +76,7 @@ struct Executor::State {
   std::vector<std::pair<int, int>>* waits_of_running = nullptr;
   std::unique_ptr<PairRunner> pairs;           // made by the first overlapped FB
   std::deque<std::pair<int, int>> deferred_w;  // (stage, mb): NOTE [Weight gradients in the waits]
+  bool in_pair = false;                        // an overlapped pair runs (its idle runs the W's)
   // The action list's batches (runs of SEND/RECV actions) as [first, last),
   // the batch starting at each index, and the receives posted ahead this step
   // (NOTE [Receives posted ahead]).
@@ -218,6 +219,15 @@ struct Executor::State {
     TORCH_CHECK(it != recvs.end(), where(consumer), ": its input was never received (no ",
                 kind == 0 ? "RECV_F" : "RECV_B", " before it in the action list)");
     Posted& posted = it->second;
+    // NOTE [Weight gradients in the waits] in overlap.cpp: outside a pair,
+    // one queued W before each receive's wait, a span of its own that the
+    // waiting action's compute excludes.
+    if (!in_pair && !deferred_w.empty()) {
+      const int w_start = timer->mark();
+      run_deferred_w_span();
+      if (waits_of_running != nullptr) waits_of_running->emplace_back(w_start, timer->mark());
+      ++stats.deferred_w_in_waits;
+    }
     bool blocks = false;
     const int start = timer->mark();
     Message buffers;
@@ -451,14 +461,22 @@ struct Executor::State {
           if (!pairs) pairs = std::make_unique<PairRunner>();
           std::function<bool()> idle;
           if (defer) idle = [this] { return run_deferred_w(); };
-          const PairStats ps = pairs->run(run_f, run_b, idle);
+          in_pair = true;
+          PairStats ps;
+          try {
+            ps = pairs->run(run_f, run_b, idle);
+          } catch (...) {
+            in_pair = false;
+            throw;
+          }
+          in_pair = false;
           ++stats.pairs;
           stats.pair_hidden += ps.hidden;
           stats.pair_exposed += ps.exposed;
           stats.deferred_w_in_waits += ps.filled;
         };
         if (opts.pair_function) {
-          run_pair_function(a, run_f, run_b, overlapped);
+          run_pair_function(opts.pair_function, a, run_f, run_b, overlapped);
         } else if (opts.fb_overlap) {
           overlapped();
         } else {
@@ -472,41 +490,6 @@ struct Executor::State {
     }
   }
 
-  // NOTE [A pair function]
-  // A user's pair function (torch's register_custom_function(OVERLAP_F_B,
-  // fn)) decides how an FB pair runs: the F half and the B half in either
-  // order, on threads or streams of its own, or the built-in overlapped
-  // runner. Whatever it does, the executor needs each half run exactly once
-  // before the next action (the pair's sends follow it in the list): a
-  // second call of a half, and a function that returns with a half not run,
-  // are errors naming the pair. Its exceptions end the step as any
-  // action's do (NOTE [The actions around a failure]).
-  void run_pair_function(const Action& a, const std::function<void()>& run_f,
-                         const std::function<void()>& run_b,
-                         const std::function<void()>& overlapped) {
-    bool f_ran = false, b_ran = false;
-    auto once = [&](bool& ran, const char* what, const std::function<void()>& fn) {
-      TORCH_CHECK(!ran, "the pair function ran the ", what, " of ", schedule::to_string(a),
-                  " twice");
-      ran = true;
-      fn();
-    };
-    PairCall call;
-    call.action = a;
-    call.forward = [&] { once(f_ran, "forward half", run_f); };
-    call.backward = [&] { once(b_ran, "backward half", run_b); };
-    call.overlapped = [&] {
-      TORCH_CHECK(!f_ran && !b_ran, "the pair function ran overlapped() after a half of ",
-                  schedule::to_string(a));
-      f_ran = b_ran = true;
-      overlapped();
-    };
-    opts.pair_function(call);
-    TORCH_CHECK(f_ran && b_ran, "the pair function returned without running the ",
-                f_ran ? "backward" : "forward", " half of ", schedule::to_string(a),
-                " (call pair.forward() and pair.backward(), or pair.overlapped())");
-  }
-
   // Runs the oldest deferred W, if any (NOTE [Weight gradients in the waits]).
   bool run_deferred_w() {
     if (deferred_w.empty()) return false;
@@ -514,6 +497,23 @@ struct Executor::State {
     deferred_w.pop_front();
     stage.backward_weight(s, mb);
     return true;
+  }
+
+  // Runs the oldest deferred W (there is one) as an action of its own: its
+  // event, its profiler range, its place in `executed`; errors name it.
+  void run_deferred_w_span() {
+    const Action w = Action::make(Op::W, deferred_w.front().first, deferred_w.front().second);
+    const int start = timer->mark();
+    try {
+      ProfiledAction range(w);
+      run_deferred_w();
+    } catch (const distributed::CommError& e) {
+      throw e.with_context(where(w) + " (deferred): ");
+    } catch (const std::exception& e) {
+      throw std::runtime_error(where(w) + " (deferred): " + e.what());
+    }
+    spans.push_back({w, start, timer->mark()});
+    stats.executed.push_back(w);
   }
 
   // Turns the step's marks into its events and sums; `last` is the step's last mark.
@@ -613,18 +613,7 @@ struct Executor::State {
     }
     // The deferred W's no wait took: after the step's last action, each its own event.
     while (!deferred_w.empty()) {
-      const Action w = Action::make(Op::W, deferred_w.front().first, deferred_w.front().second);
-      const int start = timer->mark();
-      try {
-        ProfiledAction range(w);
-        run_deferred_w();
-      } catch (const distributed::CommError& e) {
-        throw e.with_context(where(w) + " (deferred): ");
-      } catch (const std::exception& e) {
-        throw std::runtime_error(where(w) + " (deferred): " + e.what());
-      }
-      spans.push_back({w, start, timer->mark()});
-      stats.executed.push_back(w);
+      run_deferred_w_span();
       ++stats.deferred_w_at_end;
     }
     const int drain_start = timer->mark();

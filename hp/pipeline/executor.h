@@ -12,22 +12,13 @@
 
 #include "hp/distributed/comm.h"
 #include "hp/pipeline/message.h"
+#include "hp/pipeline/overlap.h"
 #include "hp/pipeline/stage.h"
 #include "hp/pipeline/step_timer.h"
 #include "hp/schedule/schedule.h"
 #include "hp/schedule/timeline.h"
 
 namespace hp::pipeline {
-
-/// One FB pair handed to a pair function (ExecutorOptions::pair_function;
-/// NOTE [A pair function] in executor.cpp). Call `forward` and `backward`
-/// once each, in any order, or `overlapped` once for both.
-struct PairCall {
-  schedule::Action action;         ///< the FB: F of (stage, microbatch), B of (stage2, microbatch2)
-  std::function<void()> forward;   ///< the F half
-  std::function<void()> backward;  ///< the B half (I alone under defer_wgrad)
-  std::function<void()> overlapped;  ///< both, as partners (the built-in overlapped runner)
-};
 
 /// What the executor needs to know about the data flowing between stages.
 struct ExecutorOptions {

@@ -67,7 +67,11 @@ namespace hp::pipeline {
 // is the expert-parallel group whose all-to-alls the pair posts, and
 // every peer must post both in one order (NOTE [Point-to-point without
 // tags]). The W runs with the observer off (its own waits, if any, switch
-// nothing). What is still queued when the step's actions end runs then.
+// nothing). Outside a pair, a queued W runs before each receive's wait
+// (a forward's input, a backward's output gradient: where a rank of the
+// cooldown idles), one W per receive, whether or not the message is there,
+// by the same rule. What is still queued when the step's actions end runs
+// then.
 // A queued W holds its microbatch's activations until it runs: the price
 // is memory, as with any W that a schedule places late.
 
@@ -248,6 +252,40 @@ PairStats PairRunner::run(const std::function<void()>& first, const std::functio
     std::rethrow_exception(e);
   }
   return s.stats;
+}
+
+// NOTE [A pair function]
+// A user's pair function (torch's register_custom_function(OVERLAP_F_B,
+// fn)) decides how an FB pair runs: the F half and the B half in either
+// order, on threads or streams of its own, or the built-in overlapped
+// runner. Whatever it does, the executor needs each half run exactly once
+// before the next action (the pair's sends follow it in the list): a
+// second call of a half, and a function that returns with a half not run,
+// are errors naming the pair. Its exceptions end the step as any
+// action's do (NOTE [The actions around a failure]).
+void run_pair_function(const std::function<void(PairCall&)>& fn, const schedule::Action& a,
+                       const std::function<void()>& run_f, const std::function<void()>& run_b,
+                       const std::function<void()>& overlapped) {
+  bool f_ran = false, b_ran = false;
+  auto once = [&](bool& ran, const char* what, const std::function<void()>& fn) {
+    TORCH_CHECK(!ran, "the pair function ran the ", what, " of ", schedule::to_string(a), " twice");
+    ran = true;
+    fn();
+  };
+  PairCall call;
+  call.action = a;
+  call.forward = [&] { once(f_ran, "forward half", run_f); };
+  call.backward = [&] { once(b_ran, "backward half", run_b); };
+  call.overlapped = [&] {
+    TORCH_CHECK(!f_ran && !b_ran, "the pair function ran overlapped() after a half of ",
+                schedule::to_string(a));
+    f_ran = b_ran = true;
+    overlapped();
+  };
+  fn(call);
+  TORCH_CHECK(f_ran && b_ran, "the pair function returned without running the ",
+              f_ran ? "backward" : "forward", " half of ", schedule::to_string(a),
+              " (call pair.forward() and pair.backward(), or pair.overlapped())");
 }
 
 }  // namespace hp::pipeline

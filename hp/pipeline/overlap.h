@@ -6,6 +6,8 @@
 #include <functional>
 #include <memory>
 
+#include "hp/schedule/action.h"
+
 namespace hp::pipeline {
 
 /// What one overlapped pair did.
@@ -55,5 +57,22 @@ class PairRunner {
  private:
   std::unique_ptr<State> state_;
 };
+
+/// One FB pair handed to a pair function (ExecutorOptions::pair_function;
+/// NOTE [A pair function] in overlap.cpp). Call `forward` and `backward`
+/// once each, in any order, or `overlapped` once for both.
+struct PairCall {
+  schedule::Action action;         ///< the FB: F of (stage, microbatch), B of (stage2, microbatch2)
+  std::function<void()> forward;   ///< the F half
+  std::function<void()> backward;  ///< the B half (I alone under defer_wgrad)
+  std::function<void()> overlapped;  ///< both, as partners (the built-in overlapped runner)
+};
+
+/// Runs `fn` for the FB pair `a` (NOTE [A pair function] in overlap.cpp):
+/// hands it the halves and the built-in overlapped runner, each callable
+/// once; throws naming the pair where it ran a half twice or left one.
+void run_pair_function(const std::function<void(PairCall&)>& fn, const schedule::Action& a,
+                       const std::function<void()>& run_f, const std::function<void()>& run_b,
+                       const std::function<void()>& overlapped);
 
 }  // namespace hp::pipeline

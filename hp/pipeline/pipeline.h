@@ -152,7 +152,7 @@ class Pipeline {
   PipelineStep step();
 
   /// Replaces PipelineOptions::pair_function (between steps; unset: the
-  /// built-in order). NOTE [A pair function] in executor.cpp.
+  /// built-in order). NOTE [A pair function] in overlap.cpp.
   void set_pair_function(std::function<void(PairCall&)> fn);
 
   int rank() const { return rank_; }

@@ -344,7 +344,7 @@ class Runtime {
   Runtime& operator=(const Runtime&) = delete;
 
   /// A Python function run for each FB pair, fn(pair) with pair a PairCall
-  /// (NOTE [A pair function] in hp/pipeline/executor.cpp); None: the
+  /// (NOTE [A pair function] in hp/pipeline/overlap.cpp); None: the
   /// built-in order.
   void set_pair_function(py::object fn) {
     std::function<void(pipeline::PairCall&)> f;

@@ -1,5 +1,5 @@
 """Pipeline.register_custom_function(OVERLAP_F_B, fn): a user's function runs
-each FB pair (NOTE [A pair function] in hp/pipeline/executor.cpp), checked
+each FB pair (NOTE [A pair function] in hp/pipeline/overlap.cpp), checked
 against plain autograd in float64 on a one-rank dualpipev (two chunks on the
 rank, five FB pairs per step at 4 microbatches)."""
 

@@ -545,7 +545,7 @@ class Pipeline:
         ``pair.backward()`` once each, in any order, or ``pair.overlapped()``
         for both as partners (``fb_overlap``'s runner). A function that
         returns with a half not run, or runs one twice, fails the step naming
-        the pair (NOTE [A pair function] in hp/pipeline/executor.cpp).
+        the pair (NOTE [A pair function] in hp/pipeline/overlap.cpp).
         ``fn=None`` restores the built-in order. ``kind``: :data:`OVERLAP_F_B`."""
         if not _is_overlap_kind(kind):
             raise ValueError(f"register_custom_function replaces how FB pairs run: kind must be "
