@@ -7,6 +7,7 @@
 #include <cmath>
 #include <stdexcept>
 
+#include "hp/schedule/fuse.h"
 #include "hp/schedule/generators.h"
 #include "hp/schedule/search/pool.h"
 #include "hp/schedule/search/search.h"
@@ -130,6 +131,12 @@ double smallest_feasible_memory(int p, int m, const CostModel& costs) {
 }
 
 long long estimated_work(const std::string& n, int p, int m, int chunks) {
+  // The overlapped variants: their base, then fuse_pairs' simulations (at
+  // most kFuseWork, a few dozen of the base's in the tests' sizes).
+  if (is_fb_variant(n)) {
+    const long long base = estimated_work(n.substr(0, n.size() - 3), p, m, chunks);
+    return base + std::min<long long>(kFuseWork, 32 * base);
+  }
   const long long loop = 2 * 3LL * p * m, vee = 2 * 6LL * p * m;  // built and simulated
   if (n == "zb-auto" || n == "zbv-auto") return kCandidateWork + kRefineWork;
   if (n == "auto") return kAutoWork + 2 * vee;
@@ -160,6 +167,14 @@ std::vector<Recommendation> recommend(int p, int m, const CostModel& given, doub
   // get at most their defaults, at least a share of what is left.
   long long left = std::max<long long>(max_work, 1);
   for (const std::string& n : names()) {
+    if (is_fb_variant(n)) {
+      if (skipped)
+        skipped->emplace_back(n,
+                              "left out: its pairs pay off only when run overlapped "
+                              "(hp schedule show " +
+                                  n + " --fb-overlap)");
+      continue;
+    }
     long long est = estimated_work(n, p, m, 2);
     long long search_work = 0;  // 0: the search's own defaults, as `hp schedule show` runs it
     const long long vee = 2 * 6LL * p * m;  // one V candidate, built and simulated

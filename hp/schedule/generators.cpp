@@ -7,6 +7,7 @@
 #include <stdexcept>
 #include <utility>
 
+#include "hp/schedule/fuse.h"
 #include "hp/schedule/search/heuristics.h"
 #include "hp/schedule/search/search.h"
 #include "hp/schedule/vshape.h"
@@ -383,11 +384,13 @@ const std::vector<std::string>& names() {
                                              "gpipe",
                                              "1f1b",
                                              "interleaved-1f1b",
+                                             "interleaved-1f1b-fb",
                                              "interleaved-bfs",
                                              "interleaved-zb",
                                              "zb-h1",
                                              "zb-h2",
                                              "zbv",
+                                             "zbv-fb",
                                              "dualpipe",
                                              "dualpipev",
                                              "zb-auto",
@@ -404,12 +407,15 @@ std::string describe(const std::string& name) {
   if (name == "gpipe" || name == "afab") return "all forwards, then all backwards (AFAB)";
   if (name == "1f1b") return "warmup forwards, then one forward one backward (Megatron)";
   if (name == "interleaved-1f1b") return "v chunks per rank, depth-first 1F1B (Megatron)";
+  if (name == "interleaved-1f1b-fb")
+    return "interleaved-1f1b with steady-state F and B paired as overlapped FB";
   if (name == "interleaved-bfs") return "v chunks per rank, breadth-first (looped BFS)";
   if (name == "interleaved-zb")
     return "v chunks per rank, depth-first with W split off and deferred (PyTorch)";
   if (name == "zb-h1") return "1F1B with W split off into the bubbles, 1F1B memory";
   if (name == "zb-h2") return "zero bubble when F = B = W, about 2x 1F1B memory";
   if (name == "zbv") return "the Zero Bubble paper's ZB-V: V placement, zero bubble at F = B = W";
+  if (name == "zbv-fb") return "ZB-V with steady-state F and I+W paired as overlapped FB";
   if (name == "dualpipe") return "two directions over mirrored stage copies (DeepSeek)";
   if (name == "dualpipev") return "DualPipe folded onto a V (one model copy)";
   if (name == "zb-auto")
@@ -447,7 +453,7 @@ Schedule build(const std::string& name, int ranks, int microbatches, const Build
   // NOTE [One size rule]: the interleaved ones take o.chunks stages per rank,
   // the V and DualPipe ones two, the rest one.
   const bool interleaved_kind = name.rfind("interleaved", 0) == 0;
-  const bool two = name == "zbv" || name == "zbv-auto" || name == "dualpipe" ||
+  const bool two = name == "zbv" || name == "zbv-fb" || name == "zbv-auto" || name == "dualpipe" ||
                    name == "dualpipev" || name.rfind("v-", 0) == 0 || name == "auto";
   check_schedule_size("schedule '" + name + "'", ranks, microbatches,
                       interleaved_kind ? std::max(1, o.chunks)
@@ -462,6 +468,9 @@ Schedule build(const std::string& name, int ranks, int microbatches, const Build
     s = one_f_one_b(ranks, microbatches);
   } else if (name == "interleaved-1f1b" || name == "interleaved") {
     s = interleaved(ranks, microbatches, o.chunks);
+  } else if (name == "interleaved-1f1b-fb") {
+    // NOTE [Pairs in interleaved 1F1B and ZB-V] in fuse.cpp
+    s = fuse_pairs(interleaved(ranks, microbatches, o.chunks), o.costs);
   } else if (name == "interleaved-bfs") {
     s = interleaved_bfs(ranks, microbatches, o.chunks);
   } else if (name == "interleaved-zb") {
@@ -472,6 +481,8 @@ Schedule build(const std::string& name, int ranks, int microbatches, const Build
     s = zb_h2(ranks, microbatches);
   } else if (name == "zbv") {
     s = zbv(ranks, microbatches);
+  } else if (name == "zbv-fb") {
+    s = fuse_pairs(zbv(ranks, microbatches), o.costs);
   } else if (name == "dualpipe") {
     s = dualpipe(ranks, microbatches);
   } else if (name == "dualpipev") {

@@ -34,13 +34,12 @@ std::string describe(const std::string& name);
 
 /// Builds the named schedule for `ranks` ranks and `microbatches`
 /// microbatches: naive, gpipe (alias afab), 1f1b, interleaved-1f1b
-/// (depth-first), interleaved-bfs (breadth-first / looped), interleaved-zb
-/// (depth-first with the backward split), zb-h1, zb-h2, zbv (the paper's
-/// ZB-V), dualpipe, dualpipev, v-min, v-half, v-zb (vshape.h), and the
-/// presets of the schedule search (search/search.h): zb-auto, zbv-auto and
-/// auto. Throws std::invalid_argument stating any
-/// unmet constraint (even ranks, enough microbatches, divisibility) and what
-/// to change.
+/// (depth-first), interleaved-1f1b-fb and zbv-fb (the two with overlapped
+/// FB pairs chosen under `costs`: fuse_pairs in fuse.h), interleaved-bfs (breadth-first / looped),
+/// interleaved-zb (depth-first with the backward split), zb-h1, zb-h2, zbv (the paper's ZB-V),
+/// dualpipe, dualpipev, v-min, v-half, v-zb (vshape.h), and the presets of the schedule search
+/// (search/search.h): zb-auto, zbv-auto and auto. Throws std::invalid_argument stating any unmet
+/// constraint (even ranks, enough microbatches, divisibility) and what to change.
 Schedule build(const std::string& name, int ranks, int microbatches,
                const BuildOptions& options = {});
 

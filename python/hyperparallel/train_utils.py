@@ -20,8 +20,9 @@ __all__ = ["Progress", "gather_step_stats", "measured_timeline", "step_summary",
            "check_pipeline_arguments", "require_torchrun", "EXAMPLE_SCHEDULES"]
 
 #: The schedules the example scripts offer (every generator but afab, gpipe's alias).
-EXAMPLE_SCHEDULES = ["naive", "gpipe", "1f1b", "interleaved-1f1b", "interleaved-bfs",
-                     "interleaved-zb", "zb-h1", "zb-h2", "zbv", "dualpipe", "dualpipev", "zb-auto",
+EXAMPLE_SCHEDULES = ["naive", "gpipe", "1f1b", "interleaved-1f1b", "interleaved-1f1b-fb",
+                     "interleaved-bfs", "interleaved-zb", "zb-h1", "zb-h2", "zbv", "zbv-fb",
+                     "dualpipe", "dualpipev", "zb-auto",
                      "zbv-auto", "v-min", "v-half", "v-zb", "auto"]
 
 

@@ -19,8 +19,9 @@ import ranks  # noqa: E402
 
 # Every generator but afab (an alias of gpipe).
 SCHEDULES = [
-    "naive", "gpipe", "1f1b", "interleaved-1f1b", "interleaved-bfs", "interleaved-zb",
-    "zb-h1", "zb-h2", "zbv", "dualpipe", "dualpipev", "zb-auto", "zbv-auto", "v-min", "v-half",
+    "naive", "gpipe", "1f1b", "interleaved-1f1b", "interleaved-1f1b-fb", "interleaved-bfs",
+    "interleaved-zb", "zb-h1", "zb-h2", "zbv", "zbv-fb", "dualpipe", "dualpipev", "zb-auto",
+    "zbv-auto", "v-min", "v-half",
     "v-zb", "auto",
 ]
 

@@ -24,8 +24,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 # The generators docs/schedules.md lists, in its order.
 DOCUMENTED = [
-    "naive", "gpipe", "1f1b", "interleaved-1f1b", "interleaved-bfs", "interleaved-zb",
-    "zb-h1", "zb-h2", "zbv", "dualpipe", "dualpipev", "zb-auto", "zbv-auto", "v-min", "v-half",
+    "naive", "gpipe", "1f1b", "interleaved-1f1b", "interleaved-1f1b-fb", "interleaved-bfs",
+    "interleaved-zb", "zb-h1", "zb-h2", "zbv", "zbv-fb", "dualpipe", "dualpipev", "zb-auto",
+    "zbv-auto", "v-min", "v-half",
     "v-zb", "auto",
 ]
 

@@ -270,9 +270,10 @@ TEST(Constraints, EveryRefusalSaysWhatToChange) {
 
 TEST(Names, ListsEveryGenerator) {
   const auto& n = hs::names();
-  for (const char* want : {"naive", "gpipe", "1f1b", "interleaved-1f1b", "interleaved-bfs",
-                           "interleaved-zb", "zb-h1", "zb-h2", "zbv", "dualpipe", "dualpipev",
-                           "zb-auto", "zbv-auto", "v-min", "v-half", "v-zb", "auto"}) {
+  for (const char* want :
+       {"naive", "gpipe", "1f1b", "interleaved-1f1b", "interleaved-bfs", "interleaved-zb", "zb-h1",
+        "zb-h2", "zbv", "dualpipe", "dualpipev", "interleaved-1f1b-fb", "zbv-fb", "zb-auto",
+        "zbv-auto", "v-min", "v-half", "v-zb", "auto"}) {
     EXPECT_NE(std::find(n.begin(), n.end(), want), n.end()) << want;
     EXPECT_FALSE(hs::describe(want).empty()) << want;
   }

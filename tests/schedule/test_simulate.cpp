@@ -288,15 +288,18 @@ hs::CostModel uneven(int stages, double send) {
   return c;
 }
 // A simulated run as a runtime would record it: the compute events and,
-// right after each output that leaves its rank, its SEND event.
+// right after each output that leaves its rank, its SEND event (an FB's two
+// one after the other, as the simulator keeps the rank busy for both).
 hs::Timeline as_measured(const hs::Schedule& s, const hs::CostModel& c) {
   hs::SimResult r = hs::simulate(s, c);
   hs::Timeline t = r.timeline;
   for (const auto& e : r.timeline.events) {
+    double at = e.end;
     auto send = [&](hs::Op op, int stage, int to, int mb) {
-      if (to >= 0 && s.stage_rank[to] != e.rank)
-        t.events.push_back(
-            {e.rank, hs::Action::make(op, stage, mb), e.end, e.end + c.stage_send[stage]});
+      if (to >= 0 && s.stage_rank[to] != e.rank) {
+        t.events.push_back({e.rank, hs::Action::make(op, stage, mb), at, at + c.stage_send[stage]});
+        at += c.stage_send[stage];
+      }
     };
     const hs::Action& a = e.action;
     if (a.op == hs::Op::F || a.op == hs::Op::FB)

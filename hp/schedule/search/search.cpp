@@ -9,6 +9,7 @@
 #include <stdexcept>
 
 #include "hp/schedule/budget.h"
+#include "hp/schedule/fuse.h"
 #include "hp/schedule/generators.h"
 #include "hp/schedule/refine.h"
 #include "hp/schedule/search/heuristics.h"
@@ -159,6 +160,7 @@ long long auto_candidates(int p, int m, const Setup& su, CandidatePool& pool, lo
   // hand-made ZB-V and the V's naive after the others.
   for (const std::string& n : names()) {
     if (n == "zb-auto" || n == "zbv-auto" || n == "auto" || n == "zbv") continue;
+    if (is_fb_variant(n)) continue;  // they tie their base at best here (fuse.h)
     const long long est = estimated_work(n, p, m);
     if (n != "naive" && !afford(est, n)) continue;
     try {
