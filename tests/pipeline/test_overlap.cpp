@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -269,7 +270,8 @@ struct OverlapCase {
 
 class OverlappedPipelines : public ::testing::TestWithParam<OverlapCase> {};
 
-// The pairs of dualpipe and dualpipev run overlapped, under a link slow
+// The pairs of dualpipe, dualpipev and the -fb variants of interleaved 1F1B
+// and ZB-V (NOTE [Pairs in interleaved 1F1B and ZB-V]) run overlapped, under a link slow
 // enough that every wait switches halves with its message still in flight:
 // still exactly one process's training, dense and pp 2 x ep 2 MoE, with
 // recompute sessions.
@@ -309,12 +311,15 @@ INSTANTIATE_TEST_SUITE_P(Pairs, OverlappedPipelines,
                                            OverlapCase{"dualpipev", 6, 2, true},
                                            OverlapCase{"dualpipev", 6, 1, false, true},
                                            OverlapCase{"dualpipev", 6, 2, false, true},
-                                           OverlapCase{"dualpipe", 4, 2, true, true}),
+                                           OverlapCase{"dualpipe", 4, 2, true, true},
+                                           OverlapCase{"interleaved-1f1b-fb", 8, 2, false},
+                                           OverlapCase{"zbv-fb", 8, 1, false, true}),
                          [](const ::testing::TestParamInfo<OverlapCase>& info) {
-                           std::string n = info.param.schedule +
-                                           (info.param.ep > 1 ? "_ep2" : "_dense") +
-                                           (info.param.recompute ? "_recompute" : "") +
-                                           (info.param.defer_wgrad ? "_defer_wgrad" : "");
+                           std::string n = info.param.schedule;
+                           std::replace(n.begin(), n.end(), '-', '_');
+                           n += std::string(info.param.ep > 1 ? "_ep2" : "_dense") +
+                                (info.param.recompute ? "_recompute" : "") +
+                                (info.param.defer_wgrad ? "_defer_wgrad" : "");
                            return n;
                          });
 
