@@ -89,3 +89,27 @@ def test_fsdp2_stages_pair_up_and_agree(tmp_path):
         # the step holds at least the unsharded parameters and their gradients
         assert peak >= 2 * unsharded > 0, mem
     assert "| 1F1B | 1f1b |" in r.stdout and "| 1f1b |" in r.stdout
+
+
+def test_expert_parallel_stages_agree_with_torchs_dualpipev(tmp_path):
+    """bench/peers/paired_ep.py: pp 2 x ep 2 (4 processes) of one Mixtral cut
+    by split_model and spread by expert_parallel, torch's ScheduleDualPipeV
+    against our dualpipev, plain and fb_overlap, step for step: the losses of
+    every side agree (the script exits non-zero otherwise; checked here too)."""
+    out = tmp_path / "paired_ep.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "peers", "paired_ep.py"),
+                        "--rounds", "1", "--steps", "3", "--schedules", "DualPipeV",
+                        "--fb-overlap", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    report = json.loads(out.read_text())
+    assert report["failed"] == []
+    (run_,) = report["runs"]["DualPipeV"]
+    theirs = run_["torch"]["losses"]
+    assert len(theirs) == 3
+    for side in ("hp-py", "hp-overlap"):
+        ours = run_[side]["losses"]
+        assert len(ours) == 3, side
+        for a, b in zip(theirs, ours):
+            assert abs(a - b) <= 1e-4 * abs(a), (side, theirs, ours)
