@@ -24,6 +24,11 @@ Rows (each with its goal and a verdict):
 4. Recompute: checkpointed blocks on the device, dx and dw run apart in one
    recompute session: one recompute per block (the backward runs on the
    engine's device thread), gradients equal to plain autograd (float64).
+5. Expert parallelism: a transformers Mixtral MoE block whose 4 experts
+   expert_parallel spreads over 2 ranks on the one device (real processes,
+   Gloo; on a GPU the all-to-alls are staged through host memory), float32:
+   outputs, input and every parameter's gradients against the unconverted
+   block in one process on the same device.
 
 Without CUDA the same rows run on the CPU with smaller shapes in float32, so
 the script itself is tested anywhere; then the split's goal is not judged.
@@ -303,34 +308,40 @@ def pipe_reference(num_chunks, m, device):
     return losses, {c: [q.detach().cpu() for q in chunks[c].parameters()] for c in range(num_chunks)}
 
 
-def pipeline_row(table, device):
-    p = 2
+def run_workers(flag, out, device, p=2):
+    """Starts `p` ranks of this script with `flag` (torchrun's variables, a
+    Gloo group); returns the failed [(rank, code)], their stderr printed."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    procs = []
+    for r in range(p):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(p), LOCAL_RANK=str(r),
+                   LOCAL_WORLD_SIZE=str(p), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   OMP_NUM_THREADS="1", PYTHONPATH=os.path.join(ROOT, "python"))
+        procs.append(subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), flag, out, "--device", device.type],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = []
+    try:
+        for pr in procs:
+            outs.append(pr.communicate(timeout=240))
+    finally:
+        for pr in procs:
+            if pr.poll() is None:
+                pr.kill()
+    failed = [(r, pr.returncode) for r, pr in enumerate(procs) if pr.returncode != 0]
+    for r, _ in failed:
+        print(f"rank {r} stderr:\n{outs[r][1][-3000:] if r < len(outs) else ''}")
+    return failed
+
+
+def pipeline_row(table, device):
+    p = 2
     with tempfile.TemporaryDirectory() as out:
         t0 = time.time()
-        procs = []
-        for r in range(p):
-            env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(p), LOCAL_RANK=str(r),
-                       LOCAL_WORLD_SIZE=str(p), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                       OMP_NUM_THREADS="1", PYTHONPATH=os.path.join(ROOT, "python"))
-            procs.append(subprocess.Popen(
-                [sys.executable, os.path.abspath(__file__), "--pipeline-worker", out,
-                 "--device", device.type], env=env, stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE, text=True))
-        outs = []
-        try:
-            for pr in procs:
-                outs.append(pr.communicate(timeout=240))
-        finally:
-            for pr in procs:
-                if pr.poll() is None:
-                    pr.kill()
-        failed = [(r, pr.returncode) for r, pr in enumerate(procs) if pr.returncode != 0]
+        failed = run_workers("--pipeline-worker", out, device, p)
         if failed:
-            for r, _ in failed:
-                print(f"rank {r} stderr:\n{outs[r][1][-3000:]}")
             table.add("2 ranks on one device", f"ranks {failed} failed (stderr above)",
                       "equal to 1 process", "FAIL")
             return
@@ -354,6 +365,86 @@ def pipeline_row(table, device):
                   + (", staged through host" if device.type == "cuda" else ""),
                   "max rel. error vs 1 process: " + ", ".join(parts) + f" ({time.time() - t0:.0f} s)",
                   f"<= {tol:g}", "ok" if worst <= tol else "FAIL")
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Expert parallelism on the device
+# ---------------------------------------------------------------------------------------------
+def ep_block(device):
+    """A transformers Mixtral MoE block (4 experts, top 2), float32, seeded."""
+    import transformers as tf
+
+    config = tf.MixtralConfig(vocab_size=32, hidden_size=64, intermediate_size=128,
+                              num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                              num_local_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(11)
+    return tf.MixtralForCausalLM(config).model.layers[0].mlp.to(device)
+
+
+def ep_rows(rank, device):
+    g = torch.Generator().manual_seed(40 + rank)
+    return (torch.randn(2, 16, 64, generator=g).to(device),
+            torch.randn(2, 16, 64, generator=g).to(device))
+
+
+def ep_run(block, x, sens):
+    x = x.clone().requires_grad_(True)
+    out = block(x)
+    out.backward(sens)
+    return out.detach().cpu(), x.grad.cpu(), {n: q.grad.cpu() for n, q in block.named_parameters()}
+
+
+def ep_worker(out_dir, device_type):
+    """One rank of ep_row: its rows through the block whose experts are
+    spread over the two ranks (the exchanges over Gloo, staged through host
+    memory on a GPU)."""
+    import torch.distributed as dist
+
+    import hyperparallel as hp
+
+    device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    block = hp.moe.expert_parallel(ep_block(device), dist.group.WORLD)
+    out, dx, grads = ep_run(block, *ep_rows(rank, device))
+    torch.save({"out": out, "dx": dx, "grads": grads,
+                "experts": sorted(n for n, q in block.named_parameters()
+                                  if hp.moe.is_expert_parameter(q))},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def ep_row(table, device):
+    p = 2
+    with tempfile.TemporaryDirectory() as out:
+        t0 = time.time()
+        failed = run_workers("--ep-worker", out, device, p)
+        name = f"expert parallelism on {device.type}, 2 ranks, Mixtral block, float32"
+        if failed:
+            table.add(name, f"ranks {failed} failed (stderr above)", "equal to 1 process", "FAIL")
+            return
+        ranks = [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(p)]
+    # One process, every expert local, each rank's rows in turn: the experts'
+    # gradients sum both ranks' rows, the router's and the outputs are per rank.
+    refs = [ep_run(ep_block(device), *ep_rows(r, device)) for r in range(p)]
+    err = 0.0
+    for r, got in enumerate(ranks):
+        out, dx, grads = refs[r]
+        err = max(err, rel_err(got["out"], out), rel_err(got["dx"], dx))
+        for n, g in got["grads"].items():
+            want = grads[n]
+            if n in got["experts"]:
+                local = want.shape[0] // p
+                want = sum(ref[2][n] for ref in refs)[r * local:(r + 1) * local]
+            err = max(err, rel_err(g, want))
+    tol = 1e-5
+    ok = err <= tol and ranks[0]["experts"] == ["experts.down_proj", "experts.gate_up_proj"]
+    table.add(name + (", exchanges staged through host" if device.type == "cuda" else ""),
+              f"max rel. error vs 1 process {err:.1e} ({time.time() - t0:.0f} s)",
+              f"<= {tol:g}", "ok" if ok else "FAIL")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -408,9 +499,13 @@ def main():
     ap.add_argument("--iterations", type=int, default=20)
     ap.add_argument("--json", help="also write the rows as JSON here")
     ap.add_argument("--pipeline-worker", metavar="DIR", help=argparse.SUPPRESS)
+    ap.add_argument("--ep-worker", metavar="DIR", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.pipeline_worker:
         pipe_worker(args.pipeline_worker, args.device)
+        return 0
+    if args.ep_worker:
+        ep_worker(args.ep_worker, args.device)
         return 0
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_check: --device cuda but torch sees no CUDA device", file=sys.stderr)
@@ -435,6 +530,7 @@ def main():
             table, device, torch.float32, 256, 512, args.iterations, judged=False)))
     checks += [("recompute", lambda: recompute_row(table, device)),
                ("2 ranks on one device", lambda: pipeline_row(table, device)),
+               ("expert parallelism", lambda: ep_row(table, device)),
                ("tests/python -k cuda", lambda: pytest_row(table, device))]
     for name, check in checks:
         try:

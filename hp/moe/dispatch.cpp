@@ -90,7 +90,7 @@ Dispatched TokenDispatcher::dispatch(const torch::Tensor& x, const torch::Tensor
   if (ep > 1) {
     recv_counts = torch::empty_like(recv_counts);
     std::vector<int64_t> ones(ep, 1);
-    group_->all_to_all(recv_counts, ones, counts.view({ep, L}).contiguous(), ones);
+    comm_for(x.device())->all_to_all(recv_counts, ones, counts.view({ep, L}).contiguous(), ones);
   }
   auto sent = counts.view({ep, L}).sum(1).cpu();
   auto got = recv_counts.cpu();
@@ -109,7 +109,7 @@ Dispatched TokenDispatcher::dispatch(const torch::Tensor& x, const torch::Tensor
     d.tokens = rows;
     return d;
   }
-  torch::Tensor received = all_to_all(group_, rows, d.send_rows, d.recv_rows);
+  torch::Tensor received = all_to_all(comm_for(x.device()), rows, d.send_rows, d.recv_rows);
   // 4. Regrouped by local expert.
   std::vector<int64_t> source_start(ep + 1, 0);
   for (int q = 0; q < ep; ++q)
@@ -152,7 +152,8 @@ torch::Tensor TokenDispatcher::combine(const torch::Tensor& y, const Dispatched&
     back = y + d.tokens.sum() * 0;
   torch::Tensor local = back;
   if (placement_.size > 1)
-    back = all_to_all(group_, local.index_select(0, d.by_source), d.recv_rows, d.send_rows);
+    back = all_to_all(comm_for(y.device()), local.index_select(0, d.by_source), d.recv_rows,
+                      d.send_rows);
   // Each row times its weight in the promoted dtype, then in the rows' own
   // (a float32 router over bfloat16 experts rounds once, as the models do).
   auto w = weights.reshape({-1}).index_select(0, d.order);

@@ -75,6 +75,13 @@ class TokenDispatcher {
 
  private:
   std::shared_ptr<distributed::Comm> group_;
+
+  /// The group as it carries tensors on `device`: itself on the CPU and over
+  /// NCCL, else staged through host memory (distributed::for_device: two
+  /// ranks sharing a GPU over Gloo).
+  std::shared_ptr<distributed::Comm> comm_for(const c10::Device& device) const {
+    return distributed::for_device(group_, device);
+  }
   ExpertPlacement placement_;
   DispatchOptions options_;
 };
