@@ -29,6 +29,11 @@ Rows (each with its goal and a verdict):
    Gloo; on a GPU the all-to-alls are staged through host memory), float32:
    outputs, input and every parameter's gradients against the unconverted
    block in one process on the same device.
+6. An overlapped pair on the GPU (NOTE [An overlapped pair on a device]):
+   a stand-in transfer (a 256 MiB device-to-host copy on a communication
+   stream, waited on in stream order) as one half and matrix products as
+   the other, alone and as a PairRunner pair: concurrent when the pair takes
+   at most 0.8x the two alone. CUDA only (on the CPU the halves take turns).
 
 Without CUDA the same rows run on the CPU with smaller shapes in float32, so
 the script itself is tested anywhere; then the split's goal is not judged.
@@ -448,6 +453,22 @@ def ep_row(table, device):
 
 
 # ---------------------------------------------------------------------------------------------
+# 6. An overlapped pair on the device
+# ---------------------------------------------------------------------------------------------
+def pair_row(table, device):
+    name = "overlapped pair: stand-in transfer beside matrix products"
+    if device.type != "cuda":
+        table.add(name, "CUDA only: on the CPU the halves take turns on one core", "-", "info")
+        return
+    from hyperparallel import _C
+
+    compute, transfer, pair = _C.pipeline.stand_in_overlap(str(device))
+    ratio = pair / (compute + transfer)
+    table.add(name, f"compute {compute:.2f} ms, transfer {transfer:.2f} ms, pair {pair:.2f} ms "
+              f"({ratio:.2f}x the two alone)", "<= 0.8x", "ok" if ratio <= 0.8 else "FAIL")
+
+
+# ---------------------------------------------------------------------------------------------
 # 4. Recompute once per block on the device
 # ---------------------------------------------------------------------------------------------
 def recompute_row(table, device):
@@ -531,6 +552,7 @@ def main():
     checks += [("recompute", lambda: recompute_row(table, device)),
                ("2 ranks on one device", lambda: pipeline_row(table, device)),
                ("expert parallelism", lambda: ep_row(table, device)),
+               ("overlapped pair on the device", lambda: pair_row(table, device)),
                ("tests/python -k cuda", lambda: pytest_row(table, device))]
     for name, check in checks:
         try:

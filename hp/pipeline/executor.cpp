@@ -458,7 +458,7 @@ struct Executor::State {
         };
         // NOTE [Overlapped pairs] in overlap.cpp
         auto overlapped = [&] {
-          if (!pairs) pairs = std::make_unique<PairRunner>();
+          if (!pairs) pairs = std::make_unique<PairRunner>(opts.device);
           std::function<bool()> idle;
           if (defer) idle = [this] { return run_deferred_w(); };
           in_pair = true;

@@ -3,7 +3,12 @@
 #include "hp/pipeline/overlap.h"
 
 #include <ATen/ThreadLocalState.h>
+#include <c10/core/Event.h>
+#include <c10/core/Stream.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
+#include <torch/torch.h>
 
 #include <algorithm>
 #include <chrono>
@@ -53,6 +58,25 @@ namespace hp::pipeline {
 // which the other half held the baton is hidden communication; the rest is
 // exposed (PairStats).
 
+// NOTE [An overlapped pair on a device]
+// On a GPU the CPU's baton is not enough: with NCCL a wait only makes the
+// current stream wait for the communication (NOTE [Stream-ordered waits]),
+// so if both halves issued on one stream, everything the partner issues
+// after that wait would queue behind the transfer. So each half issues on a
+// stream of its own (two from the device's pool, kept by the runner): the
+// half that waits orders its own stream after its transfer, and the
+// partner's kernels, on the other stream, run while it is in flight, as
+// DualPipe's compute and communication streams do. The pair starts after
+// everything the caller's stream had (an event both streams wait for) and
+// the caller's stream waits for both at the end, so the actions around the
+// pair see it as one. Memory stays safe without record_stream: a half
+// allocates from its own stream's pool, which is only used again after the
+// next pair's start event, and what it frees of the caller's stream is not
+// reused before the caller's stream has waited for the pair.
+// stand_in_overlap checks on one GPU that the two really run at once
+// (scripts/gpu_check.py); on the CPU the halves take turns on one stream of
+// work as before.
+
 // NOTE [Weight gradients in the waits]
 // With split backwards a pair's backward half can run I alone and leave its
 // W (the weight gradient, which no one downstream waits for) in a queue
@@ -85,6 +109,9 @@ struct PairRunner::State {
   bool done[2] = {false, false};
   bool started[2] = {false, false};
   const std::function<bool()>* idle = nullptr;
+  // NOTE [An overlapped pair on a device]: unset on the CPU.
+  std::optional<c10::Device> device;
+  std::optional<c10::Stream> streams[2];
   std::exception_ptr error[2];
   int failed_first = -1;  // the half whose error came first
   distributed::Work in_flight[2];
@@ -167,8 +194,14 @@ class Switcher : public distributed::WaitObserver {
 
 }  // namespace
 
-PairRunner::PairRunner() : state_(std::make_unique<State>()) {
+PairRunner::PairRunner(c10::Device device) : state_(std::make_unique<State>()) {
   State* s = state_.get();
+  if (!device.is_cpu()) {
+    c10::impl::VirtualGuardImpl impl(device.type());
+    s->device = device;
+    for (auto& stream : s->streams)
+      stream = impl.getStreamFromGlobalPool(device);
+  }
   s->thread = std::thread([s] {
     std::unique_lock<std::mutex> lock(s->mutex);
     while (true) {
@@ -187,6 +220,8 @@ PairRunner::PairRunner() : state_(std::make_unique<State>()) {
         if (s->step_cache) cache.emplace();
         Switcher switcher(*s, 1);
         distributed::WaitObserverScope observe(&switcher);
+        std::optional<c10::StreamGuard> on_stream;
+        if (s->streams[1]) on_stream.emplace(*s->streams[1]);
         try {
           (*s->job)();
         } catch (...) {
@@ -228,11 +263,22 @@ PairStats PairRunner::run(const std::function<void()>& first, const std::functio
     s.job = &second;
     s.has_job = true;
   }
+  // NOTE [An overlapped pair on a device]: both streams after the caller's.
+  std::optional<c10::Stream> caller;
+  if (s.device) {
+    caller = c10::impl::VirtualGuardImpl(s.device->type()).getStream(*s.device);
+    c10::Event start(s.device->type());
+    start.record(*caller);
+    start.block(*s.streams[0]);
+    start.block(*s.streams[1]);
+  }
   s.cv.notify_all();
   std::exception_ptr error;
   {
     Switcher switcher(s, 0);
     distributed::WaitObserverScope observe(&switcher);
+    std::optional<c10::StreamGuard> on_stream;
+    if (s.streams[0]) on_stream.emplace(*s.streams[0]);
     try {
       first();
     } catch (...) {
@@ -242,6 +288,13 @@ PairStats PairRunner::run(const std::function<void()>& first, const std::functio
   s.finish(0, error);
   std::unique_lock<std::mutex> lock(s.mutex);
   s.cv.wait(lock, [&] { return s.done[1]; });
+  if (caller) {  // the caller's stream after both halves' work
+    for (const auto& stream : s.streams) {
+      c10::Event end(s.device->type());
+      end.record(*stream);
+      end.block(*caller);
+    }
+  }
   s.job = nullptr;
   s.idle = nullptr;
   s.tls.reset();
@@ -252,6 +305,74 @@ PairStats PairRunner::run(const std::function<void()>& first, const std::functio
     std::rethrow_exception(e);
   }
   return s.stats;
+}
+
+namespace {
+
+// The stand-in transfer's Work: waited on in stream order, as NCCL's.
+struct StreamOrderedWork : distributed::Work::Impl {
+  explicit StreamOrderedWork(c10::Event e) : done(std::move(e)) {}
+  void wait() override {
+    done.block(c10::impl::VirtualGuardImpl(done.device_type()).getStream(done.device()));
+  }
+  bool blocks_host() const override { return false; }
+  c10::Event done;
+};
+
+}  // namespace
+
+StandInOverlap stand_in_overlap(c10::Device device, int64_t n, int iterations,
+                                int64_t transfer_bytes) {
+  TORCH_CHECK(!device.is_cpu(), "stand_in_overlap needs a device with streams, got ", device);
+  c10::impl::VirtualGuardImpl impl(device.type());
+  c10::DeviceGuard on_device(device);
+  const auto opts = torch::TensorOptions().device(device);
+  auto a = torch::randn({n, n}, opts), b = torch::randn({n, n}, opts);
+  auto src = torch::empty({transfer_bytes}, opts.dtype(torch::kUInt8));
+  auto host = torch::empty({transfer_bytes},
+                           torch::TensorOptions().dtype(torch::kUInt8).pinned_memory(true));
+  const c10::Stream comm = impl.getStreamFromGlobalPool(device);
+  auto compute = [&] {
+    auto c = a;
+    for (int i = 0; i < iterations; ++i)
+      c = torch::mm(c, b).div_(static_cast<double>(n));
+  };
+  auto transfer = [&] {
+    c10::Event posted(device.type());
+    posted.record(impl.getStream(device));
+    posted.block(comm);
+    {
+      c10::StreamGuard on_comm(comm);
+      host.copy_(src, /*non_blocking=*/true);
+    }
+    c10::Event done(device.type());
+    done.record(comm);
+    distributed::Work(std::make_shared<StreamOrderedWork>(std::move(done))).wait();
+  };
+  auto timed = [&](const std::function<void()>& fn) {
+    const c10::Stream caller = impl.getStream(device);
+    c10::Event t0(device.type(), c10::EventFlag::BACKEND_DEFAULT);
+    c10::Event t1(device.type(), c10::EventFlag::BACKEND_DEFAULT);
+    t0.record(caller);
+    fn();
+    t1.record(caller);
+    t1.synchronize();
+    return t0.elapsedTime(t1);
+  };
+  PairRunner runner(device);
+  compute();  // warm-up: kernels, the allocator, the pool's streams
+  transfer();
+  runner.run(transfer, compute);
+  {
+    c10::Event idle(device.type());
+    idle.record(impl.getStream(device));
+    idle.synchronize();
+  }
+  StandInOverlap out;
+  out.compute = timed(compute);
+  out.transfer = timed(transfer);
+  out.pair = timed([&] { runner.run(transfer, compute); });
+  return out;
 }
 
 // NOTE [A pair function]

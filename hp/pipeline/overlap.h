@@ -3,6 +3,8 @@
 // NOTE [Overlapped pairs] in overlap.cpp).
 #pragma once
 
+#include <c10/core/Device.h>
+
 #include <functional>
 #include <memory>
 
@@ -33,7 +35,9 @@ struct PairStats {
 /// cache are the partner's too. Not reentrant: one pair at a time.
 class PairRunner {
  public:
-  PairRunner();
+  /// On a device other than the CPU each half issues its work on a stream
+  /// of its own (NOTE [An overlapped pair on a device] in overlap.cpp).
+  explicit PairRunner(c10::Device device = c10::Device(c10::kCPU));
   ~PairRunner();
   PairRunner(const PairRunner&) = delete;
   PairRunner& operator=(const PairRunner&) = delete;
@@ -67,6 +71,23 @@ struct PairCall {
   std::function<void()> backward;  ///< the B half (I alone under defer_wgrad)
   std::function<void()> overlapped;  ///< both, as partners (the built-in overlapped runner)
 };
+
+/// Times of the stand-in check (stand_in_overlap), in milliseconds on the
+/// device's own clock.
+struct StandInOverlap {
+  double compute = 0.0;   ///< the compute half alone
+  double transfer = 0.0;  ///< the stand-in transfer alone (posted, then waited on)
+  double pair = 0.0;      ///< both as an overlapped pair
+};
+
+/// On `device` (CUDA): a stand-in transfer (a device-to-host copy of
+/// `transfer_bytes` on a communication stream, waited on in stream order as
+/// NCCL's work is) as one half and `iterations` products of n x n matrices
+/// as the other, alone and then as a PairRunner pair: concurrent when the
+/// pair takes less than the two alone (scripts/gpu_check.py). Throws on the
+/// CPU.
+StandInOverlap stand_in_overlap(c10::Device device, int64_t n, int iterations,
+                                int64_t transfer_bytes);
 
 /// Runs `fn` for the FB pair `a` (NOTE [A pair function] in overlap.cpp):
 /// hands it the halves and the built-in overlapped runner, each callable

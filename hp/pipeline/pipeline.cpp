@@ -223,9 +223,11 @@ Pipeline::Pipeline(schedule::Schedule schedule, std::shared_ptr<distributed::Com
     if (how == distributed::PointToPoint::SharedMemory && group->backend_name() != "gloo")
       invalid("p2p='shm' goes beside a Gloo group; this group's backend is " +
               group->backend_name() + ": use p2p='group'");
-    if (options_.fb_overlap && !options_.device.is_cpu())
-      invalid("fb_overlap runs on the CPU; on " + options_.device.str() +
-              " the pair's streams and events are not written yet");
+    if (options_.fb_overlap && !options_.device.is_cpu() && !options_.device.is_cuda())
+      invalid(
+          "fb_overlap runs on the CPU and on CUDA (a stream per half: NOTE [An overlapped "
+          "pair on a device]), not on " +
+          options_.device.str());
     if (options_.defer_wgrad && !options_.fb_overlap)
       invalid("defer_wgrad defers the W of overlapped pairs: set fb_overlap too");
     if (options_.link.active()) {

@@ -131,9 +131,6 @@ void TrainConfig::validate() const {
   }
   need(!defer_wgrad || fb_overlap,
        "--defer-wgrad defers the W of overlapped pairs: give --fb-overlap too");
-  need(!fb_overlap || device != "cuda",
-       "--fb-overlap runs on CPU ranks; with --device " + device +
-           " the pair's streams and events are not written yet (docs/overlap.md)");
   need(receive_lookahead >= 0, "--receive-lookahead " + std::to_string(receive_lookahead) +
                                    " is out of range: a number of batches (0: none ahead)");
   need(nproc >= 1 && nproc <= kMaxRanks, "--nproc " + std::to_string(nproc) +

@@ -507,6 +507,17 @@ void bind_pipeline(py::module_& m) {
       .def("__repr__", [](const pipeline::PairCall& c) {
         return "PairCall(" + schedule::to_string(c.action) + ")";
       });
+  sub.def(
+      "stand_in_overlap",
+      [](const std::string& device, int64_t n, int iterations, int64_t transfer_bytes) {
+        const auto t =
+            pipeline::stand_in_overlap(c10::Device(device), n, iterations, transfer_bytes);
+        return py::make_tuple(t.compute, t.transfer, t.pair);
+      },
+      py::arg("device"), py::arg("n") = 4096, py::arg("iterations") = 8,
+      py::arg("transfer_bytes") = int64_t(256) << 20, py::call_guard<py::gil_scoped_release>(),
+      "(compute ms, transfer ms, pair ms): a stand-in transfer on a communication stream and "
+      "matrix products as an overlapped pair on a device (NOTE [An overlapped pair on a device]).");
   py::class_<Runtime>(sub, "Runtime")
       .def(py::init<const schedule::Schedule&, const py::object&, const std::map<int, py::object>&,
                     const std::map<int, std::vector<torch::Tensor>>&, py::object, py::object,

@@ -112,3 +112,10 @@ def test_a_pair_function_that_skips_or_repeats_a_half_fails_the_step(one_rank_gr
         pipe.register_custom_function("FB", print)
     with pytest.raises(TypeError, match="a callable fn[(]pair[)] or None, got int"):
         pipe.register_custom_function(hp.pipeline.OVERLAP_F_B, 3)
+
+
+def test_the_stand_in_check_needs_a_device_with_streams():
+    # NOTE [An overlapped pair on a device]: scripts/gpu_check.py runs it on
+    # a GPU; on the CPU it says what it needs.
+    with pytest.raises(RuntimeError, match="needs a device with streams, got cpu"):
+        hp._C.pipeline.stand_in_overlap("cpu")

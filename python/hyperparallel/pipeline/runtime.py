@@ -291,7 +291,9 @@ class Pipeline:
             combine of :mod:`hyperparallel.moe`, a pipeline receive), so one
             computes while the other's message is in flight (NOTE
             [Overlapped pairs] in hp/pipeline/overlap.cpp; docs/overlap.md).
-            Exact; CPU only. Default False: the forward, then the backward.
+            Exact. On CUDA each half issues on a stream of its own (NOTE [An
+            overlapped pair on a device]). Default False: the forward, then
+            the backward.
             The environment variable ``HP_LINK=LATENCY_US,GBPS`` gives this
             pipeline's transfers and the dispatchers made after it is set the
             cost of a network link, to see the overlap on one host.
