@@ -142,6 +142,26 @@ class Profile:
             pstats.Stats(self.prof, stream=sys.stderr).sort_stats("tottime").print_stats(25)
 
 
+def run_worker(args, run_rank):
+    """One rank of a row: `run_rank(args, rank, world, torch, dist, error)`,
+    where error[0] says what the rank is doing. A failure writes the row's
+    error text (ARGS.out + ".error": the rank, what it was doing, the
+    exception's first line) and ends the rank with exit code 1."""
+    rank, world, torch, dist = setup_rank(args)
+    error = ["starting"]
+    try:
+        run_rank(args, rank, world, torch, dist, error)
+    except BaseException as e:  # noqa: BLE001 - the row's text, then fail the rank
+        with open(args.out + ".error", "w") as f:
+            text = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+            f.write(f"rank {rank}, {error[0]}: {type(e).__name__}: {text}".rstrip(": "))
+        import traceback
+
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+
+
 def end_rank():
     """Ends a rank's process once its work is done and written, without the
     interpreter's shutdown (NOTE [Gloo work freed during shutdown] in

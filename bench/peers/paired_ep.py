@@ -237,19 +237,7 @@ class TorchEpSide:
 
 
 def worker(args):
-    rank, world, torch, dist = common.setup_rank(args)
-    error = ["starting"]
-    try:
-        run_rank(args, rank, world, torch, dist, error)
-    except BaseException as e:  # noqa: BLE001 - the row's text, then fail the rank
-        with open(args.out + ".error", "w") as f:
-            text = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
-            f.write(f"rank {rank}, {error[0]}: {type(e).__name__}: {text}".rstrip(": "))
-        import traceback
-
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)
+    common.run_worker(args, run_rank)
 
 
 def run_rank(args, rank, world, torch, dist, error):
