@@ -191,6 +191,24 @@ Reference reference(const MoELayerOptions& o, int ranks) {
 // Expert parallelism over 2 ranks equals the local layer: outputs, the
 // input's gradient, the router's (from this rank's data) and each held
 // expert's (from both ranks' data), with a fused backward and with dx then dw.
+/// The input gradient of `loss`; the layer's parameters get theirs in .grad,
+/// by one fused backward or by the dx/dw split (dx, then dw).
+torch::Tensor backward(const torch::Tensor& loss, const torch::Tensor& x, MoELayerImpl& layer,
+                       bool split) {
+  if (!split) {
+    auto dx = torch::autograd::grad({loss}, {x}, {}, /*retain_graph=*/true)[0];
+    torch::autograd::backward({loss});
+    return dx;
+  }
+  std::vector<torch::Tensor> params;
+  for (const auto& p : layer.parameters())
+    params.push_back(p);
+  hp::autograd::GradFunction fn({loss}, {x}, params);
+  auto dx = fn.compute_input_grad()[0];
+  fn.weight_grad_into_grad();
+  return dx;
+}
+
 TEST(MoELayer, TwoRanksEqualEveryExpertLocalFusedAndSplit) {
   const auto o = layer_options();
   const Reference ref = reference(o, 2);
@@ -202,19 +220,7 @@ TEST(MoELayer, TwoRanksEqualEveryExpertLocalFusedAndSplit) {
       auto x = ref.x[r].clone().requires_grad_(true);
       auto out = mine->forward(x);
       TORCH_CHECK(close(out, ref.out[r]), "forward");
-      auto loss = (out * out).sum() + mine->last_balance_loss();
-      torch::Tensor dx;
-      if (split) {
-        std::vector<torch::Tensor> params;
-        for (const auto& p : mine->parameters())
-          params.push_back(p);
-        hp::autograd::GradFunction fn({loss}, {x}, params);
-        dx = fn.compute_input_grad()[0];
-        fn.weight_grad_into_grad();
-      } else {
-        dx = torch::autograd::grad({loss}, {x}, {}, /*retain_graph=*/true)[0];
-        torch::autograd::backward({loss});
-      }
+      auto dx = backward((out * out).sum() + mine->last_balance_loss(), x, *mine, split);
       TORCH_CHECK(close(dx, ref.dx[r]), "input gradient");
       for (const auto& p : mine->named_parameters()) {
         const bool expert = p.key().rfind("expert", 0) == 0;
@@ -270,19 +276,7 @@ TEST(MoELayer, GroupedProductsEqualTheLoop) {
         auto x = x0.clone().requires_grad_(true);
         auto out = layer->forward(x);
         TORCH_CHECK(layer->last_grouped() == (how == ExpertCompute::Grouped), "path taken");
-        auto loss = (out * out).sum() + layer->last_balance_loss();
-        torch::Tensor dx;
-        if (split) {
-          std::vector<torch::Tensor> params;
-          for (const auto& p : layer->parameters())
-            params.push_back(p);
-          hp::autograd::GradFunction fn({loss}, {x}, params);
-          dx = fn.compute_input_grad()[0];
-          fn.weight_grad_into_grad();
-        } else {
-          dx = torch::autograd::grad({loss}, {x}, {}, /*retain_graph=*/true)[0];
-          torch::autograd::backward({loss});
-        }
+        auto dx = backward((out * out).sum() + layer->last_balance_loss(), x, *layer, split);
         outs.push_back(out.detach());
         dxs.push_back(dx);
         grads.emplace_back();
