@@ -20,6 +20,7 @@
 #include <optional>
 #include <sstream>
 #include <thread>
+#include <tuple>
 #include <utility>
 
 #include "hp/core/memory.h"
@@ -379,24 +380,49 @@ struct Executor::State {
   // Where each input comes from: schedule::forward_input/backward_input,
   // the same definition validation and the simulator use (NOTE [What an
   // action waits for]).
-  void forward(int s, int mb, const Action& a) {
+  // The input of F (s, mb), and which of its tensors take a gradient (the
+  // model's input takes none).
+  Message forward_input(int s, int mb, const Action& a, std::vector<bool>* takes_grad) {
     const schedule::InputSource in = schedule::forward_input(sched, s, mb);
-    Message input;
-    std::vector<bool> takes_grad;  // the model's input takes none
     switch (in.kind) {
       case schedule::InputSource::Kind::Data:
-        input = opts.input_message ? opts.input_message(mb) : Message{opts.input(mb)};
-        break;
+        return opts.input_message ? opts.input_message(mb) : Message{opts.input(mb)};
       case schedule::InputSource::Kind::Local:
-        input = stage.output(in.stage, mb);
-        takes_grad = stage.output_takes_grad(in.stage, mb);
-        break;
+        *takes_grad = stage.output_takes_grad(in.stage, mb);
+        return stage.output(in.stage, mb);
       default:
-        input = take_recv(0, s, mb, a, &takes_grad);
+        return take_recv(0, s, mb, a, takes_grad);
     }
-    stage.forward(s, mb, input, takes_grad,
-                  /*is_last=*/schedule::backward_input(sched, s, mb).kind ==
-                      schedule::InputSource::Kind::Loss);
+  }
+
+  bool ends_in_loss(int s, int mb) const {
+    return schedule::backward_input(sched, s, mb).kind == schedule::InputSource::Kind::Loss;
+  }
+
+  void forward(int s, int mb, const Action& a) {
+    std::vector<bool> takes_grad;
+    Message input = forward_input(s, mb, a, &takes_grad);
+    stage.forward(s, mb, input, takes_grad, ends_in_loss(s, mb));
+  }
+
+  // An FB pair whose halves a pair function computes itself (PairCall::
+  // computed; NOTE [A pair that computes itself] in stage.cpp): both inputs
+  // first, then fn inside the F.
+  void computed_pair(const Action& a, const Action& b,
+                     const std::function<Message(const PairInputs&)>& fn) {
+    std::vector<bool> takes_grad;
+    Message input = forward_input(a.stage, a.microbatch, a, &takes_grad);
+    Message g = grad_for(b.stage, b.microbatch, b);
+    PairInputs p;
+    p.forward_is_last = ends_in_loss(a.stage, a.microbatch);
+    p.backward_is_last = ends_in_loss(b.stage, b.microbatch);
+    std::tie(p.backward_roots, p.backward_grads) = stage.backward_roots(b.stage, b.microbatch, g);
+    stage.forward_computed(a.stage, a.microbatch, input, takes_grad, p.forward_is_last,
+                           [&](const Message& leaves) {
+                             p.forward_input = leaves;
+                             return fn(p);
+                           });
+    store_dx(b.stage, b.microbatch, stage.backward_computed(b.stage, b.microbatch));
   }
 
   Message grad_for(int s, int mb, const Action& a) {
@@ -476,7 +502,8 @@ struct Executor::State {
           stats.deferred_w_in_waits += ps.filled;
         };
         if (opts.pair_function) {
-          run_pair_function(opts.pair_function, a, run_f, run_b, overlapped);
+          run_pair_function(opts.pair_function, a, run_f, run_b, overlapped,
+                            [&](const auto& fn) { computed_pair(a, b, fn); });
         } else if (opts.fb_overlap) {
           overlapped();
         } else {

@@ -379,14 +379,17 @@ StandInOverlap stand_in_overlap(c10::Device device, int64_t n, int iterations,
 // A user's pair function (torch's register_custom_function(OVERLAP_F_B,
 // fn)) decides how an FB pair runs: the F half and the B half in either
 // order, on threads or streams of its own, or the built-in overlapped
-// runner. Whatever it does, the executor needs each half run exactly once
+// runner, or computed(fn): fn runs the module's forward and backward itself
+// (DualPipe's overlapped_forward_backward; NOTE [A pair that computes
+// itself] in stage.cpp). Whatever it does, the executor needs each half run exactly once
 // before the next action (the pair's sends follow it in the list): a
 // second call of a half, and a function that returns with a half not run,
 // are errors naming the pair. Its exceptions end the step as any
 // action's do (NOTE [The actions around a failure]).
 void run_pair_function(const std::function<void(PairCall&)>& fn, const schedule::Action& a,
                        const std::function<void()>& run_f, const std::function<void()>& run_b,
-                       const std::function<void()>& overlapped) {
+                       const std::function<void()>& overlapped,
+                       const decltype(PairCall::computed)& computed) {
   bool f_ran = false, b_ran = false;
   auto once = [&](bool& ran, const char* what, const std::function<void()>& fn) {
     TORCH_CHECK(!ran, "the pair function ran the ", what, " of ", schedule::to_string(a), " twice");
@@ -402,6 +405,12 @@ void run_pair_function(const std::function<void(PairCall&)>& fn, const schedule:
                 schedule::to_string(a));
     f_ran = b_ran = true;
     overlapped();
+  };
+  call.computed = [&](const auto& compute) {
+    TORCH_CHECK(!f_ran && !b_ran, "the pair function ran computed() after a half of ",
+                schedule::to_string(a));
+    f_ran = b_ran = true;
+    computed(compute);
   };
   fn(call);
   TORCH_CHECK(f_ran && b_ran, "the pair function returned without running the ",

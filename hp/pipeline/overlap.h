@@ -3,10 +3,12 @@
 // NOTE [Overlapped pairs] in overlap.cpp).
 #pragma once
 
+#include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 
 #include <functional>
 #include <memory>
+#include <vector>
 
 #include "hp/schedule/action.h"
 
@@ -62,14 +64,30 @@ class PairRunner {
   std::unique_ptr<State> state_;
 };
 
+/// What a pair function that computes both halves itself is handed
+/// (PairCall::computed; NOTE [A pair that computes itself] in stage.cpp).
+struct PairInputs {
+  std::vector<torch::Tensor> forward_input;   ///< the F's input leaves (received ones take grad)
+  bool forward_is_last = false;               ///< the F's output is to be its loss
+  std::vector<torch::Tensor> backward_roots;  ///< the B's outputs that take a gradient, or its loss
+  std::vector<torch::Tensor> backward_grads;  ///< their gradients (a loss's: empty where 1)
+  bool backward_is_last = false;              ///< the B starts from a loss
+};
+
 /// One FB pair handed to a pair function (ExecutorOptions::pair_function;
 /// NOTE [A pair function] in overlap.cpp). Call `forward` and `backward`
-/// once each, in any order, or `overlapped` once for both.
+/// once each, in any order, or `overlapped` once for both, or `computed`.
 struct PairCall {
   schedule::Action action;         ///< the FB: F of (stage, microbatch), B of (stage2, microbatch2)
   std::function<void()> forward;   ///< the F half
   std::function<void()> backward;  ///< the B half (I alone under defer_wgrad)
   std::function<void()> overlapped;  ///< both, as partners (the built-in overlapped runner)
+  /// Both halves computed by `fn` (DualPipe's overlapped_forward_backward):
+  /// once both inputs arrived, fn runs the F's forward (returning its output,
+  /// or on a last stage its loss) and the B's backward from its roots and
+  /// grads into .grad (a fused B, also under defer_wgrad).
+  std::function<void(const std::function<std::vector<torch::Tensor>(const PairInputs&)>& fn)>
+      computed;
 };
 
 /// Times of the stand-in check (stand_in_overlap), in milliseconds on the
@@ -94,6 +112,7 @@ StandInOverlap stand_in_overlap(c10::Device device, int64_t n, int iterations,
 /// once; throws naming the pair where it ran a half twice or left one.
 void run_pair_function(const std::function<void(PairCall&)>& fn, const schedule::Action& a,
                        const std::function<void()>& run_f, const std::function<void()>& run_b,
-                       const std::function<void()>& overlapped);
+                       const std::function<void()>& overlapped,
+                       const decltype(PairCall::computed)& computed);
 
 }  // namespace hp::pipeline

@@ -61,6 +61,23 @@ const Message& PipelineStage::forward(int stage, int mb, const Message& input,
   auto mod = modules_.find(stage);
   TORCH_CHECK(mod != modules_.end(), "stage ", stage, " microbatch ", mb,
               ": this rank does not hold stage ", stage);
+  const StageModule& module = mod->second;
+  return forward_computed(stage, mb, input, takes_grad, is_last, [&](const Message& in) {
+    Message out =
+        module.forward_message ? module.forward_message(in) : Message{module.forward(in.at(0))};
+    if (!is_last) return out;
+    TORCH_CHECK(out.size() == 1, "stage ", stage, " microbatch ", mb, ": a last stage returns ",
+                "one tensor for the loss, not ", out.size());
+    return Message{loss_(out[0], mb)};
+  });
+}
+
+const Message& PipelineStage::forward_computed(
+    int stage, int mb, const Message& input, const std::vector<bool>& takes_grad, bool is_last,
+    const std::function<Message(const Message& leaves)>& compute) {
+  auto mod = modules_.find(stage);
+  TORCH_CHECK(mod != modules_.end(), "stage ", stage, " microbatch ", mb,
+              ": this rank does not hold stage ", stage);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     TORCH_CHECK(!slots_.count({stage, mb}), "stage ", stage, " microbatch ", mb,
@@ -73,7 +90,9 @@ const Message& PipelineStage::forward(int stage, int mb, const Message& input,
   autograd::TensorList grad_inputs;  // the inputs whose gradients travel back
   s.input.reserve(input.size());
   for (size_t i = 0; i < input.size(); ++i) {
-    if (!takes_grad.empty() && takes_grad[i]) {
+    const bool grad = !takes_grad.empty() && takes_grad[i];
+    s.input_grad.push_back(grad);
+    if (grad) {
       s.input.push_back(input[i].detach().requires_grad_(true));
       grad_inputs.push_back(s.input.back());
     } else {
@@ -81,15 +100,11 @@ const Message& PipelineStage::forward(int stage, int mb, const Message& input,
     }
   }
   const StageModule& module = mod->second;
-  auto run = [&]() -> Message {
-    Message out = module.forward_message ? module.forward_message(s.input)
-                                         : Message{module.forward(s.input.at(0))};
-    if (!is_last) return out;
-    TORCH_CHECK(out.size() == 1, "stage ", stage, " microbatch ", mb, ": a last stage returns ",
-                "one tensor for the loss, not ", out.size());
-    return {loss_(out[0], mb)};
-  };
+  auto run = [&]() -> Message { return compute(s.input); };
   s.output = hooks_.around_forward ? hooks_.around_forward(stage, mb, run) : run();
+  if (is_last)
+    TORCH_CHECK(s.output.size() == 1, "stage ", stage, " microbatch ", mb,
+                ": a last stage's forward gives one loss, not ", s.output.size(), " tensors");
   autograd::TensorList grad_outputs;
   s.output_grad.reserve(s.output.size());
   for (size_t i = 0; i < s.output.size(); ++i) {
@@ -160,6 +175,41 @@ Message PipelineStage::backward(int stage, int mb, const Message& grad_output) {
   autograd::TensorList dx;
   auto run = [&] { dx = s.grad_fn->backward_into_grad(seed(s, grad_output, stage, mb)); };
   hooks_.around_backward ? hooks_.around_backward(stage, mb, 'B', run) : run();
+  finish(stage, mb);
+  return dx;
+}
+
+// NOTE [A pair that computes itself]
+// DualPipe's overlapped_forward_backward hook runs a pair's two halves
+// itself, interleaving the module's parts as it sees fit: it is handed the
+// F's input leaves and the B's roots and seeds, and calls the module and the
+// engine on them. forward_computed stores what it returns as F would
+// (output leaves, the loss summed, the GradFunction for a later I or W that
+// will not come). The B it ran accumulated into the weights' .grad as a
+// fused B does, and into the .grad of the input leaves that take a gradient
+// (leaves the F made with requires_grad): backward_computed reads those as
+// the input gradients and ends the slot. The around_backward hook (recompute
+// sessions) does not wrap such a B: the engine call is the hook's own.
+std::pair<Message, Message> PipelineStage::backward_roots(int stage, int mb,
+                                                          const Message& grad_output) {
+  Slot& s = slot(stage, mb, "B");
+  TORCH_CHECK(!s.input_done, "stage ", stage, " microbatch ", mb, ": B after I");
+  Message roots;
+  for (size_t i = 0; i < s.output.size(); ++i)
+    if (s.is_last || s.output_grad[i]) roots.push_back(s.output[i]);
+  return {std::move(roots), seed(s, grad_output, stage, mb)};
+}
+
+Message PipelineStage::backward_computed(int stage, int mb) {
+  Slot& s = slot(stage, mb, "B");
+  TORCH_CHECK(!s.input_done, "stage ", stage, " microbatch ", mb, ": B after I");
+  Message dx;
+  for (size_t i = 0; i < s.input.size(); ++i) {
+    if (!s.input_grad[i]) continue;
+    torch::Tensor& leaf = s.input[i];
+    dx.push_back(leaf.grad().defined() ? leaf.grad() : torch::zeros_like(leaf));
+    leaf.mutable_grad().reset();
+  }
   finish(stage, mb);
   return dx;
 }

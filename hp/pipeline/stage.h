@@ -62,6 +62,21 @@ class PipelineStage {
   /// the loss).
   const Message& forward(int stage, int mb, const Message& input,
                          const std::vector<bool>& takes_grad, bool is_last);
+  /// F computed by the caller (a pair function that runs the module itself,
+  /// NOTE [A pair that computes itself] in stage.cpp): as forward(), with
+  /// `compute(leaves)` in place of the module and the loss; it returns the
+  /// output, or on a last stage the loss. The around_forward hook wraps it.
+  const Message& forward_computed(int stage, int mb, const Message& input,
+                                  const std::vector<bool>& takes_grad, bool is_last,
+                                  const std::function<Message(const Message& leaves)>& compute);
+  /// What the backward of (stage, mb) starts from, for a caller that runs
+  /// it: the output leaves that take a gradient (the loss on a last stage)
+  /// and their gradients (on a last stage, empty where loss_scale is 1).
+  std::pair<Message, Message> backward_roots(int stage, int mb, const Message& grad_output);
+  /// Ends a B the caller ran (the engine accumulating into the weights' and
+  /// the input leaves' .grad): returns the input gradients as backward()
+  /// does (zeros for a leaf the backward did not reach) and ends (stage, mb).
+  Message backward_computed(int stage, int mb);
   /// Runs the before_backward hook of (stage, mb), if any.
   void prepare_backward(int stage, int mb) {
     if (hooks_.before_backward) hooks_.before_backward(stage, mb);
@@ -100,6 +115,7 @@ class PipelineStage {
  private:
   struct Slot {
     Message input, output;
+    std::vector<bool> input_grad;   // which input leaves take a gradient (travels back)
     std::vector<bool> output_grad;  // which output leaves take a gradient
     std::optional<autograd::GradFunction> grad_fn;
     bool input_done = false;

@@ -481,6 +481,12 @@ void bind_pipeline(py::module_& m) {
       .def_readwrite("defer_wgrad", &pipeline::PipelineOptions::defer_wgrad);
   // One FB pair as a pair function sees it; each half runs without the GIL
   // (a chunk's forward takes it back).
+  py::class_<pipeline::PairInputs>(sub, "PairInputs")
+      .def_readonly("forward_input", &pipeline::PairInputs::forward_input)
+      .def_readonly("forward_is_last", &pipeline::PairInputs::forward_is_last)
+      .def_readonly("backward_roots", &pipeline::PairInputs::backward_roots)
+      .def_readonly("backward_grads", &pipeline::PairInputs::backward_grads)
+      .def_readonly("backward_is_last", &pipeline::PairInputs::backward_is_last);
   py::class_<pipeline::PairCall>(sub, "PairCall")
       .def_property_readonly(
           "action", [](const pipeline::PairCall& c) { return schedule::to_string(c.action); })
@@ -504,6 +510,21 @@ void bind_pipeline(py::module_& m) {
           py::call_guard<py::gil_scoped_release>(),
           "Runs both halves as partners (the built-in runner of fb_overlap), instead of "
           "forward() and backward().")
+      .def(
+          "computed",
+          [](pipeline::PairCall& c, py::function fn) {
+            py::gil_scoped_release release;
+            c.computed([&](const pipeline::PairInputs& p) {
+              py::gil_scoped_acquire gil;  // for the cast of p
+              return call_python_message(fn, "the pair's computed function",
+                                         py::cast(&p, py::return_value_policy::reference));
+            });
+          },
+          "Runs both halves through fn(inputs), which computes them itself (DualPipe's "
+          "overlapped_forward_backward): once both inputs arrived, fn runs the forward "
+          "from inputs.forward_input and returns its output tensors (its loss where "
+          "inputs.forward_is_last), and the backward from inputs.backward_roots and "
+          "inputs.backward_grads into .grad.")
       .def("__repr__", [](const pipeline::PairCall& c) {
         return "PairCall(" + schedule::to_string(c.action) + ")";
       });

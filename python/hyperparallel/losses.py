@@ -120,9 +120,13 @@ class _LossOfMicrobatch:
 
     def __call__(self, output: torch.Tensor, mb: int) -> torch.Tensor:
         output = self.last_outputs.pop(mb, output)  # NOTE [Pytrees between stages]
+        return self.loss_fn(output, self.target(mb))
+
+    def target(self, mb: int) -> torch.Tensor:
+        """The running step's target of microbatch `mb`."""
         if not self.targets:
             raise ValueError(
                 f"rank {self.rank} runs the last stage of microbatch {mb}'s route: give step() "
                 "the targets"
             )
-        return self.loss_fn(output, self.targets[mb])
+        return self.targets[mb]

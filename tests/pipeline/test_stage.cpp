@@ -7,6 +7,8 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <gtest/gtest.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
 #include <torch/torch.h>
 
 #include <atomic>
@@ -147,6 +149,82 @@ TEST(PipelineStage, LossScaleSeedsTheBackwardLikeDividingTheLoss) {
           }
         },
         c10::Error);
+}
+
+// NOTE [A pair that computes itself]: a caller that runs the module and the
+// engine itself (DualPipe's hook) through forward_computed, backward_roots
+// and backward_computed gives the gradients, the input gradients and the
+// loss of forward() and backward(), also from a released output and with a
+// loss scale (1/3) seeding a last stage's roots.
+TEST(PipelineStage, ComputedHalvesEqualTheStagesOwn) {
+  torch::manual_seed(7);
+  Net net;
+  const int m = 3;
+  std::vector<torch::Tensor> xs;
+  for (int mb = 0; mb < m; ++mb)
+    xs.push_back(torch::randn({4, 6}, kF64));
+  auto loss_of = [](const torch::Tensor& y, int mb) { return y.pow(2).sum() * (mb + 1); };
+  std::map<int, StageModule> modules;
+  modules[0] = {[&](const torch::Tensor& x) { return net.stage0(x); }, {net.w0}, {}};
+  modules[1] = {[&](const torch::Tensor& h) { return net.stage1(h); }, {net.w1}, {}};
+  auto engine_backward = [](const hp::pipeline::Message& roots,
+                            const hp::pipeline::Message& grads) {
+    // What DualPipe's run_backward does: the engine, no shape comparison.
+    torch::autograd::variable_list g(grads.begin(), grads.end());
+    if (g.empty()) g.push_back(torch::ones_like(roots.at(0)));
+    torch::autograd::Engine::get_default_engine().execute(
+        torch::autograd::collect_next_edges(roots), g, /*keep_graph=*/false, /*create_graph=*/false,
+        /*accumulate_grad=*/true, {});
+  };
+  std::vector<torch::Tensor> want_g, got_g;
+  std::vector<torch::Tensor> want_dh, got_dh;
+  double want_loss = 0, got_loss = 0;
+  for (bool computed : {false, true}) {
+    net.w0.mutable_grad() = torch::Tensor();
+    net.w1.mutable_grad() = torch::Tensor();
+    PipelineStage stage(modules, loss_of, {}, 1.0 / m);
+    auto& dhs = computed ? got_dh : want_dh;
+    for (int mb = 0; mb < m; ++mb) {
+      hp::pipeline::Message h;
+      if (!computed) {
+        h = stage.forward(0, mb, {xs[mb]}, {}, false);
+        stage.forward(1, mb, h, {true}, true);
+      } else {
+        h = stage.forward_computed(0, mb, {xs[mb]}, {}, false, [&](const auto& in) {
+          return hp::pipeline::Message{net.stage0(in.at(0))};
+        });
+        stage.forward_computed(1, mb, h, {true}, true, [&](const auto& in) {
+          return hp::pipeline::Message{loss_of(net.stage1(in.at(0)), mb)};
+        });
+      }
+      stage.release_output(0, mb);
+      hp::pipeline::Message dh;
+      if (!computed) {
+        dh = stage.backward(1, mb, {});
+        stage.backward(0, mb, dh);
+      } else {
+        auto [roots1, seeds1] = stage.backward_roots(1, mb, {});
+        EXPECT_EQ(roots1.size(), 1u);
+        EXPECT_EQ(seeds1.size(), 1u) << "a loss scale of 1/3 seeds the loss";
+        engine_backward(roots1, seeds1);
+        dh = stage.backward_computed(1, mb);
+        auto [roots0, seeds0] = stage.backward_roots(0, mb, dh);
+        EXPECT_EQ(roots0.at(0).numel(), 0) << "a released output keeps its history";
+        engine_backward(roots0, seeds0);
+        EXPECT_TRUE(stage.backward_computed(0, mb).empty()) << "the first stage has no dx";
+      }
+      dhs.push_back(dh.at(0));
+    }
+    EXPECT_EQ(stage.in_flight(), 0u);
+    (computed ? got_g : want_g) = {net.w0.grad().clone(), net.w1.grad().clone()};
+    (computed ? got_loss : want_loss) = stage.loss_sum();
+    stage.reset();
+  }
+  for (size_t i = 0; i < 2; ++i)
+    EXPECT_LE((got_g[i] - want_g[i]).abs().max().item<double>(), 1e-12) << i;
+  for (int mb = 0; mb < m; ++mb)
+    EXPECT_LE((got_dh[mb] - want_dh[mb]).abs().max().item<double>(), 1e-12) << mb;
+  EXPECT_NEAR(got_loss, want_loss, 1e-12 * std::abs(want_loss));
 }
 
 TEST(PipelineStage, OutOfOrderUseIsAClearError) {

@@ -14,7 +14,8 @@ this rank's rows). The models, the data and the one-process reference
 
 A model name with "+fsdp2" also shards each layer's attention with
 FSDP2 over the EP dimension of an (ep, pp) DeviceMesh; one ending in
-"+overlap" trains with fb_overlap=True under HP_LINK (a modelled link), one
+"+hook" runs every FB pair through DualPipe's overlapped_forward_backward on the
+chunks' class (dualpipe_hook); "+overlap" trains with fb_overlap=True under HP_LINK (a modelled link), one
 with "+defer" with defer_wgrad=True as well (the flags combine); one
 ending in "-dp4" is pp 1 x dp 4 x ep 2 (hp.pipeline.mesh): every rank a
 whole pipeline, dp_group the world, the experts over {0, 1} and {2, 3},
@@ -251,6 +252,11 @@ def main():
                 if f"model.layers.{i}.self_attn.q_proj.weight" in held:
                     fully_shard(layer.self_attn, mesh=mesh["ep"])
             extra["activation_shape"] = lambda st, mb: (MB, length[0], model.config.hidden_size)
+        hook_calls[0] = 0
+        if "hook" in flags:  # DualPipe's hook on the chunks' class
+            for c in chunks.values():
+                c.__class__ = type("Hooked" + type(c).__name__, (type(c),),
+                                   {"overlapped_forward_backward": classmethod(dualpipe_hook)})
         pipe = hp.pipeline.Pipeline(chunks, sched, loss_fn=loss_fn, group=groups[0],
                                     dp_group=groups[1], timeout=60, fb_overlap=overlap,
                                     defer_wgrad=defer,
@@ -277,7 +283,7 @@ def main():
                 full[k] = (q.full_tensor() if hasattr(q, "full_tensor") else q).detach().clone()
         results[f"{kind}:{name}"] = {
             "losses": losses, "aux": aux, "params": full, "pair_hidden": hidden,
-            "deferred": deferred, "grouped_calls": grouped_calls[0],
+            "deferred": deferred, "grouped_calls": grouped_calls[0], "hook_calls": hook_calls[0],
             "experts": sorted(k for mod in chunks.values() for k, q in mod.named_model_parameters()
                               if hp.moe.is_expert_parameter(q)),
         }
@@ -293,6 +299,28 @@ def main():
     # The groups saw a failure: leave without tearing them down.
     sys.stdout.flush()
     os._exit(0)
+
+
+hook_calls = [0]
+
+
+def dualpipe_hook(cls, module0, inputs0, criterion0, labels0, module1, loss1, outputs1,
+                  output_grads1, kwargs0=None):
+    """DualPipe's overlapped_forward_backward as its example writes it, with
+    the step's keyword arguments (the mask) for module0 (NOTE [A chunk's own
+    pair] in hyperparallel/pipeline/chunk_pairs.py): the backward half first,
+    then the forward, each with its all-to-alls."""
+    import hyperparallel as hp
+
+    hook_calls[0] += 1
+    if loss1 is not None:
+        loss1.backward()
+    else:
+        hp.pipeline.run_backward(outputs1, output_grads1)
+    outputs0 = module0(*inputs0, **(kwargs0 or {}))
+    outputs0 = [outputs0] if isinstance(outputs0, torch.Tensor) else outputs0
+    loss0 = criterion0(*outputs0, *labels0) if criterion0 is not None else None
+    return outputs0, loss0
 
 
 def dp4_refusals(hp, chunks, sched, grid4):

@@ -23,7 +23,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # group) and none to the other three; "+fsdp2": pp 2 x ep 2 x FSDP2 (each
 # layer's attention fully_shard'ed over the EP dimension, shapes declared);
 # "+overlap": fb_overlap=True under HP_LINK (docs/overlap.md), "+defer" with
-# defer_wgrad=True too ("+fsdp2+overlap": FSDP2 inside overlapped pairs); "-dp4": pp 1
+# defer_wgrad=True too ("+fsdp2+overlap": FSDP2 inside overlapped pairs); "+hook":
+# DualPipe's overlapped_forward_backward on the chunks' class; "-dp4": pp 1
 # x dp 4, each expert held in both EP groups (expert_dp_group); "+grouped":
 # float32 with transformers' grouped_mm experts on each rank's slice against
 # one process's loop over experts, to float32's precision.
@@ -31,7 +32,7 @@ CASES = ["mixtral:1f1b", "mixtral:zb-h1", "mixtral:zbv", "mixtral:dualpipev",
          "qwen3_moe:zb-h1", "qwen3_moe:dualpipev", "qwen2_moe:zbv", "deepseek_v3:zb-h1",
          "deepseek_v3:zbv", "mixtral-one-expert:1f1b", "mixtral+fsdp2:zb-h1",
          "mixtral+overlap:dualpipev", "mixtral+defer:dualpipev", "mixtral-dp4:1f1b",
-         "mixtral+fsdp2+overlap:dualpipev", "mixtral+grouped:zb-h1"]
+         "mixtral+fsdp2+overlap:dualpipev", "mixtral+grouped:zb-h1", "mixtral+hook:dualpipev"]
 
 
 def test_pp2_ep2_equals_one_process(tmp_path):
@@ -68,6 +69,8 @@ def test_pp2_ep2_equals_one_process(tmp_path):
                 assert got["pair_hidden"] > 0, f"{case} rank {r}: nothing hidden"
             else:
                 assert got["pair_hidden"] == 0, case
+            # "+hook": every pair through the chunks' overlapped_forward_backward.
+            assert (got["hook_calls"] > 0) == ("hook" in flags), (case, r, got["hook_calls"])
             # defer_wgrad: the pairs' weight gradients were queued (and ran).
             assert (got["deferred"] > 0) == defer, (case, r, got["deferred"])
             for n, q in got["params"].items():

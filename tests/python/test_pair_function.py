@@ -119,3 +119,121 @@ def test_the_stand_in_check_needs_a_device_with_streams():
     # a GPU; on the CPU it says what it needs.
     with pytest.raises(RuntimeError, match="needs a device with streams, got cpu"):
         hp._C.pipeline.stand_in_overlap("cpu")
+
+
+# ---------------------------------------------------------------------------
+# DualPipe's hook: chunks whose class defines overlapped_forward_backward run
+# their pairs themselves (NOTE [A chunk's own pair] in
+# python/hyperparallel/pipeline/chunk_pairs.py).
+
+AUX = 0.01
+
+
+class HookedChunk(nn.Module):
+    """A chunk in DualPipe's style: its class runs each pair, the backward
+    half first (any order is the hook's to choose); chunk 0 adds an
+    auxiliary loss, which must reach the weights as the runtime's own
+    forward ties it."""
+
+    calls = []
+
+    def __init__(self, *layers, aux=False):
+        super().__init__()
+        self.body, self.aux = nn.Sequential(*layers), aux
+
+    def forward(self, x):
+        y = self.body(x)
+        if self.aux:
+            hp.pipeline.add_loss(AUX * y.pow(2).mean())
+        return y
+
+    @classmethod
+    def overlapped_forward_backward(cls, module0, inputs0, criterion0, labels0, module1, loss1,
+                                    outputs1, output_grads1):
+        cls.calls.append((criterion0 is not None, loss1 is not None))
+        if loss1 is not None:
+            loss1.backward()
+        else:
+            hp.pipeline.run_backward(outputs1, output_grads1)
+        outputs0 = module0(*inputs0)
+        outputs0 = [outputs0] if isinstance(outputs0, torch.Tensor) else outputs0
+        loss0 = criterion0(*outputs0, *labels0) if criterion0 is not None else None
+        return outputs0, loss0
+
+
+def hooked_chunks():
+    plain = chunks()  # the same values as the reference's
+    return {0: HookedChunk(*plain[0], aux=True), 1: HookedChunk(*plain[1])}
+
+
+def test_chunks_that_define_overlapped_forward_backward_run_every_pair_exactly(one_rank_group):
+    model = hooked_chunks()
+    sched = hp.pipeline.schedule("dualpipev", ranks=1, microbatches=M)
+    pipe = hp.pipeline.Pipeline(model, sched, loss_fn=mse, activation_shape=(2, 8),
+                                group=one_rank_group)
+    params = [q for c in model.values() for q in c.parameters()]
+    opt = torch.optim.SGD(params, lr=0.1)
+    x, y = batch()
+    HookedChunk.calls.clear()
+    losses = []
+    for _ in range(3):
+        opt.zero_grad()
+        losses.append(pipe.step(x, y))
+        opt.step()
+    # Plain autograd with the auxiliary loss, each microbatch's over M.
+    ref = hooked_chunks()
+    ref_params = [q for c in ref.values() for q in c.parameters()]
+    ref_opt = torch.optim.SGD(ref_params, lr=0.1)
+    want_losses = []
+    for _ in range(3):
+        ref_opt.zero_grad()
+        total = 0.0
+        for mb in range(M):
+            rows = slice(2 * mb, 2 * mb + 2)
+            with hp.pipeline.collect_losses() as aux:
+                h = ref[0](x[rows])
+            loss = mse(ref[1](h), y[rows]) / M
+            (loss + sum(aux) / M).backward()
+            total += loss.item()
+        want_losses.append(total)
+        ref_opt.step()
+    assert losses == pytest.approx(want_losses, rel=1e-12, abs=1e-14)
+    for q, w in zip(params, ref_params):
+        assert torch.allclose(q, w, rtol=0, atol=1e-13)
+    # Five pairs a step, every one through the hook: pairs whose forward
+    # ends in the loss (criterion0 given) and pairs whose backward starts
+    # from it (loss1 given) both ran.
+    assert len(HookedChunk.calls) == 3 * 5
+    assert {c for c, _ in HookedChunk.calls} == {True, False}
+    assert {b for _, b in HookedChunk.calls} == {True, False}
+    # A registered function replaces the hook; None brings it back.
+    pipe.register_custom_function(hp.pipeline.OVERLAP_F_B, lambda p: (p.forward(), p.backward()))
+    pipe.step(x, y)
+    assert len(HookedChunk.calls) == 15
+    pipe.register_custom_function(hp.pipeline.OVERLAP_F_B, None)
+    pipe.step(x, y)
+    assert len(HookedChunk.calls) == 20
+
+
+def test_chunks_with_the_hook_refuse_what_cannot_reach_it(one_rank_group):
+    sched = hp.pipeline.schedule("dualpipev", ranks=1, microbatches=M)
+    mixed = {0: hooked_chunks()[0], 1: chunks()[1]}
+    with pytest.raises(ValueError, match=r"chunks \[0\] define overlapped_forward_backward and "
+                                         r"chunks \[1\] do not"):
+        hp.pipeline.Pipeline(mixed, sched, loss_fn=mse, activation_shape=(2, 8),
+                             group=one_rank_group)
+    with pytest.raises(ValueError, match="fb_overlap=True runs the FB pairs .* pick one"):
+        hp.pipeline.Pipeline(hooked_chunks(), sched, loss_fn=mse, activation_shape=(2, 8),
+                             group=one_rank_group, fb_overlap=True)
+
+    class Wrong(HookedChunk):
+        @classmethod
+        def overlapped_forward_backward(cls, *args):
+            return None
+
+    model = {0: Wrong(*chunks()[0]), 1: Wrong(*chunks()[1])}
+    pipe = hp.pipeline.Pipeline(model, sched, loss_fn=mse, activation_shape=(2, 8),
+                                group=one_rank_group)
+    x, y = batch()
+    with pytest.raises(RuntimeError, match="must return [(]outputs0, loss0[)], got NoneType"):
+        pipe.step(x, y)

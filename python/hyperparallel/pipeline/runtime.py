@@ -59,6 +59,7 @@ from .stage_forward import (
     _describe_kwargs,
     _kwargs_signature,
 )
+from .chunk_pairs import _ChunkPairs, pair_hook
 from .transfers import _declared_shape
 
 __all__ = ["Pipeline", "OVERLAP_F_B"]
@@ -106,6 +107,18 @@ def _check_arguments(chunks, schedule, loss_fn, receive_lookahead, p2p, overlap,
     if defer_wgrad and not fb_overlap:
         raise ValueError("defer_wgrad=True queues the weight gradients of overlapped pairs: "
                          "it needs fb_overlap=True")
+    if isinstance(chunks, Mapping):
+        hooked = sorted(c for c in chunks if pair_hook(chunks[c]) is not None)
+        if hooked and len(hooked) != len(chunks):
+            raise ValueError(
+                f"chunks {hooked} define overlapped_forward_backward and chunks "
+                f"{sorted(set(chunks) - set(hooked))} do not: a pair may join any two chunks, "
+                "so all of this rank's chunks define it or none")
+        if hooked and fb_overlap:
+            raise ValueError(
+                "fb_overlap=True runs the FB pairs with the built-in overlapped runner, and the "
+                "chunks define overlapped_forward_backward, which runs them itself: pick one "
+                "(NOTE [A chunk's own pair] in hyperparallel/pipeline/chunk_pairs.py)")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
         raise TypeError(f"timeout must be a number of seconds, got {type(timeout).__name__}")
     if not math.isfinite(timeout) or not 0 < timeout <= 7 * 24 * 3600:
@@ -389,6 +402,10 @@ class Pipeline:
                                            (fb_overlap, defer_wgrad))
         self.rank = self._runtime.rank
         self._loss.rank = self.rank
+        # NOTE [A chunk's own pair]: chunks that define DualPipe's hook run their pairs.
+        self._own_pairs = (_ChunkPairs(chunks, forward, self._loss)
+                           if all(pair_hook(chunks[c]) is not None for c in chunks) else None)
+        self._runtime.set_pair_function(self._own_pairs)
         self._group, self._timeout = group, float(timeout)
         self._broken: Optional[str] = None  # why this rank left a step (NOTE [Arguments of a step])
         self._kw_fp: Optional[int] = None  # the last agreed step's keyword arguments
@@ -545,17 +562,22 @@ class Pipeline:
         ``forward_stage``, ``forward_microbatch``, ``backward_stage``,
         ``backward_microbatch``) and runs it: ``pair.forward()`` and
         ``pair.backward()`` once each, in any order, or ``pair.overlapped()``
-        for both as partners (``fb_overlap``'s runner). A function that
+        for both as partners (``fb_overlap``'s runner), or
+        ``pair.computed(f)`` where ``f(inputs)`` computes both halves itself
+        (what chunks defining DualPipe's ``overlapped_forward_backward`` get:
+        NOTE [A chunk's own pair] in chunk_pairs.py). A function that
         returns with a half not run, or runs one twice, fails the step naming
         the pair (NOTE [A pair function] in hp/pipeline/overlap.cpp).
-        ``fn=None`` restores the built-in order. ``kind``: :data:`OVERLAP_F_B`."""
+        ``fn=None`` restores the built-in order (the chunks' own
+        ``overlapped_forward_backward`` where they define it). ``kind``:
+        :data:`OVERLAP_F_B`."""
         if not _is_overlap_kind(kind):
             raise ValueError(f"register_custom_function replaces how FB pairs run: kind must be "
                              f"hyperparallel.pipeline.OVERLAP_F_B, got {kind!r}")
         if fn is not None and not callable(fn):
             raise TypeError(f"register_custom_function needs a callable fn(pair) or None, "
                             f"got {type(fn).__name__}")
-        self._runtime.set_pair_function(fn)
+        self._runtime.set_pair_function(self._own_pairs if fn is None else fn)
 
     def step(self, inputs=None, targets=None, **kwargs) -> float:
         """Runs one step: forward and backward of every microbatch of this

@@ -4,6 +4,7 @@ ranks compare of them before a step (_kwargs_signature, _describe_kwargs)."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Callable, Dict, List
 
@@ -155,15 +156,18 @@ class _StageForward:
         self.last_outputs: Dict[int, object] = {}  # mb -> a last stage's structure
 
     def __call__(self, x, mb: int, stage: int):
-        if self.messages:
-            x = _from_message(x)
-        outer = getattr(_collecting, "sink", None)
-        added: List[torch.Tensor] = []
-        _collecting.sink = added
-        try:
+        x = self.argument(x)
+        with collecting_aux() as added:
             out = self.fn(x, **self.kwargs.of(mb, self.accepts))
-        finally:
-            _collecting.sink = outer
+        return self.message(out, mb, stage, added)
+
+    def argument(self, x):
+        """What the chunk is called with, from the runtime's input."""
+        return _from_message(x) if self.messages else x
+
+    def message(self, out, mb: int, stage: int, added: List[torch.Tensor]):
+        """The runtime's output from the chunk's, with the auxiliary losses
+        it added tied to it."""
         if not isinstance(out, (torch.Tensor, tuple, list, dict)):
             raise TypeError(
                 f"stage {stage} microbatch {mb}: a stage's forward must return a torch.Tensor "
@@ -178,6 +182,12 @@ class _StageForward:
                 f"{type(out).__name__}; a structure of tensors between stages travels "
                 "without a declared shape (Pipeline without activation_shape)")
         message = _to_message(out, stage, mb) if self.messages else [out]
+        self.tie_aux(message, added)
+        return message if self.messages else message[0]
+
+    def tie_aux(self, message: List[torch.Tensor], added: List[torch.Tensor]) -> None:
+        """Ties the auxiliary losses `added` to the first tensor of `message`
+        that takes a gradient (NOTE [Auxiliary losses])."""
         if added:
             total = added[0]
             for t in added[1:]:  # the dtypes may differ (a router's float32 term)
@@ -188,4 +198,15 @@ class _StageForward:
             at = next((i for i, t in enumerate(message) if t.requires_grad), None)
             if total.requires_grad and at is not None:
                 message[at] = _WithAuxiliary.apply(message[at], total, self.aux.scale)
-        return message if self.messages else message[0]
+
+
+@contextlib.contextmanager
+def collecting_aux():
+    """Collects the auxiliary losses add_loss() is given inside (a list)."""
+    outer = getattr(_collecting, "sink", None)
+    added: List[torch.Tensor] = []
+    _collecting.sink = added
+    try:
+        yield added
+    finally:
+        _collecting.sink = outer
