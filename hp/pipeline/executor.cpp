@@ -18,6 +18,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <sstream>
 #include <thread>
 #include <tuple>
@@ -85,6 +86,7 @@ struct Executor::State {
   std::map<size_t, size_t> batch_at;
   size_t lookahead = 0;
   std::vector<char> posted_ahead;
+  size_t running = 0;  // the index of the compute action that runs
   // Messages that describe themselves (no layout declared): their frames.
   std::unique_ptr<Frames> frames;
 
@@ -377,6 +379,52 @@ struct Executor::State {
     }
   }
 
+  // NOTE [A half's sends leave when it ends]
+  // The sends of an FB pair follow it in the list, so a pair run as F then B
+  // sends the F's output only after the B: the next stage waits for both
+  // halves. In an overlapped pair on the CPU each half posts, as it ends, the
+  // sends of the batch after the pair that are ready (the F's output, the
+  // B's input gradient), in list order per peer: a send goes only where no
+  // earlier send of that batch to the same peer is still waiting, so every
+  // channel's messages keep the order the receiver posted its receives in
+  // (NOTE [Point-to-point without tags]). The batch then posts the rest
+  // (posted_ahead marks those gone). The halves never run at once, so the
+  // executor's state is touched by one thread at a time. On a device the
+  // sends keep their place (NCCL runs a rank's operations in posting order).
+  // The simulator's overlapped pair lets each half's output leave as it
+  // ends (NOTE [An overlapped pair in the simulator]): the pair now runs so.
+  void post_ready_sends() {
+    const size_t next = running + 1;
+    if (!opts.device.is_cpu() || !batch_at.count(next)) return;
+    const auto [first, end] = batches[batch_at.at(next)];
+    std::set<int> held;  // peers with an earlier send still waiting
+    for (size_t k = first; k < end; ++k) {
+      const Action& a = actions[k];
+      if (!is_send(a.op) || posted_ahead[k]) continue;
+      const bool fwd = a.op == Op::SEND_F;
+      const int peer = rank_of(fwd ? sched.next_stage(a.stage, a.microbatch)
+                                   : sched.prev_stage(a.stage, a.microbatch));
+      const bool ready = fwd ? stage.has_output(a.stage, a.microbatch)
+                             : pending_dx.count({a.stage, a.microbatch}) > 0;
+      if (!ready || held.count(peer)) {
+        held.insert(peer);
+        continue;
+      }
+      const int start = timer->mark();
+      std::function<void()> on_done;
+      auto ops = send_ops(a, on_done);
+      auto works = comm->batch(ops);
+      for (size_t n = 0; n < ops.size(); ++n)
+        reaper->add(works[n], ops[n].tensor,
+                    n + 1 == ops.size() ? std::move(on_done) : std::function<void()>());
+      posted_ahead[k] = 1;
+      const int stop = timer->mark();
+      comm_spans.emplace_back(start, stop);
+      spans.push_back({a, start, stop});
+      if (waits_of_running != nullptr) waits_of_running->emplace_back(start, stop);
+    }
+  }
+
   // Where each input comes from: schedule::forward_input/backward_input,
   // the same definition validation and the simulator use (NOTE [What an
   // action waits for]).
@@ -489,8 +537,17 @@ struct Executor::State {
           if (defer) idle = [this] { return run_deferred_w(); };
           in_pair = true;
           PairStats ps;
+          // NOTE [A half's sends leave when it ends]
+          auto f_then_send = [&] {
+            run_f();
+            post_ready_sends();
+          };
+          auto b_then_send = [&] {
+            run_b();
+            post_ready_sends();
+          };
           try {
-            ps = pairs->run(run_f, run_b, idle);
+            ps = pairs->run(f_then_send, b_then_send, idle);
           } catch (...) {
             in_pair = false;
             throw;
@@ -616,13 +673,14 @@ struct Executor::State {
         comm_spans.emplace_back(start, end);
         // Posting a batch runs its sends' copies (on loopback): the sends' events.
         for (size_t k = i; k < j; ++k)
-          if (is_send(actions[k].op)) spans.push_back({actions[k], start, end});
+          if (is_send(actions[k].op) && !posted_ahead[k]) spans.push_back({actions[k], start, end});
         i = j;
         continue;
       }
       try {
         std::vector<std::pair<int, int>> waits;
         waits_of_running = &waits;
+        running = i;
         {
           ProfiledAction range(a);
           compute(a);

@@ -230,6 +230,11 @@ const Message& PipelineStage::output(int stage, int mb) const {
   return it->second.output;
 }
 
+bool PipelineStage::has_output(int stage, int mb) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return slots_.count({stage, mb}) > 0;
+}
+
 std::vector<bool> PipelineStage::output_takes_grad(int stage, int mb) const {
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = slots_.find({stage, mb});

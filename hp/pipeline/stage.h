@@ -93,6 +93,8 @@ class PipelineStage {
 
   /// The output of F (for a send or a local hand-off).
   const Message& output(int stage, int mb) const;
+  /// Whether F of (stage, mb) ran and its W has not ended yet.
+  bool has_output(int stage, int mb) const;
   /// Which of the output's leaves take a gradient (require grad).
   std::vector<bool> output_takes_grad(int stage, int mb) const;
   /// Frees the storage of a sent output: only its autograd history is needed
