@@ -26,6 +26,23 @@ dualpipev row has a third side: ours with Pipeline(fb_overlap=True), each FB
 pair's forward and backward taking turns at their all-to-alls and transfers
 (torch's runtime runs its OVERLAP_F_B as F, then B).
 
+    .venv/bin/python bench/peers/paired_ep.py --rounds 3 --steps 10 --fb-overlap \
+        --link 1000,1
+
+--link LATENCY_US,GBPS runs every rank under HP_LINK=LATENCY_US,GBPS, set
+before any Pipeline or expert dispatcher is made (NOTE [The link model] in
+hp/distributed/link_model.cpp; docs/overlap.md): every message a rank posts
+through hyperparallel's point-to-point leaves through one modelled link of
+that latency and bandwidth. The expert all-to-alls are our dispatcher's on
+both sides, so both pay the link; our side's pipeline transfers pay it too
+(over its Gloo group: p2p "auto" leaves out the shared-memory rings, which
+would bypass the link, and --hp-p2p shm is refused); PyTorch's own
+pipeline send and recv do not: its runtime has no link model, so they stay
+on loopback. The comparison under a link favours PyTorch by the cost of its
+pipeline transfers. The collectives of either side (the gradient all-reduce
+over the EP group, the losses) are not delayed. Without --link, loopback
+(an HP_LINK of the environment is cleared).
+
 Each side has its own AdamW and makes the same step: a barrier, zero_grad,
 the schedule's forward and backward of every microbatch, the data-parallel
 reduction over the EP group (NOTE [Expert gradients] in
@@ -237,7 +254,30 @@ class TorchEpSide:
 
 
 def worker(args):
+    # Read when a Pipeline or an expert dispatcher is made: set before either.
+    if args.link:
+        os.environ["HP_LINK"] = args.link
+    else:
+        os.environ.pop("HP_LINK", None)
     common.run_worker(args, run_rank)
+
+
+def parse_link(text):
+    """(latency in us, GB/s) of --link LATENCY_US,GBPS, or None when malformed."""
+    parts = text.split(",")
+    try:
+        latency, gbps = (float(v) for v in parts)
+    except ValueError:
+        return None
+    return (latency, gbps) if 0 <= latency <= 1e12 and 0 <= gbps <= 1e12 else None
+
+
+def describe_link(text):
+    """'1000 us, 1 GB/s' of --link 1000,1; 'loopback' of no link."""
+    if not text:
+        return "loopback"
+    latency, gbps = parse_link(text)
+    return f"{latency:g} us, " + (f"{gbps:g} GB/s" if gbps > 0 else "unlimited bandwidth")
 
 
 def run_rank(args, rank, world, torch, dist, error):
@@ -282,7 +322,8 @@ def run_rank(args, rank, world, torch, dist, error):
     if rank == 0:
         result["last_stats"] = [e["last_stats"] for e in everyone]
         result.update({"schedule": theirs, "hp_schedule": ours, "nproc": world,
-                       "mesh": "pp 2 x ep 2", "torch_version": torch.__version__})
+                       "mesh": "pp 2 x ep 2", "torch_version": torch.__version__,
+                       "link": os.environ.get("HP_LINK", "")})
         common.write_result(args.out, result)
     dist.barrier()
     dist.destroy_process_group()
@@ -314,6 +355,15 @@ def summarize(runs, ours_key):
             "max_loss_rel_diff": diff}
 
 
+def link_text(link):
+    """The header's words for the link."""
+    if not link:
+        return "loopback"
+    return (f"{describe_link(link)} (HP_LINK) on both sides' expert all-to-alls and our "
+            "side's pipeline transfers (over its Gloo group); PyTorch's pipeline transfers "
+            "on loopback")
+
+
 def render(report):
     a, c = report["args"], MODEL
     out = [f"transformers MixtralForCausalLM, float32, hidden {c['hidden']}, "
@@ -321,7 +371,7 @@ def render(report):
            f"{c['layers']} layers, seq {c['seq']}, {c['microbatches']} microbatches of "
            f"{c['microbatch_size']} per copy; pp 2 x ep 2 = 4 ranks, experts spread by "
            f"expert_parallel over each EP group; AdamW; {a['steps']} steps x {a['rounds']} "
-           f"rounds; our side's p2p={a['hp_p2p']}\n",
+           f"rounds; our side's p2p={a['hp_p2p']}; link: {link_text(a.get('link', ''))}\n",
            "| PyTorch | hp | PyTorch step ms | hp step ms | PyTorch / hp, paired "
            "(middle half) | per round | CPU ms per step, busiest rank (PyTorch / hp) | "
            "losses agree |",
@@ -358,6 +408,11 @@ def main():
     ap.add_argument("--fb-overlap", action="store_true",
                     help="the dualpipev row also runs ours with Pipeline(fb_overlap=True)")
     ap.add_argument("--hp-p2p", default="auto", choices=["auto", "group", "shm"])
+    ap.add_argument("--link", default="", metavar="LATENCY_US,GBPS",
+                    help="every rank under HP_LINK=LATENCY_US,GBPS (a modelled link, "
+                         "docs/overlap.md): both sides' expert all-to-alls and our "
+                         "side's pipeline transfers pay it, PyTorch's pipeline transfers "
+                         "do not (its runtime has no link model); default: loopback")
     ap.add_argument("--tolerance", type=float, default=1e-4)
     ap.add_argument("--json", default="")
     ap.add_argument("--markdown", default="")
@@ -385,11 +440,17 @@ def main():
             ap.error(f"--schedules: {s!r} is not one of {', '.join(ROWS)}")
     if args.steps < 3:
         ap.error("--steps must be at least 3 (the first is warm-up)")
+    if args.link and parse_link(args.link) is None:
+        ap.error(f"--link: {args.link!r}: give LATENCY_US,GBPS, two numbers >= 0, "
+                 "e.g. 1000,1 for 1 ms and 1 GB/s")
+    if args.link and args.hp_p2p == "shm":
+        ap.error("--link with --hp-p2p shm: the rings would bypass the link model")
 
     def argv_of(_setting, name):
         return ["--schedule", name, "--steps", str(args.steps), "--seed", str(args.seed),
                 "--lr", str(args.lr), "--weight-decay", str(args.weight_decay),
                 "--timeout", str(args.timeout), "--hp-p2p", args.hp_p2p,
+                *(["--link", args.link] if args.link else []),
                 *(["--fb-overlap"] if args.fb_overlap else []),
                 *(["--profile", args.profile] if args.profile else []),
                 *(["--verbose"] if args.verbose else [])]

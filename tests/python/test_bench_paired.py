@@ -94,18 +94,22 @@ def test_fsdp2_stages_pair_up_and_agree(tmp_path):
 def test_expert_parallel_stages_agree_with_torchs_dualpipev(tmp_path):
     """bench/peers/paired_ep.py: pp 2 x ep 2 (4 processes) of one Mixtral cut
     by split_model and spread by expert_parallel, torch's ScheduleDualPipeV
-    against our dualpipev, plain and fb_overlap, step for step: the losses of
+    against our dualpipev, plain and fb_overlap, step for step, under a
+    modelled link (--link: HP_LINK in every rank, paying the expert
+    all-to-alls of both sides and our pipeline transfers): the losses of
     every side agree (the script exits non-zero otherwise; checked here too)."""
     out = tmp_path / "paired_ep.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "peers", "paired_ep.py"),
                         "--rounds", "1", "--steps", "3", "--schedules", "DualPipeV",
-                        "--fb-overlap", "--json", str(out)],
+                        "--fb-overlap", "--link", "100,10", "--json", str(out)],
                        capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     report = json.loads(out.read_text())
     assert report["failed"] == []
     (run_,) = report["runs"]["DualPipeV"]
+    assert run_["link"] == "100,10"  # what the ranks ran under
+    assert "link: 100 us, 10 GB/s" in r.stdout
     theirs = run_["torch"]["losses"]
     assert len(theirs) == 3
     for side in ("hp-py", "hp-overlap"):
