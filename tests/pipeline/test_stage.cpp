@@ -44,6 +44,19 @@ struct Net {
   torch::Tensor stage1(const torch::Tensor& h) const { return h.matmul(w1).exp(); }
 };
 
+/// m microbatch inputs of 4 x 6.
+std::vector<torch::Tensor> microbatches(int m) {
+  std::vector<torch::Tensor> xs;
+  for (int mb = 0; mb < m; ++mb)
+    xs.push_back(torch::randn({4, 6}, kF64));
+  return xs;
+}
+
+/// A loss that weighs each microbatch differently.
+torch::Tensor squares_loss(const torch::Tensor& y, int mb) {
+  return y.pow(2).sum() * (mb + 1);
+}
+
 }  // namespace
 
 TEST(PipelineStage, SplitBackwardAcrossTwoStagesEqualsOneBackward) {
@@ -95,10 +108,8 @@ TEST(PipelineStage, LossScaleSeedsTheBackwardLikeDividingTheLoss) {
   torch::manual_seed(5);
   Net net;
   const int m = 3;
-  std::vector<torch::Tensor> xs;
-  for (int mb = 0; mb < m; ++mb)
-    xs.push_back(torch::randn({4, 6}, kF64));
-  auto loss_of = [](const torch::Tensor& y, int mb) { return y.pow(2).sum() * (mb + 1); };
+  const std::vector<torch::Tensor> xs = microbatches(m);
+  auto loss_of = squares_loss;
 
   torch::Tensor g0 = torch::zeros_like(net.w0), g1 = torch::zeros_like(net.w1);
   double loss_sum = 0;
@@ -160,10 +171,8 @@ TEST(PipelineStage, ComputedHalvesEqualTheStagesOwn) {
   torch::manual_seed(7);
   Net net;
   const int m = 3;
-  std::vector<torch::Tensor> xs;
-  for (int mb = 0; mb < m; ++mb)
-    xs.push_back(torch::randn({4, 6}, kF64));
-  auto loss_of = [](const torch::Tensor& y, int mb) { return y.pow(2).sum() * (mb + 1); };
+  const std::vector<torch::Tensor> xs = microbatches(m);
+  auto loss_of = squares_loss;
   std::map<int, StageModule> modules;
   modules[0] = {[&](const torch::Tensor& x) { return net.stage0(x); }, {net.w0}, {}};
   modules[1] = {[&](const torch::Tensor& h) { return net.stage1(h); }, {net.w1}, {}};
