@@ -225,7 +225,8 @@ TEST(PipelineStage, ComputedHalvesEqualTheStagesOwn) {
       dhs.push_back(dh.at(0));
     }
     EXPECT_EQ(stage.in_flight(), 0u);
-    (computed ? got_g : want_g) = {net.w0.grad().clone(), net.w1.grad().clone()};
+    (computed ? got_g : want_g) =
+        std::vector<torch::Tensor>{net.w0.grad().clone(), net.w1.grad().clone()};
     (computed ? got_loss : want_loss) = stage.loss_sum();
     stage.reset();
   }
