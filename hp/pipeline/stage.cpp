@@ -48,6 +48,13 @@ autograd::TensorList PipelineStage::seed(const Slot& s, const Message& grad_outp
   return grad_output;
 }
 
+const StageModule& PipelineStage::held(int stage, int mb) const {
+  auto mod = modules_.find(stage);
+  TORCH_CHECK(mod != modules_.end(), "stage ", stage, " microbatch ", mb,
+              ": this rank does not hold stage ", stage);
+  return mod->second;
+}
+
 PipelineStage::Slot& PipelineStage::slot(int stage, int mb, const char* what) {
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = slots_.find({stage, mb});
@@ -58,10 +65,7 @@ PipelineStage::Slot& PipelineStage::slot(int stage, int mb, const char* what) {
 
 const Message& PipelineStage::forward(int stage, int mb, const Message& input,
                                       const std::vector<bool>& takes_grad, bool is_last) {
-  auto mod = modules_.find(stage);
-  TORCH_CHECK(mod != modules_.end(), "stage ", stage, " microbatch ", mb,
-              ": this rank does not hold stage ", stage);
-  const StageModule& module = mod->second;
+  const StageModule& module = held(stage, mb);
   return forward_computed(stage, mb, input, takes_grad, is_last, [&](const Message& in) {
     Message out =
         module.forward_message ? module.forward_message(in) : Message{module.forward(in.at(0))};
@@ -75,9 +79,7 @@ const Message& PipelineStage::forward(int stage, int mb, const Message& input,
 const Message& PipelineStage::forward_computed(
     int stage, int mb, const Message& input, const std::vector<bool>& takes_grad, bool is_last,
     const std::function<Message(const Message& leaves)>& compute) {
-  auto mod = modules_.find(stage);
-  TORCH_CHECK(mod != modules_.end(), "stage ", stage, " microbatch ", mb,
-              ": this rank does not hold stage ", stage);
+  const StageModule& module = held(stage, mb);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     TORCH_CHECK(!slots_.count({stage, mb}), "stage ", stage, " microbatch ", mb,
@@ -99,7 +101,6 @@ const Message& PipelineStage::forward_computed(
       s.input.push_back(input[i]);
     }
   }
-  const StageModule& module = mod->second;
   auto run = [&]() -> Message { return compute(s.input); };
   s.output = hooks_.around_forward ? hooks_.around_forward(stage, mb, run) : run();
   if (is_last)

@@ -127,6 +127,8 @@ class PipelineStage {
   /// loss, loss_scale (empty when 1: the engine's own ones).
   autograd::TensorList seed(const Slot& s, const Message& grad_output, int stage, int mb) const;
   Slot& slot(int stage, int mb, const char* what);
+  /// The module of `stage`; throws naming (stage, mb) where this rank holds none.
+  const StageModule& held(int stage, int mb) const;
   void finish(int stage, int mb);
 
   std::map<int, StageModule> modules_;
