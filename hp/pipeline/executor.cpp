@@ -72,6 +72,7 @@ struct Executor::State {
     Action action;
     int start = 0, end = 0;
     std::vector<std::pair<int, int>> waits;  // a compute action's receive waits
+    double compute = -1;  // an overlapped pair's compute seconds (its halves'), if known
   };
   std::vector<Span> spans;                      // the events, in the order they happened
   std::vector<std::pair<int, int>> comm_spans;  // batch postings, receive waits, the drain
@@ -79,6 +80,7 @@ struct Executor::State {
   std::unique_ptr<PairRunner> pairs;           // made by the first overlapped FB
   std::deque<std::pair<int, int>> deferred_w;  // (stage, mb): NOTE [Weight gradients in the waits]
   bool in_pair = false;                        // an overlapped pair runs (its idle runs the W's)
+  std::vector<Span> pair_halves;               // the last overlapped pair's halves, as they ended
   // The action list's batches (runs of SEND/RECV actions) as [first, last),
   // the batch starting at each index, and the receives posted ahead this step
   // (NOTE [Receives posted ahead]).
@@ -534,25 +536,47 @@ struct Executor::State {
         auto overlapped = [&] {
           if (!pairs) pairs = std::make_unique<PairRunner>(opts.device);
           std::function<bool()> idle;
-          if (defer) idle = [this] { return run_deferred_w(); };
+          if (defer)  // each W its own event, while the partner waits
+            idle = [this] {
+              if (deferred_w.empty()) return false;
+              run_deferred_w_span();
+              return true;
+            };
           in_pair = true;
           PairStats ps;
           // NOTE [A half's sends leave when it ends]
+          const int pair_start = timer->mark();
+          int f_end = 0, b_end = 0;
           auto f_then_send = [&] {
             run_f();
+            f_end = timer->mark();
             post_ready_sends();
           };
           auto b_then_send = [&] {
             run_b();
+            b_end = timer->mark();
             post_ready_sends();
           };
           try {
-            ps = pairs->run(f_then_send, b_then_send, idle);
+            // NOTE [The half that leads] in hp/schedule/fuse.cpp
+            ps = a.backward_first ? pairs->run(b_then_send, f_then_send, idle)
+                                  : pairs->run(f_then_send, b_then_send, idle);
           } catch (...) {
             in_pair = false;
             throw;
           }
           in_pair = false;
+          // NOTE [An overlapped pair's events]
+          const int lead = a.backward_first ? 1 : 0;  // ps.compute's index of the F half
+          Span f_half{
+              Action::make(Op::F, a.stage, a.microbatch), pair_start, f_end, {}, ps.compute[lead]};
+          Span b_half{Action::make(defer ? Op::I : Op::B, b.stage, b.microbatch),
+                      pair_start,
+                      b_end,
+                      {},
+                      ps.compute[1 - lead]};
+          pair_halves = f_end <= b_end ? std::vector<Span>{f_half, b_half}
+                                       : std::vector<Span>{b_half, f_half};
           ++stats.pairs;
           stats.pair_hidden += ps.hidden;
           stats.pair_exposed += ps.exposed;
@@ -600,6 +624,18 @@ struct Executor::State {
     stats.executed.push_back(w);
   }
 
+  // NOTE [An overlapped pair's events]
+  // An overlapped pair's timeline holds its halves, as the simulator's does
+  // (NOTE [An overlapped pair in the simulator] in hp/schedule/simulate.cpp):
+  // an F event and a B event (an I with defer_wgrad, whose W's are events
+  // of their own), each ending when its half ended and as long as the half
+  // held the CPU (PairStats::compute). Not the pair's span less its waits:
+  // the waits of one half overlap the other's compute, so that subtraction
+  // made pairs look almost free, their measured costs low and the predicted
+  // step 12-23 % short. A half cut by waits inside its chunk (an expert
+  // layer's all-to-alls) is drawn as one stretch before its end, which may
+  // overlap the partner's; its length is still its compute.
+
   // Turns the step's marks into its events and sums; `last` is the step's last mark.
   void resolve(int last) {
     auto sec = [&](int mark) { return timer->seconds(mark); };
@@ -611,8 +647,9 @@ struct Executor::State {
         // A compute action waits for its inputs inside the call; that time
         // is communication, recorded as the receive's own event. The compute
         // event keeps only the compute: it starts `waited` after the call
-        // did (for FB, whose second wait falls in the middle, the event is
-        // as long as the compute and ends when it ended), and never before
+        // did (for an FB run as one action after the other, whose second
+        // wait falls in the middle, the event is as long as the compute and
+        // ends when it ended), and never before
         // its first wait ended, so that it never overlaps a receive's event
         // on its rank. The little the call did before its first wait (a
         // lookup; under load, a preemption of tens of microseconds, which
@@ -620,11 +657,16 @@ struct Executor::State {
         // Counting the wait as compute once made the measured costs of
         // waiting stages look heavier, the simulator pessimistic about 1F1B
         // and the measured bubble too small.
-        double waited = 0.0;
-        for (const auto& [w0, w1] : sp.waits)
-          waited += sec(w1) - sec(w0);
-        start = start + waited;
-        if (!sp.waits.empty()) start = std::max(start, sec(sp.waits.front().second));
+        if (sp.compute >= 0) {
+          // NOTE [An overlapped pair's events]
+          start = std::max(start, end - sp.compute);
+        } else {
+          double waited = 0.0;
+          for (const auto& [w0, w1] : sp.waits)
+            waited += sec(w1) - sec(w0);
+          start = start + waited;
+          if (!sp.waits.empty()) start = std::max(start, sec(sp.waits.front().second));
+        }
         start = std::min(end, start);
         stats.compute += end - start;
       }
@@ -681,6 +723,7 @@ struct Executor::State {
         std::vector<std::pair<int, int>> waits;
         waits_of_running = &waits;
         running = i;
+        pair_halves.clear();
         {
           ProfiledAction range(a);
           compute(a);
@@ -688,7 +731,13 @@ struct Executor::State {
         waits_of_running = nullptr;
         const int end = timer->mark();
         stats.executed.push_back(a);
-        spans.push_back({a, start, end, std::move(waits)});
+        if (pair_halves.empty()) {
+          spans.push_back({a, start, end, std::move(waits)});
+        } else {  // NOTE [An overlapped pair's events]
+          for (Span& half : pair_halves)
+            spans.push_back(std::move(half));
+          pair_halves.clear();
+        }
         reaper->rethrow_if_failed();
       } catch (const std::exception&) {
         waits_of_running = nullptr;

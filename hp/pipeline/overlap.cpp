@@ -56,7 +56,13 @@ namespace hp::pipeline {
 //
 // Timing, per wait of a half: from its start to its end, the part during
 // which the other half held the baton is hidden communication; the rest is
-// exposed (PairStats).
+// exposed (PairStats). Each half's compute is the time it held the baton,
+// from taking it to its next wait or its end (a W run in a wait left out):
+// the pair's span less its waits would not do, since the waits of one half
+// overlap the other's compute.
+//
+// Which half is `first` is the caller's: the executor passes the lead of
+// the pair's action (NOTE [The half that leads] in hp/schedule/fuse.cpp).
 
 // NOTE [An overlapped pair on a device]
 // On a GPU the CPU's baton is not enough: with NCCL a wait only makes the
@@ -116,6 +122,7 @@ struct PairRunner::State {
   int failed_first = -1;  // the half whose error came first
   distributed::Work in_flight[2];
   Clock::time_point wait_start[2], turn_given[2];
+  Clock::time_point running_since[2];  // when the half last took the CPU
   PairStats stats;
   // The runner's thread and its job.
   std::thread thread;
@@ -132,8 +139,15 @@ struct PairRunner::State {
     cv.notify_all();
   }
 
+  // The half gives up the CPU (a wait, its end): its compute since it took it.
+  void stop_running(int half) {
+    stats.compute[half] +=
+        std::chrono::duration<double>(Clock::now() - running_since[half]).count();
+  }
+
   void finish(int half, std::exception_ptr e) {
     std::lock_guard<std::mutex> lock(mutex);
+    stop_running(half);
     done[half] = true;
     if (e) {
       error[half] = e;
@@ -158,6 +172,7 @@ class Switcher : public distributed::WaitObserver {
   Switcher(PairRunner::State& s, int half) : s_(s), half_(half) {}
   void before_wait(const distributed::Work& work) override {
     std::unique_lock<std::mutex> lock(s_.mutex);
+    s_.stop_running(half_);
     if (s_.idle != nullptr && *s_.idle && s_.started[1 - half_]) {
       // The partner has ended or is stopped at a wait: a deferred W runs
       // first, on this thread, which holds the CPU (NOTE [Weight gradients
@@ -184,6 +199,7 @@ class Switcher : public distributed::WaitObserver {
         std::chrono::duration<double>(std::min(ended, back) - s_.wait_start[half_]).count();
     s_.stats.hidden += std::max(0.0, hidden);
     s_.stats.exposed += std::max(0.0, std::chrono::duration<double>(ended - back).count());
+    s_.running_since[half_] = Clock::now();
     s_.check_partner(half_);
   }
 
@@ -211,6 +227,7 @@ PairRunner::PairRunner(c10::Device device) : state_(std::make_unique<State>()) {
       s->cv.wait(lock, [&] { return s->turn == 1; });
       const bool skip = s->failed_first >= 0;  // the first half failed before it waited
       s->started[1] = true;
+      s->running_since[1] = Clock::now();
       lock.unlock();
       std::exception_ptr error;
       if (!skip) {
@@ -257,6 +274,7 @@ PairStats PairRunner::run(const std::function<void()>& first, const std::functio
     s.error[0] = s.error[1] = nullptr;
     s.failed_first = -1;
     s.stats = PairStats{};
+    s.running_since[0] = Clock::now();
     s.tls.emplace();  // this thread's state, for the second half
     s.interrupt_check = distributed::current_interrupt_check();
     s.step_cache = step_cache_active();

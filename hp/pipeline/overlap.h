@@ -27,6 +27,9 @@ struct PairStats {
   double exposed = 0.0;
   /// Times `idle` ran a piece of work during a wait.
   int filled = 0;
+  /// Seconds each half (run()'s first, second) held the CPU: its compute,
+  /// without its waits and the work `idle` ran in them.
+  double compute[2] = {0.0, 0.0};
 };
 
 /// Runs pairs of functions as partners (NOTE [Overlapped pairs]): one on the

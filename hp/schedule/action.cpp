@@ -5,6 +5,7 @@
 #include <array>
 #include <limits>
 #include <stdexcept>
+#include <utility>
 
 #include "hp/schedule/text.h"
 
@@ -79,8 +80,9 @@ std::string_view op_name(Op op) {
 
 std::string to_string(const Action& a) {
   if (a.op == Op::FB) {
-    return std::to_string(a.stage) + "F" + std::to_string(a.microbatch) + "+" +
-           std::to_string(a.stage2) + "B" + std::to_string(a.microbatch2);
+    const std::string f = std::to_string(a.stage) + "F" + std::to_string(a.microbatch);
+    const std::string b = std::to_string(a.stage2) + "B" + std::to_string(a.microbatch2);
+    return a.backward_first ? b + "+" + f : f + "+" + b;
   }
   return std::to_string(a.stage) + std::string(op_name(a.op)) + std::to_string(a.microbatch);
 }
@@ -92,9 +94,13 @@ Action parse_action(std::string_view text) {
   if (plus == std::string_view::npos) return parse_simple(text, s);
   Action f = parse_simple(text, s.substr(0, plus));
   Action b = parse_simple(text, s.substr(plus + 1));
+  const bool backward_first = f.op == Op::B && b.op == Op::F;
+  if (backward_first) std::swap(f, b);
   if (f.op != Op::F || b.op != Op::B)
-    fail(text, "an overlapped pair is written <stage>F<mb>+<stage>B<mb>");
-  return Action::overlap(f.stage, f.microbatch, b.stage, b.microbatch);
+    fail(text,
+         "an overlapped pair is written <stage>F<mb>+<stage>B<mb> (or <stage>B<mb>+<stage>F<mb> "
+         "when its B leads)");
+  return Action::overlap(f.stage, f.microbatch, b.stage, b.microbatch, backward_first);
 }
 
 }  // namespace hp::schedule

@@ -39,23 +39,27 @@ struct Action {
   int microbatch = 0;
   int stage2 = -1;       ///< FB only: stage of the B half.
   int microbatch2 = -1;  ///< FB only: microbatch of the B half.
+  /// FB only: the B half leads the overlapped pair (NOTE [The half that
+  /// leads] in hp/schedule/fuse.cpp); written `5B0+3F1`.
+  bool backward_first = false;
 
   /// A compute or communication action on (stage, microbatch).
   static Action make(Op op, int stage, int microbatch) { return Action{op, stage, microbatch}; }
   /// An overlapped pair: F of (fs, fmb) beside B of (bs, bmb).
-  static Action overlap(int fs, int fmb, int bs, int bmb) {
-    return Action{Op::FB, fs, fmb, bs, bmb};
+  static Action overlap(int fs, int fmb, int bs, int bmb, bool backward_first = false) {
+    return Action{Op::FB, fs, fmb, bs, bmb, backward_first};
   }
 
   bool operator==(const Action& o) const {
     return op == o.op && stage == o.stage && microbatch == o.microbatch && stage2 == o.stage2 &&
-           microbatch2 == o.microbatch2;
+           microbatch2 == o.microbatch2 && backward_first == o.backward_first;
   }
   bool operator!=(const Action& o) const { return !(*this == o); }
 };
 
 /// Short text form: `2F0` (stage 2, F, microbatch 0), `1I3`, `0SEND_B2`, and
-/// for FB `3F1+5B0` (F of stage 3 mb 1 overlapped with B of stage 5 mb 0).
+/// for FB `3F1+5B0` (F of stage 3 mb 1 overlapped with B of stage 5 mb 0;
+/// `5B0+3F1` when the B half leads).
 std::string to_string(const Action& a);
 
 /// Parses the short text form (surrounding spaces allowed). Throws

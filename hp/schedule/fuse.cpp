@@ -145,6 +145,7 @@ struct Fuser {
     work_left -= n;
     SimOptions o;
     o.overlap_pairs = true;
+    o.choose_leads = true;  // NOTE [The half that leads]
     o.record_timeline = false;
     try {
       return simulate(t, costs, o).makespan;
@@ -304,9 +305,38 @@ Schedule fuse_pairs(const Schedule& s, const CostModel& costs, long long work) {
       }
     }
   }
-  Schedule out = fz.apply(pairs, on);
+  Schedule out = order_pairs(fz.apply(pairs, on), costs);
   out.name = s.name + "-fb";
   validate(out);
+  return out;
+}
+
+// NOTE [The half that leads]
+// The executor's runner fixes the order of a pair's halves by code, not by
+// arrival (NOTE [Overlapped pairs] in hp/pipeline/overlap.cpp: expert
+// all-to-alls, FSDP's gathers and a tensor-parallel group's reductions inside
+// the halves must be posted in one order by every peer). It starts with the
+// lead: an F-led pair whose B's gradient is there while the F's activation is
+// still on the wire has the rank idle until the activation comes (NOTE [An
+// overlapped pair in the simulator] in simulate.cpp). So the lead is part of
+// the schedule, like the order of its actions, and every rank of a run reads
+// the same one. order_pairs chooses it in one overlapped simulation: at each
+// pair, the lead under which the pair ends first at those costs, the F on a
+// tie. The generators' pairs lead with F (DualPipe's own order); fuse_pairs'
+// variants and a run with the overlap on (hp train --fb-overlap, Pipeline's
+// fb_overlap) order their pairs under the costs they have.
+Schedule order_pairs(const Schedule& s, const CostModel& costs) {
+  SimOptions o;
+  o.overlap_pairs = true;
+  o.choose_leads = true;
+  o.record_timeline = false;
+  const SimResult r = simulate(s, costs, o);
+  Schedule out = s;
+  for (auto& row : out.actions)
+    for (auto& a : row)
+      a.backward_first = false;
+  for (const auto& [rank, i] : r.backward_leads)
+    out.actions[rank][i].backward_first = true;
   return out;
 }
 

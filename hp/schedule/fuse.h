@@ -1,6 +1,6 @@
 // hp/schedule/fuse.h: overlapped pairs (FB) made from a schedule's adjacent
 // forward and backward: interleaved-1f1b-fb and zbv-fb (NOTE [Pairs in
-// interleaved 1F1B and ZB-V] in fuse.cpp).
+// interleaved 1F1B and ZB-V] in fuse.cpp), and which half of a pair leads.
 #pragma once
 
 #include <string>
@@ -27,5 +27,11 @@ bool is_fb_variant(const std::string& name);
 /// out, fewer pairs are tried. The result validates; its name is s's with
 /// "-fb". Throws std::invalid_argument for a lowered schedule.
 Schedule fuse_pairs(const Schedule& s, const CostModel& costs = {}, long long work = 0);
+
+/// `s` with each FB pair's lead (Action::backward_first) set to the half
+/// under which the pair ends first in the overlapped simulation at `costs`
+/// (F on a tie; NOTE [The half that leads] in fuse.cpp). Lowered or not;
+/// nothing else changes.
+Schedule order_pairs(const Schedule& s, const CostModel& costs = {});
 
 }  // namespace hp::schedule

@@ -25,13 +25,19 @@ struct Msg {
   Action recv() const { return Action::make(grad ? Op::RECV_B : Op::RECV_F, dst_stage, mb); }
 };
 
-// Halves of a compute action: (is_backward, stage, mb, op) for F, I, W, B, FB.
+// Halves of a compute action: (is_backward, stage, mb, op) for F, I, W, B, FB;
+// a pair's in running order, so that the lead's output is sent first (NOTE
+// [The half that leads] in fuse.cpp).
 struct Half {
   Op op;
   int stage, mb;
 };
 std::vector<Half> halves(const Action& a) {
-  if (a.op == Op::FB) return {{Op::F, a.stage, a.microbatch}, {Op::B, a.stage2, a.microbatch2}};
+  if (a.op == Op::FB) {
+    const Half f{Op::F, a.stage, a.microbatch}, b{Op::B, a.stage2, a.microbatch2};
+    if (a.backward_first) return {b, f};
+    return {f, b};
+  }
   return {{a.op, a.stage, a.microbatch}};
 }
 

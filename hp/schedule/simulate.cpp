@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <deque>
 #include <limits>
 #include <map>
 #include <stdexcept>
@@ -154,6 +155,52 @@ int comm_volume(const Schedule& s) {
   return v;
 }
 
+namespace {
+
+// One overlapped pair as the executor's runner orders it (NOTE [An
+// overlapped pair in the simulator]): the lead (ready at rl, computing dl,
+// waiting for its input if wl) and the partner, on a rank free at t0.
+struct PairRun {
+  bool partner_first = false;  // the partner ran first (the lead waited at once)
+  double first_start = 0, first_end = 0, second_start = 0, second_end = 0;
+  double w_start =
+      -1;  // where a queued W ran inside the pair (NOTE [Deferred W's in the simulator])
+  double end() const { return second_end; }
+};
+
+// w_both: the cost of the W that runs where both halves wait (at the
+// partner's first wait, before the lead resumes); w_after_lead: the cost of
+// the one that runs at the partner's wait after the lead ended. < 0: none.
+PairRun run_pair(double t0, double rl, double dl, bool wl, double rp, double dp, bool wp,
+                 double w_both = -1, double w_after_lead = -1) {
+  PairRun run;
+  run.partner_first = wl && !wp;
+  if (run.partner_first) {
+    run.first_start = std::max(t0, rp);
+    run.first_end = run.first_start + dp;
+    run.second_start = std::max(run.first_end, rl);
+    run.second_end = run.second_start + dl;
+    return run;
+  }
+  double t = t0;
+  if (wl && w_both >= 0) {
+    run.w_start = t;
+    t += w_both;
+  }
+  run.first_start = std::max(t, rl);
+  run.first_end = run.first_start + dl;
+  t = run.first_end;
+  if (!wl && wp && w_after_lead >= 0) {
+    run.w_start = t;
+    t += w_after_lead;
+  }
+  run.second_start = std::max(t, rp);
+  run.second_end = run.second_start + dp;
+  return run;
+}
+
+}  // namespace
+
 SimResult simulate(const Schedule& s, const CostModel& costs, const SimOptions& opts) {
   costs.check(s.num_stages);
   const int p = s.num_ranks;
@@ -177,18 +224,57 @@ SimResult simulate(const Schedule& s, const CostModel& costs, const SimOptions& 
   for (const auto& row : s.actions)
     remaining += row.size();
   if (opts.record_timeline) res.timeline.events.reserve(remaining);
+  // NOTE [Deferred W's in the simulator]
+  // With overlap_pairs and defer_wgrad, as the executor's defer_wgrad (NOTE
+  // [Weight gradients in the waits] in hp/pipeline/overlap.cpp): a pair's B
+  // half is its I (an I event), its W is queued, holding the W's memory, and
+  // a queued W runs, oldest first, where the executor runs one: inside a
+  // pair, at the partner's first wait (where both halves wait, or after a
+  // lead that did not); outside, before each action whose input comes from
+  // another rank, whether or not the message is there; the rest after the
+  // rank's last action. As with the pair, the waits inside a chunk are not
+  // modelled: a MoE pair's all-to-alls would take more of the W's.
+  const bool defer = opts.overlap_pairs && opts.defer_wgrad;
+  std::vector<std::deque<std::pair<int, int>>> queued_w(p);  // (stage, mb)
+  auto run_w = [&](int r, double t) {                        // the oldest queued W at t; its end
+    const auto [st, mb] = queued_w[r].front();
+    queued_w[r].pop_front();
+    const double d = costs.stage_cost(s, Op::W, st);
+    res.rank_busy[r] += d;
+    mem[r] -= costs.stage_mem_w_of(s, st);
+    last_end[r] = std::max(last_end[r], t + d);
+    if (opts.record_timeline)
+      res.timeline.events.push_back({r, Action::make(Op::W, st, mb), t, t + d});
+    return t + d;
+  };
+  auto receives = [&](const Action& a) {  // a waits for a message (F, I, B)
+    if (a.op == Op::F)
+      return forward_input(s, a.stage, a.microbatch).kind == InputSource::Kind::Remote;
+    if (a.op == Op::I || a.op == Op::B)
+      return backward_input(s, a.stage, a.microbatch).kind == InputSource::Kind::Remote;
+    return false;
+  };
   // NOTE [An overlapped pair in the simulator]
   // The executor's overlapped pair (NOTE [Overlapped pairs] in
   // hp/pipeline/overlap.cpp) runs its two halves on one CPU, taking turns at
-  // every wait on communication. The pipeline's part of those waits is each
-  // half's input: F's activation and B's output gradient. So the pair starts
-  // when the rank is free and either input is there, runs that half whole,
-  // then the other as soon as its input is there; each half's output leaves
-  // when the half ends (its consumer may start before the pair ends), and
-  // the rank is busy for the two halves' compute only. The timeline holds
-  // the halves as the F and B events they ran as. The waits inside a
-  // chunk (an expert layer's all-to-alls, hidden by the partner's compute)
-  // are not in the cost model: a MoE pair is predicted as a dense one.
+  // every wait on communication, in an order fixed by the code: the leading
+  // half (F, or B where the action says so: NOTE [The half that leads] in
+  // fuse.cpp) runs to its first wait, the partner to its own, and so on. The
+  // pipeline's part of those waits is each half's input from another rank
+  // (F's activation, B's output gradient); an input from the same rank or
+  // none (the data, the loss) is no wait. So (run_pair below):
+  // - the lead waits and the partner does not: the partner runs whole
+  //   first, then the lead once its input is there;
+  // - otherwise the lead runs first once its input is there, then the
+  //   partner once the lead has ended and its input is there, even if the
+  //   partner's input came first (the rank idles: choosing the lead well is
+  //   what order_pairs is for).
+  // Each half's output leaves when the half ends (its consumer may start
+  // before the pair ends), and the rank is busy for the two halves' compute
+  // only. The timeline holds the halves as the F and B events they ran as.
+  // The waits inside a chunk (an expert layer's all-to-alls, hidden by the
+  // partner's compute) are not in the cost model: a MoE pair is predicted as
+  // a dense one.
   // NOTE [Simulation order]
   // Start times depend only on dependencies and on the rank's previous
   // action, never on the order ranks are visited. A worklist of ranks that
@@ -217,6 +303,9 @@ SimResult simulate(const Schedule& s, const CostModel& costs, const SimOptions& 
         const double ready = progress.ready_at(a, transfer);
         if (ready < 0) break;
         if (is_compute(a.op)) {
+          // NOTE [Deferred W's in the simulator]
+          if (defer && a.op != Op::FB && !queued_w[r].empty() && receives(a))
+            free_at[r] = run_w(r, free_at[r]);
           double start = std::max(ready, free_at[r]);
           double end = start + costs.cost(s, a);
           double busy = end - start;
@@ -224,21 +313,51 @@ SimResult simulate(const Schedule& s, const CostModel& costs, const SimOptions& 
             // NOTE [An overlapped pair in the simulator]
             const Action f = Action::make(Op::F, a.stage, a.microbatch);
             const Action g = Action::make(Op::B, a.stage2, a.microbatch2);
+            const Action g_ran = defer ? Action::make(Op::I, a.stage2, a.microbatch2) : g;
             const double f_ready = progress.ready_at(f, transfer);
             const double g_ready = progress.ready_at(g, transfer);
             const double df = costs.stage_cost(s, Op::F, a.stage);
-            const double dg = costs.stage_cost(s, Op::B, a.stage2);
-            const bool f_first = f_ready <= g_ready;
-            start = std::max(free_at[r], f_first ? f_ready : g_ready);
-            const double first_end = start + (f_first ? df : dg);
-            end = std::max(first_end, f_first ? g_ready : f_ready) + (f_first ? dg : df);
+            const double dg = costs.stage_cost(s, g_ran.op, a.stage2);
+            const bool f_waits = receives(f), g_waits = receives(g);
+            // NOTE [Deferred W's in the simulator]: the W that would run in
+            // the pair (the oldest queued, or a leading B's own).
+            auto w_cost = [&](bool own) {
+              if (!defer) return -1.0;
+              if (!queued_w[r].empty())
+                return costs.stage_cost(s, Op::W, queued_w[r].front().first);
+              return own ? costs.stage_cost(s, Op::W, a.stage2) : -1.0;
+            };
+            auto order = [&](bool b_leads) {
+              return b_leads ? run_pair(free_at[r], g_ready, dg, g_waits, f_ready, df, f_waits,
+                                        w_cost(false), w_cost(true))
+                             : run_pair(free_at[r], f_ready, df, f_waits, g_ready, dg, g_waits,
+                                        w_cost(false), w_cost(false));
+            };
+            bool b_leads = a.backward_first;
+            if (opts.choose_leads) {
+              const PairRun as_f = order(false), as_b = order(true);
+              b_leads = as_b.end() < as_f.end();
+              if (b_leads) res.backward_leads.emplace_back(r, pc[r]);
+            }
+            const PairRun run = order(b_leads);
+            // In running order: which half ran first.
+            const bool f_first = b_leads == run.partner_first;
+            start = run.first_start;
+            const double first_end = run.first_end;
+            end = run.end();
             busy = df + dg;
             progress.finish(f, f_first ? first_end : end);
             progress.finish(g, f_first ? end : first_end);
             if (opts.record_timeline) {  // each half as it ran
-              const double second = end - (f_first ? dg : df);
-              res.timeline.events.push_back(Event{r, f_first ? f : g, start, first_end});
-              res.timeline.events.push_back(Event{r, f_first ? g : f, second, end});
+              const double second = run.second_start;
+              res.timeline.events.push_back(Event{r, f_first ? f : g_ran, start, first_end});
+              res.timeline.events.push_back(Event{r, f_first ? g_ran : f, second, end});
+            }
+            if (defer) {  // the pair's W queued; the one that ran in it, gone
+              const bool own = run.w_start >= 0 && queued_w[r].empty();
+              if (own) queued_w[r].emplace_back(a.stage2, a.microbatch2);
+              if (run.w_start >= 0) run_w(r, run.w_start);  // the oldest, or the lead's own
+              if (!own) queued_w[r].emplace_back(a.stage2, a.microbatch2);
             }
           } else {
             progress.finish(a, end);
@@ -272,6 +391,7 @@ SimResult simulate(const Schedule& s, const CostModel& costs, const SimOptions& 
               on_g(a.stage2, a.microbatch2);
               res.peak_memory[r] = std::max(res.peak_memory[r], mem[r]);
               mem[r] -= costs.stage_mem_b_of(s, a.stage2);
+              if (defer) mem[r] += costs.stage_mem_w_of(s, a.stage2);  // held until its W
               break;
             default:
               break;
@@ -282,6 +402,9 @@ SimResult simulate(const Schedule& s, const CostModel& costs, const SimOptions& 
         }
         ++pc[r];
         --remaining;
+        if (pc[r] == row.size())  // NOTE [Deferred W's in the simulator]: what is left
+          while (!queued_w[r].empty())
+            free_at[r] = run_w(r, free_at[r]);
       }
     }
   }

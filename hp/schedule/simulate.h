@@ -86,11 +86,19 @@ struct CostModel {
 struct SimOptions {
   bool record_timeline = true;  ///< fill SimResult::timeline
   /// Each FB pair runs as the executor's overlapped pair does (`--fb-overlap`,
-  /// NOTE [An overlapped pair in the simulator] in simulate.cpp): the half
-  /// whose input is there first runs first, each half's output leaves when
-  /// that half ends (the timeline holds the halves as F and B events). False: the pair starts when
-  /// both inputs are there and both outputs leave at its end.
+  /// NOTE [An overlapped pair in the simulator] in simulate.cpp): its halves
+  /// in the runner's order, each half's output leaving when that half ends
+  /// (the timeline holds the halves as F and B events). False: the pair
+  /// starts when both inputs are there and both outputs leave at its end.
   bool overlap_pairs = false;
+  /// With overlap_pairs: each pair's lead is not the action's but the half
+  /// under which the pair ends first (F on a tie); SimResult::backward_leads
+  /// lists where B was chosen (order_pairs in fuse.h).
+  bool choose_leads = false;
+  /// With overlap_pairs: a pair's B half runs its I and queues its W, as the
+  /// executor's defer_wgrad (NOTE [Deferred W's in the simulator] in
+  /// simulate.cpp); the W's time and the memory it holds are counted.
+  bool defer_wgrad = false;
 };
 
 /// What simulate() reports.
@@ -111,9 +119,12 @@ struct SimResult {
   std::vector<double> rank_idle;    ///< [p] makespan - busy
   std::vector<double> rank_span;    ///< [p] first F start to last end
   std::vector<double> peak_memory;  ///< [p] peak activation memory
-  double max_peak_memory = 0.0;     ///< max over ranks of peak_memory
-  int comm_volume = 0;              ///< cross-rank transfers (activations + gradients)
-  Timeline timeline;                ///< compute events (when recorded)
+  /// SimOptions::choose_leads: (rank, action index) of each FB pair whose B
+  /// half was chosen to lead.
+  std::vector<std::pair<int, size_t>> backward_leads;
+  double max_peak_memory = 0.0;  ///< max over ranks of peak_memory
+  int comm_volume = 0;           ///< cross-rank transfers (activations + gradients)
+  Timeline timeline;             ///< compute events (when recorded)
 };
 
 /// Bubble statistics of any timeline (e.g. one measured by a runtime), with

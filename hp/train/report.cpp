@@ -99,6 +99,7 @@ void gather_and_report(const TrainConfig& config, const schedule::Schedule& sche
   if (!stage_bytes.empty()) set_stage_memory(result.stage_costs, stage_bytes);
   schedule::SimOptions so;
   so.overlap_pairs = config.fb_overlap;  // NOTE [An overlapped pair in the simulator]
+  so.defer_wgrad = config.defer_wgrad;   // NOTE [Deferred W's in the simulator]
   auto sim = schedule::simulate(sched, result.stage_costs, so);
   result.simulated_bubble = sim.bubble_rate;
   result.simulated_makespan = sim.makespan;

@@ -121,12 +121,13 @@ std::vector<double> measure_activation_bytes(
 
 // NOTE [Memory measured against predicted]: rank r's peak when each op adds
 // its transient on top of what the rank holds as it starts (the simulator's
-// count, op by op in the rank's order).
-double peak_with_transients(const schedule::Schedule& sched, int r,
+// count, op by op in the order the simulation ran them: with overlapped
+// pairs, their halves as they ran and the W's that defer_wgrad queued).
+double peak_with_transients(const std::vector<schedule::Action>& ops,
                             const std::vector<double>& bytes) {
   auto at = [&](int st, int k) { return bytes.at(kStageMemFields * st + k); };
   double held = 0.0, peak = 0.0;
-  for (const auto& a : sched.actions.at(r)) {
+  for (const auto& a : ops) {
     switch (a.op) {
       case schedule::Op::F:
         peak = std::max(peak, held + at(a.stage, 2));
@@ -200,8 +201,18 @@ void predict_rank_memory(const schedule::Schedule& sched, const std::vector<doub
       unit += result.stage_costs.stage_mem_b[st];
     result.rank_microbatch_bytes.push_back(unit);
     result.rank_predicted_peak_bytes.push_back(sim.peak_memory.at(r));
-    result.rank_predicted_peak_transient_bytes.push_back(
-        peak_with_transients(sched, r, stage_bytes));
+    // The rank's compute in the order it ran in the simulation (its
+    // events do not overlap), else in list order.
+    std::vector<schedule::Event> mine;
+    for (const auto& e : sim.timeline.events)
+      if (e.rank == r) mine.push_back(e);
+    std::stable_sort(mine.begin(), mine.end(),
+                     [](const auto& x, const auto& y) { return x.start < y.start; });
+    std::vector<schedule::Action> ops;
+    for (const auto& e : mine)
+      ops.push_back(e.action);
+    if (ops.empty()) ops = sched.actions.at(r);
+    result.rank_predicted_peak_transient_bytes.push_back(peak_with_transients(ops, stage_bytes));
   }
 }
 

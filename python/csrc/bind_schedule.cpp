@@ -257,13 +257,15 @@ void bind_schedule(py::module_& m) {
       .def(py::init(&make_action), py::arg("op"), py::arg("stage"), py::arg("microbatch"))
       .def_static(
           "overlap",
-          [](int fs, int fmb, int bs, int bmb) {
+          [](int fs, int fmb, int bs, int bmb, bool backward_first) {
             if (fs < 0 || fmb < 0 || bs < 0 || bmb < 0)
               value_error("Action.overlap: stages and microbatches must be >= 0");
-            return hs::Action::overlap(fs, fmb, bs, bmb);
+            return hs::Action::overlap(fs, fmb, bs, bmb, backward_first);
           },
           py::arg("f_stage"), py::arg("f_microbatch"), py::arg("b_stage"), py::arg("b_microbatch"),
-          "An FB pair: the F of (f_stage, f_microbatch) beside the B of (b_stage, b_microbatch).")
+          py::arg("backward_first") = false,
+          "An FB pair: the F of (f_stage, f_microbatch) beside the B of (b_stage, b_microbatch); "
+          "backward_first: the B half leads ('5B0+3F1').")
       .def_static(
           "parse", [](const std::string& t) { return hs::parse_action(t); }, py::arg("text"))
       .def_property_readonly("op", [](const hs::Action& a) { return a.op; })
@@ -275,6 +277,9 @@ void bind_schedule(py::module_& m) {
       .def_property_readonly(
           "microbatch2", [](const hs::Action& a) { return a.microbatch2; },
           "FB only: the microbatch of the B half (-1 otherwise).")
+      .def_property_readonly(
+          "backward_first", [](const hs::Action& a) { return a.backward_first; },
+          "FB only: the B half leads the overlapped pair (written '5B0+3F1').")
       .def_property_readonly("is_compute", [](const hs::Action& a) { return hs::is_compute(a.op); })
       .def_property_readonly("is_comm", [](const hs::Action& a) { return hs::is_comm(a.op); })
       .def_property_readonly(
@@ -297,7 +302,7 @@ void bind_schedule(py::module_& m) {
       .def("__hash__",
            [](const hs::Action& a) {
              return py::hash(py::make_tuple(static_cast<int>(a.op), a.stage, a.microbatch, a.stage2,
-                                            a.microbatch2));
+                                            a.microbatch2, a.backward_first));
            })
       .def(py::pickle([](const hs::Action& a) { return hs::to_string(a); },
                       [](const std::string& t) { return hs::parse_action(t); }));

@@ -508,6 +508,10 @@ def test_actions():
     fb = hs.Action("3F1+5B0")
     assert fb == hs.Action.overlap(3, 1, 5, 0) and (fb.stage2, fb.microbatch2) == (5, 0)
     assert fb.halves == (hs.Action("3F1"), hs.Action("5B0")) and a.halves == (a,)
+    led = hs.Action("5B0+3F1")  # the B half leads the pair
+    assert led == hs.Action.overlap(3, 1, 5, 0, backward_first=True) and str(led) == "5B0+3F1"
+    assert led.backward_first and not fb.backward_first and led != fb
+    assert len({led, fb}) == 2 and pickle.loads(pickle.dumps(led)) == led
     assert hs.Action("0SEND_B2").is_comm and hs.Op.RECV_F.is_comm and hs.Op.W.is_compute
     assert len({hs.Action("1I3"), hs.Action.parse("1I3"), hs.Action("1W3")}) == 2
     assert pickle.loads(pickle.dumps(fb)) == fb and a != "2F0"

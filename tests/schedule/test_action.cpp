@@ -31,11 +31,16 @@ TEST(Action, ParseRoundTripsEveryOp) {
     EXPECT_EQ(hs::parse_action(hs::to_string(a)), a) << hs::to_string(a);
   }
   EXPECT_EQ(hs::parse_action("  2F0 \r"), hs::Action::make(hs::Op::F, 2, 0));
+  // A pair whose B leads (NOTE [The half that leads] in fuse.cpp).
+  const hs::Action b_led = hs::Action::overlap(3, 1, 2, 0, true);
+  EXPECT_EQ(hs::to_string(b_led), "2B0+3F1");
+  EXPECT_EQ(hs::parse_action("2B0+3F1"), b_led);
+  EXPECT_NE(b_led, hs::Action::overlap(3, 1, 2, 0));
 }
 
 TEST(Action, ParseErrorsNameTheText) {
-  for (const char* bad : {"", "F0", "2X0", "2F", "2F0x", "2f0", "2F0+3I1", "2B0+3F1", "+", "2F0+",
-                          "99999999999F0", "2SEND0", "-1F0", "2 F0"}) {
+  for (const char* bad : {"", "F0", "2X0", "2F", "2F0x", "2f0", "2F0+3I1", "2B0+3I1", "2F0+3F1",
+                          "+", "2F0+", "99999999999F0", "2SEND0", "-1F0", "2 F0"}) {
     try {
       hs::parse_action(bad);
       ADD_FAILURE() << "parsed '" << bad << "'";

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "hp/schedule/formulas.h"
+#include "hp/schedule/fuse.h"
 #include "hp/schedule/generators.h"
 #include "hp/schedule/lower.h"
 #include "hp/schedule/simulate.h"
@@ -387,7 +388,8 @@ TEST(CostsFromTimeline, BatchesFusedBackwardsAndFb) {
 // slow stage) at 7. Plain, the pair waits for both: [7, 10), and every
 // gradient leaves at 10. Overlapped, B runs first [5, 7), F then [7, 8):
 // rank 0's backward starts 3 earlier and the step ends at 13, not 15.
-TEST(Simulate, AnOverlappedPairRunsTheHalfWhoseInputIsThereFirst) {
+// NOTE [An overlapped pair in the simulator]
+TEST(Simulate, AnOverlappedPairRunsInTheRunnersOrder) {
   hs::Schedule s = hs::make_loop_layout(2, 2, 2);
   s.name = "pair";
   using hs::Op;
@@ -404,7 +406,9 @@ TEST(Simulate, AnOverlappedPairRunsTheHalfWhoseInputIsThereFirst) {
   hs::SimResult pair = hs::simulate(s, c, o);
   EXPECT_NEAR(pair.makespan, 13, 1e-12);
   EXPECT_NEAR(pair.rank_busy[1], plain.rank_busy[1], 1e-12);  // the same compute
-  // The halves as they ran: B(1, 0) [5, 7), then F(1, 1) [7, 8).
+  // The F leads but waits for its input from rank 0, and the B (at the
+  // route's end: the loss, no wait) runs whole meanwhile: B(1, 0) [5, 7),
+  // then F(1, 1) [7, 8).
   auto half = [](const hs::SimResult& r, hs::Action a) {
     for (const auto& e : r.timeline.events)
       if (e.action == a) return std::make_pair(e.start, e.end);
@@ -412,18 +416,128 @@ TEST(Simulate, AnOverlappedPairRunsTheHalfWhoseInputIsThereFirst) {
   };
   EXPECT_EQ(half(pair, hs::Action::make(Op::B, 1, 0)), std::make_pair(5.0, 7.0));
   EXPECT_EQ(half(pair, hs::Action::make(Op::F, 1, 1)), std::make_pair(7.0, 8.0));
-  // The F half first where its input is there first (stage 0 fast): F's
-  // input came at 2, the rank is free at 2.5.
+  // So also where the F's input is there first (stage 0 fast: it came at
+  // 2, the rank is free at 2.5): the runner hands over at every wait,
+  // whether or not its message has come.
   c.stage_f = {0.5, 1};
-  hs::SimResult f_first = hs::simulate(s, c, o);
-  EXPECT_EQ(half(f_first, hs::Action::make(Op::F, 1, 1)), std::make_pair(2.5, 3.5));
-  EXPECT_EQ(half(f_first, hs::Action::make(Op::B, 1, 0)), std::make_pair(3.5, 5.5));
+  hs::SimResult early = hs::simulate(s, c, o);
+  EXPECT_EQ(half(early, hs::Action::make(Op::B, 1, 0)), std::make_pair(2.5, 4.5));
+  EXPECT_EQ(half(early, hs::Action::make(Op::F, 1, 1)), std::make_pair(4.5, 5.5));
   // Never slower than the plain pair on the generators' pairs.
-  for (const char* name : {"dualpipev", "dualpipe"})
+  for (const char* name : {"dualpipev", "dualpipe", "zbv-fb", "interleaved-1f1b-fb"})
     for (double comm : {0.0, 0.5, 2.0}) {
-      hs::Schedule d = hs::build(name, 4, 10);
-      EXPECT_LE(hs::simulate(d, costs(1, 1, 1, comm), o).makespan,
-                hs::simulate(d, costs(1, 1, 1, comm)).makespan + 1e-9)
+      hs::BuildOptions bo;
+      bo.costs = costs(1, 1, 1, comm);
+      hs::Schedule d = hs::build(name, 4, 12, bo);
+      EXPECT_LE(hs::simulate(d, bo.costs, o).makespan, hs::simulate(d, bo.costs).makespan + 1e-9)
           << name << " comm " << comm;
     }
+}
+
+// A pair on a middle stage waits for both inputs from other ranks
+// (F(1, 1)'s from stage 0, B(1, 0)'s from stage 2): the lead runs first
+// once its input is there, the partner after it (NOTE [The half that leads]
+// in fuse.cpp).
+TEST(Simulate, BothHalvesWaitingTheLeadRunsFirst) {
+  using hs::Op;
+  hs::Schedule s = hs::make_loop_layout(3, 3, 2);
+  s.name = "middle pair";
+  const auto F = [](int st, int mb) { return hs::Action::make(Op::F, st, mb); };
+  const auto B = [](int st, int mb) { return hs::Action::make(Op::B, st, mb); };
+  s.actions = {{F(0, 0), F(0, 1), B(0, 0), B(0, 1)},
+               {F(1, 0), hs::Action::overlap(1, 1, 1, 0), B(1, 1)},
+               {F(2, 0), B(2, 0), F(2, 1), B(2, 1)}};
+  hs::validate(s);
+  // f0 = 8: F(1, 1)'s input comes at 17, B(1, 0)'s gradient at 15.
+  hs::CostModel c = costs(1, 1, 1, 1);
+  c.stage_f = {8, 1, 1};
+  hs::SimOptions o;
+  o.overlap_pairs = true;
+  auto half = [](const hs::SimResult& r, hs::Action a) {
+    for (const auto& e : r.timeline.events)
+      if (e.action == a) return std::make_pair(e.start, e.end);
+    return std::make_pair(-1.0, -1.0);
+  };
+  const hs::SimResult f_led = hs::simulate(s, c, o);
+  EXPECT_EQ(half(f_led, F(1, 1)), std::make_pair(17.0, 18.0));
+  EXPECT_EQ(half(f_led, B(1, 0)), std::make_pair(18.0, 20.0));  // idle from 15 to 17
+  hs::Schedule b_led = s;
+  b_led.actions[1][1].backward_first = true;
+  EXPECT_EQ(hs::to_string(b_led.actions[1][1]), "1B0+1F1");
+  const hs::SimResult r = hs::simulate(b_led, c, o);
+  EXPECT_EQ(half(r, B(1, 0)), std::make_pair(15.0, 17.0));
+  EXPECT_EQ(half(r, F(1, 1)), std::make_pair(17.0, 18.0));  // the pair ends 2 earlier
+  EXPECT_LE(r.makespan, f_led.makespan);
+  // order_pairs chooses that lead at these costs, and the F at costs
+  // under which the F's input comes first.
+  EXPECT_EQ(hs::order_pairs(s, c).actions, b_led.actions);
+  EXPECT_EQ(hs::order_pairs(b_led, costs(1, 1, 1, 1)).actions, s.actions);
+  // Lowered, the lead's output is sent first.
+  const hs::Schedule low = hs::lower(b_led);
+  std::vector<Op> sends;
+  for (const auto& a : low.actions[1])
+    if (a.op == Op::SEND_F || a.op == Op::SEND_B) sends.push_back(a.op);
+  EXPECT_EQ(sends, (std::vector<Op>{Op::SEND_F, Op::SEND_B, Op::SEND_F, Op::SEND_B}));
+  hs::validate(low);
+}
+
+// NOTE [Deferred W's in the simulator]
+TEST(Simulate, DeferredWeightGradientsRunWhereTheExecutorRunsThem) {
+  using hs::Op;
+  const auto F = [](int st, int mb) { return hs::Action::make(Op::F, st, mb); };
+  const auto I = [](int st, int mb) { return hs::Action::make(Op::I, st, mb); };
+  const auto W = [](int st, int mb) { return hs::Action::make(Op::W, st, mb); };
+  const auto B = [](int st, int mb) { return hs::Action::make(Op::B, st, mb); };
+  auto at = [](const hs::SimResult& r, int rank, hs::Action a) {
+    for (const auto& e : r.timeline.events)
+      if (e.rank == rank && e.action == a) return std::make_pair(e.start, e.end);
+    return std::make_pair(-1.0, -1.0);
+  };
+  hs::SimOptions o;
+  o.overlap_pairs = o.defer_wgrad = true;
+  // Two ranks, the pair on the last stage: its B (the loss, no wait) runs
+  // its I first, the F once its input came; W(1, 0) waits in the queue, and
+  // B(1, 1) receives nothing, so it runs after the rank's last action.
+  hs::Schedule s = hs::make_loop_layout(2, 2, 2);
+  s.name = "pair";
+  s.actions = {{F(0, 0), F(0, 1), B(0, 0), B(0, 1)},
+               {F(1, 0), hs::Action::overlap(1, 1, 1, 0), B(1, 1)}};
+  hs::CostModel c = costs(1, 1, 1, 1);
+  c.stage_f = {3, 1};
+  hs::SimResult r = hs::simulate(s, c, o);
+  EXPECT_EQ(at(r, 1, I(1, 0)), std::make_pair(5.0, 6.0));
+  EXPECT_EQ(at(r, 1, F(1, 1)), std::make_pair(7.0, 8.0));
+  EXPECT_EQ(at(r, 1, B(1, 1)), std::make_pair(8.0, 10.0));
+  EXPECT_EQ(at(r, 1, W(1, 0)), std::make_pair(10.0, 11.0));
+  EXPECT_NEAR(r.rank_busy[1], hs::simulate(s, c).rank_busy[1], 1e-12);  // the same compute
+  // Led by that B, its own W fills the F's wait.
+  s.actions[1][1].backward_first = true;
+  r = hs::simulate(s, c, o);
+  EXPECT_EQ(at(r, 1, I(1, 0)), std::make_pair(5.0, 6.0));
+  EXPECT_EQ(at(r, 1, W(1, 0)), std::make_pair(6.0, 7.0));
+  EXPECT_EQ(at(r, 1, F(1, 1)), std::make_pair(7.0, 8.0));
+  // Three ranks, the pair in the middle: the queued W runs before B(1, 1)'s
+  // wait for its gradient (19), which comes at 23.
+  hs::Schedule m = hs::make_loop_layout(3, 3, 2);
+  m.name = "middle pair";
+  m.actions = {{F(0, 0), F(0, 1), B(0, 0), B(0, 1)},
+               {F(1, 0), hs::Action::overlap(1, 1, 1, 0), B(1, 1)},
+               {F(2, 0), B(2, 0), F(2, 1), B(2, 1)}};
+  c.stage_f = {8, 1, 1};
+  r = hs::simulate(m, c, o);
+  EXPECT_EQ(at(r, 1, I(1, 0)), std::make_pair(18.0, 19.0));
+  EXPECT_EQ(at(r, 1, W(1, 0)), std::make_pair(19.0, 20.0));
+  EXPECT_EQ(at(r, 1, B(1, 1)), std::make_pair(23.0, 25.0));
+  // The W's memory is held until it runs: on dualpipev the peak is never
+  // lower than with each W in its pair, and the compute is the same.
+  hs::CostModel mc = costs(1, 1, 1, 0.5);
+  mc.mem_b = 2;
+  mc.mem_w = 1;
+  hs::SimOptions pairs;
+  pairs.overlap_pairs = true;
+  const hs::Schedule d = hs::build("dualpipev", 4, 16);
+  const hs::SimResult with = hs::simulate(d, mc, o), without = hs::simulate(d, mc, pairs);
+  EXPECT_GT(with.max_peak_memory, without.max_peak_memory);
+  for (int k = 0; k < 4; ++k)
+    EXPECT_NEAR(with.rank_busy[k], without.rank_busy[k], 1e-9) << "rank " << k;
 }

@@ -134,7 +134,7 @@ hs::BuildOptions options_of(const Common& o) {
 struct ShowArgs {
   Common c;
   std::string name, from, svg, trace, csv;
-  bool json = false, lowered = false, no_color = false, fb_overlap = false;
+  bool json = false, lowered = false, no_color = false, fb_overlap = false, defer_wgrad = false;
   int width = 160;
 };
 
@@ -157,6 +157,7 @@ void run_show(const ShowArgs& a) {
   hs::CostModel costs = costs_of(a.c);
   hs::SimOptions so;
   so.overlap_pairs = a.fb_overlap;  // NOTE [An overlapped pair in the simulator]
+  so.defer_wgrad = a.defer_wgrad;   // NOTE [Deferred W's in the simulator]
   hs::SimResult r = hs::simulate(shown, costs, so);
   std::string title =
       s.name + "  p=" + std::to_string(s.num_ranks) + " m=" + std::to_string(s.num_microbatches);
@@ -317,8 +318,12 @@ void add_schedule_command(CLI::App& app) {
   show->add_flag("--json", show_args->json, "print the statistics as JSON");
   show->add_flag("--lowered", show_args->lowered, "include SEND/RECV (lowered lists)");
   show->add_flag("--fb-overlap", show_args->fb_overlap,
-                 "run each FB pair as hp train --fb-overlap does: the half whose input is there "
-                 "first runs first, each half drawn as it ran");
+                 "run each FB pair as hp train --fb-overlap does: its lead first (the partner "
+                 "first where only the lead waits for a message), each half drawn as it ran");
+  show->add_flag("--defer-wgrad", show_args->defer_wgrad,
+                 "with --fb-overlap: each pair's B runs its I and queues its W, as hp train "
+                 "--defer-wgrad does")
+      ->needs("--fb-overlap");
   show->add_flag("--no-color", show_args->no_color, "no ANSI colours even on a terminal");
   show->add_option("--width", show_args->width, "max timeline width in characters")
       ->capture_default_str();
