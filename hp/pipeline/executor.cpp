@@ -68,19 +68,13 @@ struct Executor::State {
   std::unique_ptr<SendReaper> reaper;
   // This step's timed spans as timer marks, turned into seconds after the
   // step (NOTE [Timing on the device]).
-  struct Span {
-    Action action;
-    int start = 0, end = 0;
-    std::vector<std::pair<int, int>> waits;  // a compute action's receive waits
-    double compute = -1;  // an overlapped pair's compute seconds (its halves'), if known
-  };
-  std::vector<Span> spans;                      // the events, in the order they happened
+  std::vector<TimedSpan> spans;                 // the events, in the order they happened
   std::vector<std::pair<int, int>> comm_spans;  // batch postings, receive waits, the drain
   std::vector<std::pair<int, int>>* waits_of_running = nullptr;
   std::unique_ptr<PairRunner> pairs;           // made by the first overlapped FB
   std::deque<std::pair<int, int>> deferred_w;  // (stage, mb): NOTE [Weight gradients in the waits]
   bool in_pair = false;                        // an overlapped pair runs (its idle runs the W's)
-  std::vector<Span> pair_halves;               // the last overlapped pair's halves, as they ended
+  std::vector<TimedSpan> pair_halves;          // the last overlapped pair's halves, as they ended
   // The action list's batches (runs of SEND/RECV actions) as [first, last),
   // the batch starting at each index, and the receives posted ahead this step
   // (NOTE [Receives posted ahead]).
@@ -251,7 +245,7 @@ struct Executor::State {
     const int end = timer->mark();
     if (blocks) ++stats.host_syncs;
     comm_spans.emplace_back(start, end);
-    // The wait is the receive's event (NOTE [Compute events exclude waits]).
+    // The wait is the receive's event (NOTE [Compute events exclude waits] in step_timer.cpp).
     spans.push_back({Action::make(kind == 0 ? Op::RECV_F : Op::RECV_B, stage_id, mb), start, end});
     if (waits_of_running != nullptr) waits_of_running->emplace_back(start, end);
     recvs.erase(it);
@@ -566,17 +560,17 @@ struct Executor::State {
             throw;
           }
           in_pair = false;
-          // NOTE [An overlapped pair's events]
+          // NOTE [An overlapped pair's events] in step_timer.cpp
           const int lead = a.backward_first ? 1 : 0;  // ps.compute's index of the F half
-          Span f_half{
+          TimedSpan f_half{
               Action::make(Op::F, a.stage, a.microbatch), pair_start, f_end, {}, ps.compute[lead]};
-          Span b_half{Action::make(defer ? Op::I : Op::B, b.stage, b.microbatch),
-                      pair_start,
-                      b_end,
-                      {},
-                      ps.compute[1 - lead]};
-          pair_halves = f_end <= b_end ? std::vector<Span>{f_half, b_half}
-                                       : std::vector<Span>{b_half, f_half};
+          TimedSpan b_half{Action::make(defer ? Op::I : Op::B, b.stage, b.microbatch),
+                           pair_start,
+                           b_end,
+                           {},
+                           ps.compute[1 - lead]};
+          pair_halves = f_end <= b_end ? std::vector<TimedSpan>{f_half, b_half}
+                                       : std::vector<TimedSpan>{b_half, f_half};
           ++stats.pairs;
           stats.pair_hidden += ps.hidden;
           stats.pair_exposed += ps.exposed;
@@ -624,54 +618,10 @@ struct Executor::State {
     stats.executed.push_back(w);
   }
 
-  // NOTE [An overlapped pair's events]
-  // An overlapped pair's timeline holds its halves, as the simulator's does
-  // (NOTE [An overlapped pair in the simulator] in hp/schedule/simulate.cpp):
-  // an F event and a B event (an I with defer_wgrad, whose W's are events
-  // of their own), each ending when its half ended and as long as the half
-  // held the CPU (PairStats::compute). Not the pair's span less its waits:
-  // the waits of one half overlap the other's compute, so that subtraction
-  // made pairs look almost free, their measured costs low and the predicted
-  // step 12-23 % short. A half cut by waits inside its chunk (an expert
-  // layer's all-to-alls) is drawn as one stretch before its end, which may
-  // overlap the partner's; its length is still its compute.
-
   // Turns the step's marks into its events and sums; `last` is the step's last mark.
   void resolve(int last) {
     auto sec = [&](int mark) { return timer->seconds(mark); };
-    for (const Span& sp : spans) {
-      double start = sec(sp.start);
-      const double end = sec(sp.end);
-      if (schedule::is_compute(sp.action.op)) {
-        // NOTE [Compute events exclude waits]
-        // A compute action waits for its inputs inside the call; that time
-        // is communication, recorded as the receive's own event. The compute
-        // event keeps only the compute: it starts `waited` after the call
-        // did (for an FB run as one action after the other, whose second
-        // wait falls in the middle, the event is as long as the compute and
-        // ends when it ended), and never before
-        // its first wait ended, so that it never overlaps a receive's event
-        // on its rank. The little the call did before its first wait (a
-        // lookup; under load, a preemption of tens of microseconds, which
-        // once put the event before its receive's end) counts as overhead.
-        // Counting the wait as compute once made the measured costs of
-        // waiting stages look heavier, the simulator pessimistic about 1F1B
-        // and the measured bubble too small.
-        if (sp.compute >= 0) {
-          // NOTE [An overlapped pair's events]
-          start = std::max(start, end - sp.compute);
-        } else {
-          double waited = 0.0;
-          for (const auto& [w0, w1] : sp.waits)
-            waited += sec(w1) - sec(w0);
-          start = start + waited;
-          if (!sp.waits.empty()) start = std::max(start, sec(sp.waits.front().second));
-        }
-        start = std::min(end, start);
-        stats.compute += end - start;
-      }
-      stats.events.push_back({rank, sp.action, start, end});
-    }
+    stats.compute = resolve_spans(*timer, rank, spans, stats.events);
     for (const auto& [c0, c1] : comm_spans)
       stats.comm_wait += sec(c1) - sec(c0);
     stats.wall = sec(last);
@@ -733,8 +683,8 @@ struct Executor::State {
         stats.executed.push_back(a);
         if (pair_halves.empty()) {
           spans.push_back({a, start, end, std::move(waits)});
-        } else {  // NOTE [An overlapped pair's events]
-          for (Span& half : pair_halves)
+        } else {  // NOTE [An overlapped pair's events] in step_timer.cpp
+          for (TimedSpan& half : pair_halves)
             spans.push_back(std::move(half));
           pair_halves.clear();
         }

@@ -86,7 +86,7 @@ struct StepStats {
   /// grow with the number of actions (NOTE [No host synchronization per action]).
   int host_syncs = 0;
   /// Seconds from the step start: each compute action (its compute only), each
-  /// send's posting, each receive's wait (NOTE [Compute events exclude waits]).
+  /// send's posting, each receive's wait (NOTE [Compute events exclude waits] in step_timer.cpp).
   std::vector<schedule::Event> events;
   std::vector<schedule::Action> executed;  ///< compute actions in the order they ran
   /// Overlapped FB pairs (ExecutorOptions::fb_overlap): how many ran, and

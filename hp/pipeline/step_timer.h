@@ -5,6 +5,11 @@
 #include <torch/torch.h>
 
 #include <memory>
+#include <utility>
+#include <vector>
+
+#include "hp/schedule/action.h"
+#include "hp/schedule/timeline.h"
 
 namespace hp::pipeline {
 
@@ -39,6 +44,23 @@ class StepTimer {
   /// Host synchronizations made since start().
   virtual int host_syncs() const = 0;
 };
+
+/// One stretch of a step as two marks: an action, a send's posting, a
+/// receive's wait.
+struct TimedSpan {
+  schedule::Action action;
+  int start = 0, end = 0;
+  std::vector<std::pair<int, int>> waits;  ///< a compute action's receive waits, as marks
+  /// Its compute in seconds where the runner counted it (an overlapped pair's
+  /// half: NOTE [An overlapped pair's events] in step_timer.cpp); < 0: not.
+  double compute = -1;
+};
+
+/// The step's spans of `rank` as events in seconds (compute events without
+/// their waits: NOTE [Compute events exclude waits] in step_timer.cpp),
+/// appended to `events`; returns the seconds of compute among them.
+double resolve_spans(StepTimer& timer, int rank, const std::vector<TimedSpan>& spans,
+                     std::vector<schedule::Event>& events);
 
 /// A StepTimer on the host clock (std::chrono::steady_clock).
 std::unique_ptr<StepTimer> make_host_timer();

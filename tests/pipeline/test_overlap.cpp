@@ -336,7 +336,7 @@ TEST_P(OverlappedPipelines, EqualOneProcess) {
   // with experts, where the halves switch at every all-to-all and the F
   // half may end last (its send then leaves at the pair's end).
   if (k.schedule == "dualpipe" || k.ep > 1) return;
-  // NOTE [An overlapped pair's events] in executor.cpp: a pair's halves are
+  // NOTE [An overlapped pair's events] in step_timer.cpp: a pair's halves are
   // F and B (I with defer_wgrad) events of their own.
   const auto& events = ranks[0].timeline.events;
   auto end_of = [&](int rank, hp::schedule::Op op, int stage, int mb) {
