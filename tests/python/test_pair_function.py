@@ -237,3 +237,33 @@ def test_chunks_with_the_hook_refuse_what_cannot_reach_it(one_rank_group):
     x, y = batch()
     with pytest.raises(RuntimeError, match="must return [(]outputs0, loss0[)], got NoneType"):
         pipe.step(x, y)
+
+
+def test_pairs_led_by_their_backward_train_exactly(one_rank_group):
+    """NOTE [The half that leads] (hp/schedule/fuse.cpp): every FB pair of the
+    one-rank dualpipev rewritten as B-led ('0B0+1F1'); the overlapped runner
+    starts each with the backward half, and training stays exact in float64."""
+    hs = hp.schedule
+    model = chunks()
+    sched = hp.pipeline.schedule("dualpipev", ranks=1, microbatches=M)
+    sched.actions = [[hs.Action.overlap(a.stage, a.microbatch, a.stage2, a.microbatch2,
+                                        backward_first=True) if a.op == hs.Op.FB else a
+                      for a in row] for row in sched.actions]
+    pairs = [a for a in sched.actions[0] if a.op == hs.Op.FB]
+    assert len(pairs) == 5 and all(a.backward_first for a in pairs)
+    assert str(pairs[0]) == "0B0+1F1"
+    pipe = hp.pipeline.Pipeline(model, sched, loss_fn=mse, activation_shape=(2, 8),
+                                group=one_rank_group, fb_overlap=True)
+    params = [q for c in model.values() for q in c.parameters()]
+    opt = torch.optim.SGD(params, lr=0.1)
+    x, y = batch()
+    losses = []
+    for _ in range(3):
+        opt.zero_grad()
+        losses.append(pipe.step(x, y))
+        opt.step()
+    want_losses, want = reference(3)
+    assert losses == pytest.approx(want_losses, rel=1e-12, abs=1e-14)
+    for q, w in zip(params, want):
+        assert torch.allclose(q, w, rtol=0, atol=1e-13)
+    assert pipe.last_stats["pairs"] == len(pairs)
