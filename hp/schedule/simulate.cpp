@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <deque>
+#include <functional>
 #include <limits>
 #include <map>
 #include <stdexcept>
@@ -57,6 +58,12 @@ void CostModel::check() const {
   nonneg(send, "send");
   for (double v : stage_send)
     nonneg(v, "stage send");
+  for (const InnerComm& c : stage_inner) {
+    if (c.f_waits < 0 || c.b_waits < 0)
+      throw std::invalid_argument("cost model: stage_inner's wait counts must be non-negative");
+    nonneg(c.f, "stage_inner f");
+    nonneg(c.b, "stage_inner b");
+  }
 }
 
 void CostModel::check(int num_stages) const {
@@ -75,11 +82,16 @@ void CostModel::check(int num_stages) const {
   sized(stage_mem_w, "stage_mem_w");
   sized(stage_comm, "stage_comm");
   sized(stage_send, "stage_send");
+  if (!stage_inner.empty() && static_cast<int>(stage_inner.size()) != num_stages)
+    throw std::invalid_argument("cost model: stage_inner has " +
+                                std::to_string(stage_inner.size()) +
+                                " entries but the schedule has " + std::to_string(num_stages) +
+                                " stages; give one entry per stage or none");
 }
 
 bool CostModel::per_stage() const {
   return !stage_f.empty() || !stage_b.empty() || !stage_w.empty() || !stage_mem_b.empty() ||
-         !stage_mem_w.empty() || !stage_comm.empty() || !stage_send.empty();
+         !stage_mem_w.empty() || !stage_comm.empty() || !stage_send.empty() || !stage_inner.empty();
 }
 
 double CostModel::boundary_cost(const Schedule& s, int upstream, int downstream) const {
@@ -108,6 +120,19 @@ double CostModel::send_cost(const Schedule& s, const Action& a) const {
       break;
   }
   return t;
+}
+
+std::pair<int, double> CostModel::inner_waits(const Action& a) const {
+  if (stage_inner.empty()) return {0, 0.0};
+  auto of = [&](Op op, int stage) -> std::pair<int, double> {
+    const InnerComm& c = stage_inner.at(stage);
+    if (op == Op::F) return {c.f_waits, c.f_waits * c.f};
+    if (op == Op::I || op == Op::B) return {c.b_waits, c.b_waits * c.b};
+    return {0, 0.0};
+  };
+  if (a.op != Op::FB) return of(a.op, a.stage);
+  const auto f = of(Op::F, a.stage), g = of(Op::B, a.stage2);
+  return {f.first + g.first, f.second + g.second};
 }
 
 double CostModel::stage_cost(const Schedule& s, Op op, int stage) const {
@@ -157,45 +182,74 @@ int comm_volume(const Schedule& s) {
 
 namespace {
 
-// One overlapped pair as the executor's runner orders it (NOTE [An
-// overlapped pair in the simulator]): the lead (ready at rl, computing dl,
-// waiting for its input if wl) and the partner, on a rank free at t0.
-struct PairRun {
-  bool partner_first = false;  // the partner ran first (the lead waited at once)
-  double first_start = 0, first_end = 0, second_start = 0, second_end = 0;
-  double w_start =
-      -1;  // where a queued W ran inside the pair (NOTE [Deferred W's in the simulator])
-  double end() const { return second_end; }
+// One half of an overlapped pair (NOTE [An overlapped pair in the
+// simulator]): `compute` seconds of CPU cut into waits + 1 equal nodes, a
+// wait of `inflight` seconds between two (NOTE [Waits inside a chunk]), and
+// before the first its input's wait when `receives` (the input there at
+// `ready`).
+struct Half {
+  double ready = 0.0;
+  bool receives = false;
+  double compute = 0.0;
+  int waits = 0;
+  double inflight = 0.0;
+  bool queues_w = false;    // defer_wgrad: its W is queued as it ends
+  std::pair<int, int> w{};  // that W's (stage, microbatch)
 };
 
-// w_both: the cost of the W that runs where both halves wait (at the
-// partner's first wait, before the lead resumes); w_after_lead: the cost of
-// the one that runs at the partner's wait after the lead ended. < 0: none.
-PairRun run_pair(double t0, double rl, double dl, bool wl, double rp, double dp, bool wp,
-                 double w_both = -1, double w_after_lead = -1) {
+using WQueue = std::deque<std::pair<int, int>>;  // queued W's: (stage, microbatch)
+
+// The pair as the runner runs it; index 0 the lead, 1 the partner.
+struct PairRun {
+  double start[2] = {0, 0}, end[2] = {0, 0};  // first node's start, last node's end
+  std::vector<std::pair<std::pair<int, int>, double>> w_runs;  // queued W's run in it: W, start
+  WQueue queue;                                                // what stays queued after it
+  double finish() const { return std::max(end[0], end[1]); }
+};
+
+// The runner's turns (NOTE [Overlapped pairs] in hp/pipeline/overlap.cpp):
+// the half that holds the CPU runs its next node once the wait in front of
+// it has ended; at each wait it enters it first runs the oldest queued W if
+// defer and the other half has started (NOTE [Weight gradients in the
+// waits]), then hands the CPU to the other half unless that one has ended.
+PairRun run_pair(double t0, const Half (&h)[2], WQueue queue, bool defer,
+                 const std::function<double(int)>& w_cost) {
   PairRun run;
-  run.partner_first = wl && !wp;
-  if (run.partner_first) {
-    run.first_start = std::max(t0, rp);
-    run.first_end = run.first_start + dp;
-    run.second_start = std::max(run.first_end, rl);
-    run.second_end = run.second_start + dl;
-    return run;
-  }
+  bool started[2] = {true, false}, done[2] = {false, false}, entered[2] = {false, false};
+  int node[2] = {0, 0};
+  double wait_until[2] = {h[0].ready, h[1].ready};  // end of the wait before the next node
+  auto has_wait = [&](int x) { return node[x] > 0 || h[x].receives; };
   double t = t0;
-  if (wl && w_both >= 0) {
-    run.w_start = t;
-    t += w_both;
+  int cur = 0;
+  while (!done[0] || !done[1]) {
+    const int x = cur, y = 1 - cur;
+    started[x] = true;
+    if (has_wait(x) && !entered[x]) {
+      entered[x] = true;
+      if (defer && started[y] && !queue.empty()) {
+        run.w_runs.push_back({queue.front(), t});
+        t += w_cost(queue.front().first);
+        queue.pop_front();
+      }
+      if (!done[y]) {
+        cur = y;
+        continue;
+      }
+    }
+    if (has_wait(x)) t = std::max(t, wait_until[x]);
+    if (node[x] == 0) run.start[x] = t;
+    t += h[x].compute / (h[x].waits + 1);
+    entered[x] = false;
+    if (++node[x] == h[x].waits + 1) {
+      done[x] = true;
+      run.end[x] = t;
+      if (h[x].queues_w) queue.push_back(h[x].w);
+      if (!done[y]) cur = y;
+    } else {
+      wait_until[x] = t + h[x].inflight;
+    }
   }
-  run.first_start = std::max(t, rl);
-  run.first_end = run.first_start + dl;
-  t = run.first_end;
-  if (!wl && wp && w_after_lead >= 0) {
-    run.w_start = t;
-    t += w_after_lead;
-  }
-  run.second_start = std::max(t, rp);
-  run.second_end = run.second_start + dp;
+  run.queue = std::move(queue);
   return run;
 }
 
@@ -232,8 +286,8 @@ SimResult simulate(const Schedule& s, const CostModel& costs, const SimOptions& 
   // pair, at the partner's first wait (where both halves wait, or after a
   // lead that did not); outside, before each action whose input comes from
   // another rank, whether or not the message is there; the rest after the
-  // rank's last action. As with the pair, the waits inside a chunk are not
-  // modelled: a MoE pair's all-to-alls would take more of the W's.
+  // rank's last action. A chunk's own waits in a pair (NOTE [Waits inside a
+  // chunk] in simulate.h) take W's as its input's wait does.
   const bool defer = opts.overlap_pairs && opts.defer_wgrad;
   std::vector<std::deque<std::pair<int, int>>> queued_w(p);  // (stage, mb)
   auto run_w = [&](int r, double t) {                        // the oldest queued W at t; its end
@@ -269,12 +323,17 @@ SimResult simulate(const Schedule& s, const CostModel& costs, const SimOptions& 
   //   partner once the lead has ended and its input is there, even if the
   //   partner's input came first (the rank idles: choosing the lead well is
   //   what order_pairs is for).
-  // Each half's output leaves when the half ends (its consumer may start
-  // before the pair ends), and the rank is busy for the two halves' compute
-  // only. The timeline holds the halves as the F and B events they ran as.
-  // The waits inside a chunk (an expert layer's all-to-alls, hidden by the
-  // partner's compute) are not in the cost model: a MoE pair is predicted as
-  // a dense one.
+  // A chunk that waits on communication of its own (an expert layer's
+  // all-to-alls: NOTE [Waits inside a chunk] in simulate.h) is cut there into
+  // nodes, and the turns go on node by node (run_pair): the lead's first
+  // node, the partner's, the lead's second once its all-to-all is back, and
+  // so on; a communication in flight is hidden as long as the partner's node
+  // runs. Each half's output leaves when the half ends (its consumer may
+  // start before the pair ends), and the rank is busy for the two halves'
+  // compute only. The timeline holds the halves as the F and B events they
+  // ran as, each as long as its compute and ending where the half ended
+  // (as the measured one: NOTE [An overlapped pair's events] in
+  // hp/pipeline/step_timer.cpp).
   // NOTE [Simulation order]
   // Start times depend only on dependencies and on the rank's previous
   // action, never on the order ranks are visited. A worklist of ranks that
@@ -307,58 +366,65 @@ SimResult simulate(const Schedule& s, const CostModel& costs, const SimOptions& 
           if (defer && a.op != Op::FB && !queued_w[r].empty() && receives(a))
             free_at[r] = run_w(r, free_at[r]);
           double start = std::max(ready, free_at[r]);
-          double end = start + costs.cost(s, a);
-          double busy = end - start;
+          double busy = costs.cost(s, a);
+          // NOTE [Waits inside a chunk]: alone, an action waits each one whole.
+          const auto [inner_n, inner_s] = costs.inner_waits(a);
+          double end = start + busy + inner_s;
           if (a.op == Op::FB && opts.overlap_pairs) {
             // NOTE [An overlapped pair in the simulator]
             const Action f = Action::make(Op::F, a.stage, a.microbatch);
             const Action g = Action::make(Op::B, a.stage2, a.microbatch2);
             const Action g_ran = defer ? Action::make(Op::I, a.stage2, a.microbatch2) : g;
-            const double f_ready = progress.ready_at(f, transfer);
-            const double g_ready = progress.ready_at(g, transfer);
-            const double df = costs.stage_cost(s, Op::F, a.stage);
-            const double dg = costs.stage_cost(s, g_ran.op, a.stage2);
-            const bool f_waits = receives(f), g_waits = receives(g);
-            // NOTE [Deferred W's in the simulator]: the W that would run in
-            // the pair (the oldest queued, or a leading B's own).
-            auto w_cost = [&](bool own) {
-              if (!defer) return -1.0;
-              if (!queued_w[r].empty())
-                return costs.stage_cost(s, Op::W, queued_w[r].front().first);
-              return own ? costs.stage_cost(s, Op::W, a.stage2) : -1.0;
-            };
+            Half hf, hg;
+            hf.ready = progress.ready_at(f, transfer);
+            hg.ready = progress.ready_at(g, transfer);
+            hf.receives = receives(f);
+            hg.receives = receives(g);
+            hf.compute = costs.stage_cost(s, Op::F, a.stage);
+            hg.compute = costs.stage_cost(s, g_ran.op, a.stage2);
+            if (!costs.stage_inner.empty()) {
+              const InnerComm& cf = costs.stage_inner[a.stage];
+              const InnerComm& cg = costs.stage_inner[a.stage2];
+              hf.waits = cf.f_waits, hf.inflight = cf.f;
+              hg.waits = cg.b_waits, hg.inflight = cg.b;
+            }
+            hg.queues_w = defer;
+            hg.w = {a.stage2, a.microbatch2};
+            auto w_cost = [&](int st) { return costs.stage_cost(s, Op::W, st); };
             auto order = [&](bool b_leads) {
-              return b_leads ? run_pair(free_at[r], g_ready, dg, g_waits, f_ready, df, f_waits,
-                                        w_cost(false), w_cost(true))
-                             : run_pair(free_at[r], f_ready, df, f_waits, g_ready, dg, g_waits,
-                                        w_cost(false), w_cost(false));
+              const Half halves[2] = {b_leads ? hg : hf, b_leads ? hf : hg};
+              return run_pair(free_at[r], halves, queued_w[r], defer, w_cost);
             };
             bool b_leads = a.backward_first;
             if (opts.choose_leads) {
               const PairRun as_f = order(false), as_b = order(true);
-              b_leads = as_b.end() < as_f.end();
+              b_leads = as_b.finish() < as_f.finish();
               if (b_leads) res.backward_leads.emplace_back(r, pc[r]);
             }
             const PairRun run = order(b_leads);
-            // In running order: which half ran first.
-            const bool f_first = b_leads == run.partner_first;
-            start = run.first_start;
-            const double first_end = run.first_end;
-            end = run.end();
-            busy = df + dg;
-            progress.finish(f, f_first ? first_end : end);
-            progress.finish(g, f_first ? end : first_end);
-            if (opts.record_timeline) {  // each half as it ran
-              const double second = run.second_start;
-              res.timeline.events.push_back(Event{r, f_first ? f : g_ran, start, first_end});
-              res.timeline.events.push_back(Event{r, f_first ? g_ran : f, second, end});
+            const int fi = b_leads ? 1 : 0, gi = 1 - fi;  // run's index of each half
+            start = std::min(run.start[0], run.start[1]);
+            end = run.finish();
+            busy = hf.compute + hg.compute;
+            progress.finish(f, run.end[fi]);
+            progress.finish(g, run.end[gi]);
+            if (opts.record_timeline) {  // each half as long as its compute, at its end
+              Event ef{r,           f,        run.end[fi] - hf.compute,
+                       run.end[fi], hf.waits, hf.waits * hf.inflight};
+              Event eg{r,           g_ran,    run.end[gi] - hg.compute,
+                       run.end[gi], hg.waits, hg.waits * hg.inflight};
+              if (ef.end > eg.end) std::swap(ef, eg);
+              res.timeline.events.push_back(ef);
+              res.timeline.events.push_back(eg);
             }
-            if (defer) {  // the pair's W queued; the one that ran in it, gone
-              const bool own = run.w_start >= 0 && queued_w[r].empty();
-              if (own) queued_w[r].emplace_back(a.stage2, a.microbatch2);
-              if (run.w_start >= 0) run_w(r, run.w_start);  // the oldest, or the lead's own
-              if (!own) queued_w[r].emplace_back(a.stage2, a.microbatch2);
+            // NOTE [Deferred W's in the simulator]: the W's that ran in it,
+            // and what stays queued (the pair's own W among them).
+            queued_w[r].clear();
+            for (const auto& [wq, t] : run.w_runs) {
+              queued_w[r].push_front(wq);
+              run_w(r, t);
             }
+            queued_w[r] = run.queue;
           } else {
             progress.finish(a, end);
           }
@@ -398,7 +464,7 @@ SimResult simulate(const Schedule& s, const CostModel& costs, const SimOptions& 
           }
           res.peak_memory[r] = std::max(res.peak_memory[r], mem[r]);
           if (opts.record_timeline && !(a.op == Op::FB && opts.overlap_pairs))
-            res.timeline.events.push_back(Event{r, a, start, end});
+            res.timeline.events.push_back(Event{r, a, end - busy, end, inner_n, inner_s});
         }
         ++pc[r];
         --remaining;
@@ -447,6 +513,9 @@ SimResult simulate(const Schedule& s, const CostModel& costs, const SimOptions& 
 //   proportion to the stage means of its two halves measured alone, or, where
 //   one half never ran alone, as the event less the other half; where neither
 //   did, one third F (the backward is about twice the forward).
+// - the waits inside a chunk (NOTE [Waits inside a chunk] in simulate.h):
+//   per stage, the mean number an F (a backward: I or B) made, rounded, and
+//   the mean time one was in flight; an FB run as one event gives none.
 // - send: the mean time the stage's rank spent posting one of its SENDs
 //   (NOTE [Sending occupies the sender]); sends posted in one batch share the
 //   batch's time equally (their events carry the whole batch's span).
@@ -466,6 +535,14 @@ CostModel costs_from_timeline(const Schedule& s, const Timeline& t, double comm)
     double mean() const { return n ? total / n : 0.0; }
   };
   std::vector<Sum> f(S), i(S), w(S), back(S), send(S);
+  // NOTE [Waits inside a chunk]: per stage, F's and backwards' waits (count,
+  // seconds) and how many events carried them.
+  struct Waits {
+    Sum f, b;
+    int f_waits = 0, b_waits = 0;
+  };
+  std::vector<Waits> inner(S);
+  bool any_inner = false;
   // Batches of sends: events of one rank with the same span.
   std::map<std::tuple<int, double, double>, int> batch;
   for (const Event& e : t.events)
@@ -473,6 +550,14 @@ CostModel costs_from_timeline(const Schedule& s, const Timeline& t, double comm)
   for (const Event& e : t.events) {
     const double d = e.end - e.start;
     const Action& a = e.action;
+    if (e.waits > 0) any_inner = true;
+    if (a.op == Op::F) {
+      Waits& in = inner[stage_ok(a.stage)];
+      in.f.add(e.waited), in.f_waits += e.waits;
+    } else if (a.op == Op::I || a.op == Op::B) {
+      Waits& in = inner[stage_ok(a.stage)];
+      in.b.add(e.waited), in.b_waits += e.waits;
+    }
     switch (a.op) {
       case Op::F:
         f[stage_ok(a.stage)].add(d);
@@ -534,6 +619,17 @@ CostModel costs_from_timeline(const Schedule& s, const Timeline& t, double comm)
     all_sends.total += send[st].total, all_sends.n += send[st].n;
   }
   c.send = all_sends.mean();
+  if (any_inner) {  // the mean count per action, each wait's mean time in flight
+    c.stage_inner.resize(S);
+    for (int st = 0; st < S; ++st) {
+      const Waits& in = inner[st];
+      InnerComm& ic = c.stage_inner[st];
+      if (in.f.n > 0) ic.f_waits = static_cast<int>(std::lround(double(in.f_waits) / in.f.n));
+      if (in.b.n > 0) ic.b_waits = static_cast<int>(std::lround(double(in.b_waits) / in.b.n));
+      ic.f = in.f_waits > 0 ? in.f.total / in.f_waits : 0.0;
+      ic.b = in.b_waits > 0 ? in.b.total / in.b_waits : 0.0;
+    }
+  }
   return c;
 }
 

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "hp/schedule/action.h"
@@ -44,6 +45,27 @@ namespace hp::schedule {
 /// next action `send` later. Busy time and bubble statistics count compute
 /// only, as the measured ones do. Default 0: transfers occupy no rank (a
 /// device's copy engine, NCCL).
+///
+/// NOTE [Waits inside a chunk]
+/// A chunk may wait on communication of its own between its computations:
+/// an expert layer posts its dispatch, waits, runs the experts, posts its
+/// combine and waits (its backward the same in reverse). `stage_inner[s]`
+/// gives, per F and per backward (I or fused B; W has none), how many such
+/// waits stage s makes and the seconds each is in flight. The compute costs
+/// (`f`, `b`) stay the CPU's share alone. An action that runs by itself
+/// waits each one whole: it lasts its compute plus waits x in-flight time,
+/// and is busy for its compute. In an overlapped pair the halves are cut at
+/// those waits into waits + 1 nodes of equal compute, and the partner's
+/// nodes run while a half's communication is in flight (NOTE [An
+/// overlapped pair in the simulator] in simulate.cpp). Measured: the
+/// `waits` and `waited` of a runtime's events (costs_from_timeline).
+struct InnerComm {
+  int f_waits = 0;  ///< waits inside one F
+  double f = 0.0;   ///< seconds each of them is in flight
+  int b_waits = 0;  ///< waits inside one backward (I or B)
+  double b = 0.0;   ///< seconds each of them is in flight
+};
+
 struct CostModel {
   double f = 1.0;      ///< forward
   double b = 1.0;      ///< input gradient I (the paper's B)
@@ -53,9 +75,10 @@ struct CostModel {
   double mem_w = 0.5;  ///< memory held from I until W
   std::vector<double> stage_f, stage_b, stage_w;  ///< optional absolute per-stage costs
   std::vector<double> stage_mem_b, stage_mem_w;   ///< optional absolute per-stage memory
-  std::vector<double> stage_comm;  ///< optional per-boundary transfer latency (above)
-  double send = 0.0;               ///< sender busy per cross-rank output (NOTE [Sending ...])
-  std::vector<double> stage_send;  ///< optional per-stage `send`
+  std::vector<double> stage_comm;      ///< optional per-boundary transfer latency (above)
+  double send = 0.0;                   ///< sender busy per cross-rank output (NOTE [Sending ...])
+  std::vector<double> stage_send;      ///< optional per-stage `send`
+  std::vector<InnerComm> stage_inner;  ///< optional per-stage waits inside a chunk (NOTE above)
 
   /// Compute time of a compute action on schedule s (0 for SEND/RECV).
   double cost(const Schedule& s, const Action& a) const;
@@ -72,6 +95,10 @@ struct CostModel {
   /// rank) hands its outputs to other ranks: `send` (or stage_send) per
   /// output that leaves the rank (NOTE [Sending occupies the sender]).
   double send_cost(const Schedule& s, const Action& a) const;
+  /// The waits inside compute action `a` (F, I or B; an FB's two halves
+  /// together): their number and their seconds in flight in all (NOTE
+  /// [Waits inside a chunk]); {0, 0} without stage_inner.
+  std::pair<int, double> inner_waits(const Action& a) const;
   /// Throws std::invalid_argument unless costs are positive and finite, comm
   /// and memory non-negative (per-stage entries included).
   void check() const;

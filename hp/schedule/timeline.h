@@ -16,6 +16,12 @@ struct Event {
   Action action;
   double start = 0.0;
   double end = 0.0;
+  /// Waits on communication inside the action besides its input's (an
+  /// expert layer's dispatch and combine), and their seconds in flight in
+  /// all (NOTE [Waits inside a chunk] in simulate.h). A compute event's span
+  /// holds its compute only, so those waits are outside it.
+  int waits = 0;
+  double waited = 0.0;
 };
 
 /// A set of timed events over ranks: the common input of every renderer.

@@ -541,3 +541,69 @@ TEST(Simulate, DeferredWeightGradientsRunWhereTheExecutorRunsThem) {
   for (int k = 0; k < 4; ++k)
     EXPECT_NEAR(with.rank_busy[k], without.rank_busy[k], 1e-9) << "rank " << k;
 }
+
+// NOTE [Waits inside a chunk]: stage 1 waits once inside each F and each
+// backward (an expert all-to-all) for 1.5. Alone, an action waits it whole:
+// F(1, 0), input at 4, lasts 1 + 1.5. In the pair (F(1, 1), input at 7, and
+// B(1, 0), the loss at 6.5) the halves take turns node by node: the F waits
+// for its input, so the B's first node runs [6.5, 7.5) and posts its
+// all-to-all (back at 9); the F's first node [7.5, 8) (back at 9.5); the
+// B's second [9, 10); the F's second [10, 10.5). Plain, the pair waits
+// both whole after both inputs: [7, 13).
+TEST(Simulate, APairTakesTurnsAtTheWaitsInsideItsChunks) {
+  using hs::Op;
+  const auto F = [](int st, int mb) { return hs::Action::make(Op::F, st, mb); };
+  const auto B = [](int st, int mb) { return hs::Action::make(Op::B, st, mb); };
+  hs::Schedule s = hs::make_loop_layout(2, 2, 2);
+  s.name = "pair";
+  s.actions = {{F(0, 0), F(0, 1), B(0, 0), B(0, 1)},
+               {F(1, 0), hs::Action::overlap(1, 1, 1, 0), B(1, 1)}};
+  hs::CostModel c = costs(1, 1, 1, 1);
+  c.stage_f = {3, 1};
+  c.stage_inner.resize(2);
+  c.stage_inner[1] = hs::InnerComm{1, 1.5, 1, 1.5};
+  auto at = [](const hs::SimResult& r, hs::Action a) {
+    for (const auto& e : r.timeline.events)
+      if (e.action == a) return e;
+    return hs::Event{-1, a, -1, -1};
+  };
+  const hs::SimResult plain = hs::simulate(s, c);
+  EXPECT_NEAR(plain.makespan, 19.5, 1e-12);
+  hs::Event e = at(plain, F(1, 0));  // the event is its compute, at its end
+  EXPECT_EQ(std::make_pair(e.start, e.end), std::make_pair(5.5, 6.5));
+  EXPECT_EQ(e.waits, 1);
+  EXPECT_NEAR(e.waited, 1.5, 1e-12);
+  e = at(plain, hs::Action::overlap(1, 1, 1, 0));
+  EXPECT_EQ(std::make_pair(e.start, e.end), std::make_pair(10.0, 13.0));
+  EXPECT_EQ(e.waits, 2);
+  hs::SimOptions o;
+  o.overlap_pairs = true;
+  const hs::SimResult pair = hs::simulate(s, c, o);
+  EXPECT_NEAR(pair.makespan, 17, 1e-12);
+  e = at(pair, B(1, 0));
+  EXPECT_EQ(std::make_pair(e.start, e.end), std::make_pair(8.0, 10.0));
+  e = at(pair, F(1, 1));
+  EXPECT_EQ(std::make_pair(e.start, e.end), std::make_pair(9.5, 10.5));
+  EXPECT_EQ(e.waits, 1);
+  EXPECT_NEAR(pair.rank_busy[1], plain.rank_busy[1], 1e-12);  // waits are not compute
+  // Without the waits the same pair is a dense one: the B whole, then the F.
+  hs::CostModel dense = c;
+  dense.stage_inner.clear();
+  e = at(hs::simulate(s, dense, o), F(1, 1));
+  EXPECT_EQ(std::make_pair(e.start, e.end), std::make_pair(7.0, 8.0));
+  // Read back from the run's timeline, the waits come back and predict it.
+  const hs::CostModel got = hs::costs_from_timeline(s, pair.timeline, 1);
+  ASSERT_EQ(got.stage_inner.size(), 2u);
+  EXPECT_EQ(got.stage_inner[1].f_waits, 1);
+  EXPECT_EQ(got.stage_inner[1].b_waits, 1);
+  EXPECT_NEAR(got.stage_inner[1].f, 1.5, 1e-12);
+  EXPECT_NEAR(got.stage_inner[1].b, 1.5, 1e-12);
+  EXPECT_EQ(got.stage_inner[0].f_waits + got.stage_inner[0].b_waits, 0);
+  EXPECT_NEAR(hs::simulate(s, got, o).makespan, 17, 1e-12);
+  // A negative count is refused, as is a vector of the wrong size.
+  hs::CostModel bad = c;
+  bad.stage_inner[1].f_waits = -1;
+  EXPECT_THROW(hs::simulate(s, bad), std::invalid_argument);
+  bad.stage_inner.resize(3);
+  EXPECT_THROW(hs::simulate(s, bad), std::invalid_argument);
+}
