@@ -230,6 +230,7 @@ struct Executor::State {
     bool blocks = false;
     const int start = timer->mark();
     Message buffers;
+    ReceiveScope receiving;  // NOTE [A chunk's own waits] in step_timer.h
     if (frames) {
       blocks = !opts.device.is_cpu() || (!posted.works.empty() && posted.works[0].blocks_host());
       buffers = frames->take(posted.peer, posted.number, takes_grad,
@@ -562,13 +563,20 @@ struct Executor::State {
           in_pair = false;
           // NOTE [An overlapped pair's events] in step_timer.cpp
           const int lead = a.backward_first ? 1 : 0;  // ps.compute's index of the F half
-          TimedSpan f_half{
-              Action::make(Op::F, a.stage, a.microbatch), pair_start, f_end, {}, ps.compute[lead]};
+          TimedSpan f_half{Action::make(Op::F, a.stage, a.microbatch),
+                           pair_start,
+                           f_end,
+                           {},
+                           ps.compute[lead],
+                           ps.inner_waits[lead],
+                           ps.inner_waited[lead]};
           TimedSpan b_half{Action::make(defer ? Op::I : Op::B, b.stage, b.microbatch),
                            pair_start,
                            b_end,
                            {},
-                           ps.compute[1 - lead]};
+                           ps.compute[1 - lead],
+                           ps.inner_waits[1 - lead],
+                           ps.inner_waited[1 - lead]};
           pair_halves = f_end <= b_end ? std::vector<TimedSpan>{f_half, b_half}
                                        : std::vector<TimedSpan>{b_half, f_half};
           ++stats.pairs;
@@ -606,15 +614,18 @@ struct Executor::State {
   void run_deferred_w_span() {
     const Action w = Action::make(Op::W, deferred_w.front().first, deferred_w.front().second);
     const int start = timer->mark();
+    ChunkWaits own;  // its own, not the action's it runs in (NOTE [A chunk's own waits])
     try {
       ProfiledAction range(w);
+      distributed::WaitObserverScope observe(&own);
+      ReceiveScope not_a_receive(false);  // it may run in one's wait
       run_deferred_w();
     } catch (const distributed::CommError& e) {
       throw e.with_context(where(w) + " (deferred): ");
     } catch (const std::exception& e) {
       throw std::runtime_error(where(w) + " (deferred): " + e.what());
     }
-    spans.push_back({w, start, timer->mark()});
+    spans.push_back({w, start, timer->mark(), {}, -1, own.count, own.seconds});
     stats.executed.push_back(w);
   }
 
@@ -674,15 +685,17 @@ struct Executor::State {
         waits_of_running = &waits;
         running = i;
         pair_halves.clear();
+        ChunkWaits own;  // NOTE [A chunk's own waits] in step_timer.h
         {
           ProfiledAction range(a);
+          distributed::WaitObserverScope observe(&own);
           compute(a);
         }
         waits_of_running = nullptr;
         const int end = timer->mark();
         stats.executed.push_back(a);
         if (pair_halves.empty()) {
-          spans.push_back({a, start, end, std::move(waits)});
+          spans.push_back({a, start, end, std::move(waits), -1, own.count, own.seconds});
         } else {  // NOTE [An overlapped pair's events] in step_timer.cpp
           for (TimedSpan& half : pair_halves)
             spans.push_back(std::move(half));

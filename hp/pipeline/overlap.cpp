@@ -21,6 +21,7 @@
 
 #include "hp/core/memory.h"
 #include "hp/distributed/comm.h"
+#include "hp/pipeline/step_timer.h"
 
 namespace hp::pipeline {
 
@@ -122,6 +123,8 @@ struct PairRunner::State {
   int failed_first = -1;  // the half whose error came first
   distributed::Work in_flight[2];
   Clock::time_point wait_start[2], turn_given[2];
+  Clock::time_point arrived[2];        // at its current wait (before a W run there)
+  bool inner[2] = {false, false};      // that wait is the chunk's own (NOTE [A chunk's own waits])
   Clock::time_point running_since[2];  // when the half last took the CPU
   PairStats stats;
   // The runner's thread and its job.
@@ -173,6 +176,8 @@ class Switcher : public distributed::WaitObserver {
   void before_wait(const distributed::Work& work) override {
     std::unique_lock<std::mutex> lock(s_.mutex);
     s_.stop_running(half_);
+    s_.arrived[half_] = Clock::now();
+    s_.inner[half_] = !in_receive();
     if (s_.idle != nullptr && *s_.idle && s_.started[1 - half_]) {
       // The partner has ended or is stopped at a wait: a deferred W runs
       // first, on this thread, which holds the CPU (NOTE [Weight gradients
@@ -193,6 +198,11 @@ class Switcher : public distributed::WaitObserver {
     const auto ended = Clock::now();
     std::unique_lock<std::mutex> lock(s_.mutex);
     s_.in_flight[half_] = distributed::Work();
+    if (s_.inner[half_]) {
+      ++s_.stats.inner_waits[half_];
+      s_.stats.inner_waited[half_] +=
+          std::chrono::duration<double>(ended - s_.arrived[half_]).count();
+    }
     s_.cv.wait(lock, [&] { return s_.turn == half_ || s_.done[1 - half_]; });
     const auto back = std::max(s_.turn_given[half_], s_.wait_start[half_]);
     const double hidden =

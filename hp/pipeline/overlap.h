@@ -30,6 +30,11 @@ struct PairStats {
   /// Seconds each half (run()'s first, second) held the CPU: its compute,
   /// without its waits and the work `idle` ran in them.
   double compute[2] = {0.0, 0.0};
+  /// Each half's waits on communication of its own (not a receive's: NOTE
+  /// [A chunk's own waits] in step_timer.h), and their seconds in flight,
+  /// each from the half's arrival at it to its end.
+  int inner_waits[2] = {0, 0};
+  double inner_waited[2] = {0.0, 0.0};
 };
 
 /// Runs pairs of functions as partners (NOTE [Overlapped pairs]): one on the

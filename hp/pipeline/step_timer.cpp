@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <utility>
 #include <vector>
 
 namespace hp::pipeline {
@@ -97,6 +98,28 @@ std::unique_ptr<StepTimer> make_device_timer(torch::Device device) {
 // as compute once made the measured costs of waiting stages look heavier,
 // the simulator pessimistic about 1F1B and the measured bubble too small.
 
+namespace {
+thread_local bool t_in_receive = false;
+}  // namespace
+
+ReceiveScope::ReceiveScope(bool receiving) : previous_(std::exchange(t_in_receive, receiving)) {}
+ReceiveScope::~ReceiveScope() {
+  t_in_receive = previous_;
+}
+bool in_receive() {
+  return t_in_receive;
+}
+
+void ChunkWaits::before_wait(const distributed::Work&) {
+  counting_ = !in_receive();
+  if (counting_) started_ = Clock::now();
+}
+void ChunkWaits::after_wait() {
+  if (!counting_) return;
+  ++count;
+  seconds += std::chrono::duration<double>(Clock::now() - started_).count();
+}
+
 // NOTE [An overlapped pair's events]
 // An overlapped pair's timeline holds its halves, as the simulator's does
 // (NOTE [An overlapped pair in the simulator] in hp/schedule/simulate.cpp):
@@ -118,8 +141,8 @@ double resolve_spans(StepTimer& timer, int rank, const std::vector<TimedSpan>& s
     if (schedule::is_compute(sp.action.op)) {
       if (sp.compute >= 0) {  // NOTE [An overlapped pair's events]
         start = std::max(start, end - sp.compute);
-      } else {  // NOTE [Compute events exclude waits]
-        double waited = 0.0;
+      } else {  // NOTE [Compute events exclude waits], NOTE [A chunk's own waits]
+        double waited = sp.inner_waited;
         for (const auto& [w0, w1] : sp.waits)
           waited += sec(w1) - sec(w0);
         start = start + waited;
@@ -128,7 +151,7 @@ double resolve_spans(StepTimer& timer, int rank, const std::vector<TimedSpan>& s
       start = std::min(end, start);
       compute += end - start;
     }
-    events.push_back({rank, sp.action, start, end});
+    events.push_back({rank, sp.action, start, end, sp.inner_waits, sp.inner_waited});
   }
   return compute;
 }

@@ -4,10 +4,12 @@
 
 #include <torch/torch.h>
 
+#include <chrono>
 #include <memory>
 #include <utility>
 #include <vector>
 
+#include "hp/distributed/comm.h"
 #include "hp/schedule/action.h"
 #include "hp/schedule/timeline.h"
 
@@ -54,6 +56,52 @@ struct TimedSpan {
   /// Its compute in seconds where the runner counted it (an overlapped pair's
   /// half: NOTE [An overlapped pair's events] in step_timer.cpp); < 0: not.
   double compute = -1;
+  /// Its waits on communication of its own (NOTE [A chunk's own waits]):
+  /// how many, and their seconds from entering each to its end.
+  int inner_waits = 0;
+  double inner_waited = 0.0;
+};
+
+// NOTE [A chunk's own waits]
+// A compute action waits for its input (a pipeline receive: the receive's
+// own event) and may wait inside its chunk on communication of its own: an
+// expert layer's dispatch and combine. The simulator takes the second kind
+// as nodes of the chunk (NOTE [Waits inside a chunk] in
+// hp/schedule/simulate.h), so the runtime counts them apart: every wait a
+// compute action makes through a Comm is its chunk's own unless it falls
+// inside a ReceiveScope, which the executor opens around a receive's waits.
+// Outside a pair a ChunkWaits observer counts them; inside one the pair
+// runner's observer does (PairStats::inner_waits). The event of the action
+// excludes them, as it does its receive's wait (NOTE [Compute events
+// exclude waits]), and carries their count and seconds.
+
+/// While alive, the calling thread's waits are a pipeline receive's (or,
+/// with false, are not: a W run inside a receive's wait).
+class ReceiveScope {
+ public:
+  explicit ReceiveScope(bool receiving = true);
+  ~ReceiveScope();
+  ReceiveScope(const ReceiveScope&) = delete;
+  ReceiveScope& operator=(const ReceiveScope&) = delete;
+
+ private:
+  bool previous_;
+};
+/// True inside a ReceiveScope of the calling thread.
+bool in_receive();
+
+/// Counts the waits of its thread that are not a receive's (NOTE [A chunk's
+/// own waits]) while installed with a distributed::WaitObserverScope.
+class ChunkWaits : public distributed::WaitObserver {
+ public:
+  void before_wait(const distributed::Work& work) override;
+  void after_wait() override;
+  int count = 0;         ///< the waits seen
+  double seconds = 0.0;  ///< their time, each from its start to its end
+
+ private:
+  std::chrono::steady_clock::time_point started_;
+  bool counting_ = false;
 };
 
 /// The step's spans of `rank` as events in seconds (compute events without

@@ -106,13 +106,15 @@ CostModel parse_stage_costs(const std::string& text, const std::string& source) 
   for (const json& s : *st) {
     const std::string where = source + ": stage " + std::to_string(index++);
     if (!s.is_object()) throw std::invalid_argument(where + ": expected an object");
-    static const std::set<std::string> kKeys = {"f",    "i",     "b",     "w",     "comm",
-                                                "send", "mem_b", "mem_w", "stage", "name"};
+    static const std::set<std::string> kKeys = {
+        "f",     "i",    "b",       "w",      "comm",    "send",   "mem_b",   "mem_w",
+        "stage", "name", "f_waits", "f_wait", "i_waits", "i_wait", "w_waits", "w_wait"};
     for (auto it = s.begin(); it != s.end(); ++it)
       if (!kKeys.count(it.key()))
         throw std::invalid_argument(
             where + ": unknown key '" + escape_bytes(it.key()) +
-            "' (known: f, i (or b), w, comm, send, mem_b, mem_w, stage, name)");
+            "' (known: f, i (or b), w, comm, send, mem_b, mem_w, "
+            "f_waits, f_wait, i_waits, i_wait, w_waits, w_wait, stage, name)");
     if (s.contains("i") && s.contains("b"))
       throw std::invalid_argument(where + ": give \"i\" or \"b\" (the same cost), not both");
     const double f = number(s, "f", 0, true, where);
@@ -122,6 +124,22 @@ CostModel parse_stage_costs(const std::string& text, const std::string& source) 
     const double send = number(s, "send", 0, false, where);
     const double mem_b = number(s, "mem_b", 1.0, false, where);
     const double mem_w = number(s, "mem_w", 0.5, false, where);
+    // NOTE [Waits inside a chunk] in simulate.h: how many, and each one's seconds.
+    auto count = [&](const char* key) {
+      const double v = number(s, key, 0, false, where);
+      if (v != std::floor(v) || v > 1e6)
+        throw std::invalid_argument(where + ": \"" + key +
+                                    "\" must be a whole number of waits, got " +
+                                    escape_bytes(s[key].dump(), 40));
+      return static_cast<int>(v);
+    };
+    InnerComm inner{count("f_waits"), number(s, "f_wait", 0, false, where),
+                    count("i_waits"), number(s, "i_wait", 0, false, where),
+                    count("w_waits"), number(s, "w_wait", 0, false, where)};
+    if (!c.stage_inner.empty() || inner.f_waits > 0 || inner.i_waits > 0 || inner.w_waits > 0) {
+      c.stage_inner.resize(index - 1);  // the stages before it had none
+      c.stage_inner.push_back(inner);
+    }
     c.stage_f.push_back(f);
     c.stage_b.push_back(i);
     c.stage_w.push_back(w);

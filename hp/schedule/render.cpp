@@ -234,6 +234,10 @@ std::string render_chrome_trace(const Timeline& t) {
       args["stage2"] = e.action.stage2;
       args["microbatch2"] = e.action.microbatch2;
     }
+    if (e.waits > 0) {  // NOTE [Waits inside a chunk] in simulate.h (time unit: ms)
+      args["waits"] = e.waits;
+      args["waited"] = e.waited;
+    }
     events.push_back({{"name", to_string(e.action)},
                       {"cat", std::string(op_name(e.action.op))},
                       {"ph", "X"},

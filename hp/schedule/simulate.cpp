@@ -10,6 +10,7 @@
 #include <functional>
 #include <limits>
 #include <map>
+#include <set>
 #include <stdexcept>
 #include <tuple>
 
@@ -59,10 +60,11 @@ void CostModel::check() const {
   for (double v : stage_send)
     nonneg(v, "stage send");
   for (const InnerComm& c : stage_inner) {
-    if (c.f_waits < 0 || c.b_waits < 0)
+    if (c.f_waits < 0 || c.i_waits < 0 || c.w_waits < 0)
       throw std::invalid_argument("cost model: stage_inner's wait counts must be non-negative");
     nonneg(c.f, "stage_inner f");
-    nonneg(c.b, "stage_inner b");
+    nonneg(c.i, "stage_inner i");
+    nonneg(c.w, "stage_inner w");
   }
 }
 
@@ -127,7 +129,9 @@ std::pair<int, double> CostModel::inner_waits(const Action& a) const {
   auto of = [&](Op op, int stage) -> std::pair<int, double> {
     const InnerComm& c = stage_inner.at(stage);
     if (op == Op::F) return {c.f_waits, c.f_waits * c.f};
-    if (op == Op::I || op == Op::B) return {c.b_waits, c.b_waits * c.b};
+    if (op == Op::I) return {c.i_waits, c.i_waits * c.i};
+    if (op == Op::W) return {c.w_waits, c.w_waits * c.w};
+    if (op == Op::B) return {c.i_waits + c.w_waits, c.i_waits * c.i + c.w_waits * c.w};
     return {0, 0.0};
   };
   if (a.op != Op::FB) return of(a.op, a.stage);
@@ -204,6 +208,7 @@ struct PairRun {
   double start[2] = {0, 0}, end[2] = {0, 0};  // first node's start, last node's end
   std::vector<std::pair<std::pair<int, int>, double>> w_runs;  // queued W's run in it: W, start
   WQueue queue;                                                // what stays queued after it
+  std::vector<std::tuple<int, double, double>> nodes;          // half, start, end: as they ran
   double finish() const { return std::max(end[0], end[1]); }
 };
 
@@ -238,7 +243,9 @@ PairRun run_pair(double t0, const Half (&h)[2], WQueue queue, bool defer,
     }
     if (has_wait(x)) t = std::max(t, wait_until[x]);
     if (node[x] == 0) run.start[x] = t;
+    const double node_start = t;
     t += h[x].compute / (h[x].waits + 1);
+    run.nodes.emplace_back(x, node_start, t);
     entered[x] = false;
     if (++node[x] == h[x].waits + 1) {
       done[x] = true;
@@ -293,13 +300,15 @@ SimResult simulate(const Schedule& s, const CostModel& costs, const SimOptions& 
   auto run_w = [&](int r, double t) {                        // the oldest queued W at t; its end
     const auto [st, mb] = queued_w[r].front();
     queued_w[r].pop_front();
+    const Action w = Action::make(Op::W, st, mb);
     const double d = costs.stage_cost(s, Op::W, st);
+    const auto [n, waited] = costs.inner_waits(w);  // waited whole: no partner runs
     res.rank_busy[r] += d;
     mem[r] -= costs.stage_mem_w_of(s, st);
-    last_end[r] = std::max(last_end[r], t + d);
+    last_end[r] = std::max(last_end[r], t + d + waited);
     if (opts.record_timeline)
-      res.timeline.events.push_back({r, Action::make(Op::W, st, mb), t, t + d});
-    return t + d;
+      res.timeline.events.push_back({r, w, t + waited, t + d + waited, n, waited});
+    return t + d + waited;
   };
   auto receives = [&](const Action& a) {  // a waits for a message (F, I, B)
     if (a.op == Op::F)
@@ -386,11 +395,15 @@ SimResult simulate(const Schedule& s, const CostModel& costs, const SimOptions& 
               const InnerComm& cf = costs.stage_inner[a.stage];
               const InnerComm& cg = costs.stage_inner[a.stage2];
               hf.waits = cf.f_waits, hf.inflight = cf.f;
-              hg.waits = cg.b_waits, hg.inflight = cg.b;
+              const auto [n, t] = costs.inner_waits(g_ran);  // I's, or I's and W's for a B
+              hg.waits = n, hg.inflight = n > 0 ? t / n : 0.0;
             }
             hg.queues_w = defer;
             hg.w = {a.stage2, a.microbatch2};
-            auto w_cost = [&](int st) { return costs.stage_cost(s, Op::W, st); };
+            auto w_cost = [&](int st) {
+              const Action w = Action::make(Op::W, st, 0);
+              return costs.stage_cost(s, Op::W, st) + costs.inner_waits(w).second;
+            };
             auto order = [&](bool b_leads) {
               const Half halves[2] = {b_leads ? hg : hf, b_leads ? hf : hg};
               return run_pair(free_at[r], halves, queued_w[r], defer, w_cost);
@@ -416,6 +429,9 @@ SimResult simulate(const Schedule& s, const CostModel& costs, const SimOptions& 
               if (ef.end > eg.end) std::swap(ef, eg);
               res.timeline.events.push_back(ef);
               res.timeline.events.push_back(eg);
+              if (hf.waits + hg.waits > 0)  // the nodes, for drawing
+                for (const auto& [x, t0, t1] : run.nodes)
+                  res.pair_nodes.push_back({r, x == fi ? f : g_ran, t0, t1});
             }
             // NOTE [Deferred W's in the simulator]: the W's that ran in it,
             // and what stays queued (the pair's own W among them).
@@ -514,8 +530,9 @@ SimResult simulate(const Schedule& s, const CostModel& costs, const SimOptions& 
 //   one half never ran alone, as the event less the other half; where neither
 //   did, one third F (the backward is about twice the forward).
 // - the waits inside a chunk (NOTE [Waits inside a chunk] in simulate.h):
-//   per stage, the mean number an F (a backward: I or B) made, rounded, and
-//   the mean time one was in flight; an FB run as one event gives none.
+//   per stage, the mean number an F, I and W made, rounded, and the mean
+//   time one was in flight; a stage that never split its backward gives its
+//   B's as its I's; an FB run as one event gives none.
 // - send: the mean time the stage's rank spent posting one of its SENDs
 //   (NOTE [Sending occupies the sender]); sends posted in one batch share the
 //   batch's time equally (their events carry the whole batch's span).
@@ -538,8 +555,8 @@ CostModel costs_from_timeline(const Schedule& s, const Timeline& t, double comm)
   // NOTE [Waits inside a chunk]: per stage, F's and backwards' waits (count,
   // seconds) and how many events carried them.
   struct Waits {
-    Sum f, b;
-    int f_waits = 0, b_waits = 0;
+    Sum f, i, w, b;  // seconds waited per event, and the events
+    int f_waits = 0, i_waits = 0, w_waits = 0, b_waits = 0;
   };
   std::vector<Waits> inner(S);
   bool any_inner = false;
@@ -551,12 +568,14 @@ CostModel costs_from_timeline(const Schedule& s, const Timeline& t, double comm)
     const double d = e.end - e.start;
     const Action& a = e.action;
     if (e.waits > 0) any_inner = true;
-    if (a.op == Op::F) {
+    if (a.op == Op::F || a.op == Op::I || a.op == Op::W || a.op == Op::B) {
       Waits& in = inner[stage_ok(a.stage)];
-      in.f.add(e.waited), in.f_waits += e.waits;
-    } else if (a.op == Op::I || a.op == Op::B) {
-      Waits& in = inner[stage_ok(a.stage)];
-      in.b.add(e.waited), in.b_waits += e.waits;
+      Sum& sum = a.op == Op::F ? in.f : a.op == Op::I ? in.i : a.op == Op::W ? in.w : in.b;
+      int& n = a.op == Op::F   ? in.f_waits
+               : a.op == Op::I ? in.i_waits
+               : a.op == Op::W ? in.w_waits
+                               : in.b_waits;
+      sum.add(e.waited), n += e.waits;
     }
     switch (a.op) {
       case Op::F:
@@ -624,13 +643,33 @@ CostModel costs_from_timeline(const Schedule& s, const Timeline& t, double comm)
     for (int st = 0; st < S; ++st) {
       const Waits& in = inner[st];
       InnerComm& ic = c.stage_inner[st];
-      if (in.f.n > 0) ic.f_waits = static_cast<int>(std::lround(double(in.f_waits) / in.f.n));
-      if (in.b.n > 0) ic.b_waits = static_cast<int>(std::lround(double(in.b_waits) / in.b.n));
-      ic.f = in.f_waits > 0 ? in.f.total / in.f_waits : 0.0;
-      ic.b = in.b_waits > 0 ? in.b.total / in.b_waits : 0.0;
+      auto per = [](const Sum& sum, int n, int& waits, double& each) {
+        waits = sum.n > 0 ? static_cast<int>(std::lround(double(n) / sum.n)) : 0;
+        each = n > 0 ? sum.total / n : 0.0;
+      };
+      per(in.f, in.f_waits, ic.f_waits, ic.f);
+      if (in.i.n > 0 || in.w.n > 0) {  // split: I's and W's own; else a fused B's, as I's
+        per(in.i, in.i_waits, ic.i_waits, ic.i);
+        per(in.w, in.w_waits, ic.w_waits, ic.w);
+      } else {
+        per(in.b, in.b_waits, ic.i_waits, ic.i);
+      }
     }
   }
   return c;
+}
+
+Timeline pair_nodes_drawn(const SimResult& r) {
+  Timeline t = r.timeline;
+  if (r.pair_nodes.empty()) return t;
+  std::set<std::pair<int, std::string>> cut;  // (rank, action) of the halves with nodes
+  for (const Event& e : r.pair_nodes)
+    cut.emplace(e.rank, to_string(e.action));
+  t.events.clear();
+  for (const Event& e : r.timeline.events)
+    if (!cut.count({e.rank, to_string(e.action)})) t.events.push_back(e);
+  t.events.insert(t.events.end(), r.pair_nodes.begin(), r.pair_nodes.end());
+  return t;
 }
 
 SimResult timeline_stats(const Timeline& t) {

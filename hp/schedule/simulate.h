@@ -50,20 +50,24 @@ namespace hp::schedule {
 /// A chunk may wait on communication of its own between its computations:
 /// an expert layer posts its dispatch, waits, runs the experts, posts its
 /// combine and waits (its backward the same in reverse). `stage_inner[s]`
-/// gives, per F and per backward (I or fused B; W has none), how many such
-/// waits stage s makes and the seconds each is in flight. The compute costs
-/// (`f`, `b`) stay the CPU's share alone. An action that runs by itself
-/// waits each one whole: it lasts its compute plus waits x in-flight time,
-/// and is busy for its compute. In an overlapped pair the halves are cut at
-/// those waits into waits + 1 nodes of equal compute, and the partner's
-/// nodes run while a half's communication is in flight (NOTE [An
-/// overlapped pair in the simulator] in simulate.cpp). Measured: the
-/// `waits` and `waited` of a runtime's events (costs_from_timeline).
+/// gives, per F, I and W of stage s, how many such waits it makes and the
+/// seconds each is in flight; a fused B makes its I's and its W's (on a first
+/// stage, whose I has no input gradient to compute, the all-to-alls'
+/// backwards fall in W). The compute costs (`f`, `b`, `w`) stay the CPU's
+/// share alone. An action that runs by itself waits each one whole: it lasts
+/// its compute plus its waits' time, and is busy for its compute. In an
+/// overlapped pair the halves are cut at those waits into waits + 1 nodes of
+/// equal compute, and the partner's nodes run while a half's communication
+/// is in flight (NOTE [An overlapped pair in the simulator] in
+/// simulate.cpp). Measured: the `waits` and `waited` of a runtime's events
+/// (costs_from_timeline).
 struct InnerComm {
   int f_waits = 0;  ///< waits inside one F
   double f = 0.0;   ///< seconds each of them is in flight
-  int b_waits = 0;  ///< waits inside one backward (I or B)
-  double b = 0.0;   ///< seconds each of them is in flight
+  int i_waits = 0;  ///< waits inside one I
+  double i = 0.0;
+  int w_waits = 0;  ///< waits inside one W
+  double w = 0.0;
 };
 
 struct CostModel {
@@ -95,8 +99,8 @@ struct CostModel {
   /// rank) hands its outputs to other ranks: `send` (or stage_send) per
   /// output that leaves the rank (NOTE [Sending occupies the sender]).
   double send_cost(const Schedule& s, const Action& a) const;
-  /// The waits inside compute action `a` (F, I or B; an FB's two halves
-  /// together): their number and their seconds in flight in all (NOTE
+  /// The waits inside compute action `a` (an FB's two halves together):
+  /// their number and their seconds in flight in all (NOTE
   /// [Waits inside a chunk]); {0, 0} without stage_inner.
   std::pair<int, double> inner_waits(const Action& a) const;
   /// Throws std::invalid_argument unless costs are positive and finite, comm
@@ -149,10 +153,19 @@ struct SimResult {
   /// SimOptions::choose_leads: (rank, action index) of each FB pair whose B
   /// half was chosen to lead.
   std::vector<std::pair<int, size_t>> backward_leads;
+  /// With overlap_pairs and record_timeline: the nodes of each pair whose
+  /// halves wait inside their chunks (NOTE [Waits inside a chunk]), as they
+  /// ran, each an event of its half's action (`hp schedule show` draws them
+  /// in place of the halves: pair_nodes_drawn).
+  std::vector<Event> pair_nodes;
   double max_peak_memory = 0.0;  ///< max over ranks of peak_memory
   int comm_volume = 0;           ///< cross-rank transfers (activations + gradients)
   Timeline timeline;             ///< compute events (when recorded)
 };
+
+/// r.timeline with each overlapped pair's halves replaced by their nodes
+/// (r.pair_nodes), for drawing: the halves of a pair interleave there.
+Timeline pair_nodes_drawn(const SimResult& r);
 
 /// Bubble statistics of any timeline (e.g. one measured by a runtime), with
 /// the definitions of NOTE [Bubble rate]: span, work, bubble_rate,

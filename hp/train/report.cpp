@@ -28,7 +28,7 @@ double median(std::vector<double> v) {
 
 // Serialises measured events for the trip to rank 0.
 torch::Tensor pack_events(const std::vector<schedule::Event>& events) {
-  auto t = torch::empty({static_cast<int64_t>(events.size()), 7}, torch::kFloat64);
+  auto t = torch::empty({static_cast<int64_t>(events.size()), 9}, torch::kFloat64);
   auto a = t.accessor<double, 2>();
   for (size_t i = 0; i < events.size(); ++i) {
     const auto& e = events[i];
@@ -39,6 +39,8 @@ torch::Tensor pack_events(const std::vector<schedule::Event>& events) {
     a[i][4] = e.action.microbatch2;
     a[i][5] = e.start;
     a[i][6] = e.end;
+    a[i][7] = e.waits;
+    a[i][8] = e.waited;
   }
   return t;
 }
@@ -55,6 +57,8 @@ void unpack_events(const torch::Tensor& t, int rank, std::vector<schedule::Event
     e.action.microbatch2 = static_cast<int>(a[i][4]);
     e.start = a[i][5];
     e.end = a[i][6];
+    e.waits = static_cast<int>(a[i][7]);
+    e.waited = a[i][8];
     out.push_back(e);
   }
 }
@@ -108,7 +112,7 @@ void gather_and_report(const TrainConfig& config, const schedule::Schedule& sche
     // The renderers read one time unit as one millisecond.
     schedule::Timeline ms = result.timeline;
     for (auto& e : ms.events)
-      e.start *= 1e3, e.end *= 1e3;
+      e.start *= 1e3, e.end *= 1e3, e.waited *= 1e3;
     write_file_atomically(config.trace, schedule::render_chrome_trace(ms));
     write_file_atomically(config.trace + ".svg", schedule::render_svg(ms));
   }
@@ -186,6 +190,17 @@ std::string report_json(const TrainConfig& c, const TrainResult& r) {
       for (size_t st = 0; st < stages.size(); ++st) {
         stages[st]["mem_b"] = sc.stage_mem_b[st];
         stages[st]["mem_w"] = sc.stage_mem_w.at(st);
+      }
+    // NOTE [Waits inside a chunk] in hp/schedule/simulate.h
+    if (sc.stage_inner.size() == stages.size())
+      for (size_t st = 0; st < stages.size(); ++st) {
+        const auto& in = sc.stage_inner[st];
+        stages[st]["f_waits"] = in.f_waits;
+        stages[st]["f_wait"] = in.f;
+        stages[st]["i_waits"] = in.i_waits;
+        stages[st]["i_wait"] = in.i;
+        stages[st]["w_waits"] = in.w_waits;
+        stages[st]["w_wait"] = in.w;
       }
     if (!stages.empty()) j["stage_costs"] = {{"unit", "seconds"}, {"stages", stages}};
   }

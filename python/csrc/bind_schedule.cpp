@@ -204,6 +204,16 @@ std::string cost_repr(const hs::CostModel& c) {
   vec("stage_mem_w", c.stage_mem_w);
   vec("stage_comm", c.stage_comm);
   vec("stage_send", c.stage_send);
+  if (!c.stage_inner.empty()) {
+    s += ", stage_inner=[";
+    for (size_t i = 0; i < c.stage_inner.size(); ++i) {
+      const hs::InnerComm& in = c.stage_inner[i];
+      s += std::string(i ? ", " : "") + "InnerComm(" + std::to_string(in.f_waits) + ", " +
+           num(in.f) + ", " + std::to_string(in.i_waits) + ", " + num(in.i) + ", " +
+           std::to_string(in.w_waits) + ", " + num(in.w) + ")";
+    }
+    s += "]";
+  }
   return s + ")";
 }
 
@@ -529,6 +539,31 @@ void bind_schedule(py::module_& m) {
   sched.attr("__hash__") = py::none();
 
   // ---- Costs, timelines, results ------------------------------------------
+  py::class_<hs::InnerComm>(sub, "InnerComm",
+                            "A stage's waits on communication inside its chunk (an expert "
+                            "layer's dispatch and combine), per F, I and W: how many, and the "
+                            "seconds each is in flight (NOTE [Waits inside a chunk]).")
+      .def(py::init([](int f_waits, double f, int i_waits, double i, int w_waits, double w) {
+             return hs::InnerComm{f_waits, f, i_waits, i, w_waits, w};
+           }),
+           py::arg("f_waits") = 0, py::arg("f") = 0.0, py::arg("i_waits") = 0, py::arg("i") = 0.0,
+           py::arg("w_waits") = 0, py::arg("w") = 0.0)
+      .def_readwrite("f_waits", &hs::InnerComm::f_waits)
+      .def_readwrite("f", &hs::InnerComm::f)
+      .def_readwrite("i_waits", &hs::InnerComm::i_waits)
+      .def_readwrite("i", &hs::InnerComm::i)
+      .def_readwrite("w_waits", &hs::InnerComm::w_waits)
+      .def_readwrite("w", &hs::InnerComm::w)
+      .def(py::pickle(
+          [](const hs::InnerComm& c) {
+            return py::make_tuple(c.f_waits, c.f, c.i_waits, c.i, c.w_waits, c.w);
+          },
+          [](const py::tuple& t) {
+            if (t.size() != 6) value_error("InnerComm: bad pickle state");
+            return hs::InnerComm{t[0].cast<int>(),    t[1].cast<double>(), t[2].cast<int>(),
+                                 t[3].cast<double>(), t[4].cast<int>(),    t[5].cast<double>()};
+          }));
+
   py::class_<hs::CostModel>(
       sub, "CostModel",
       "Per-op costs and activation memory for one rank's share of the model. b is the cost "
@@ -577,6 +612,9 @@ void bind_schedule(py::module_& m) {
       .def_readwrite("stage_mem_w", &hs::CostModel::stage_mem_w)
       .def_readwrite("stage_comm", &hs::CostModel::stage_comm)
       .def_readwrite("stage_send", &hs::CostModel::stage_send)
+      .def_readwrite("stage_inner", &hs::CostModel::stage_inner,
+                     "per stage, an InnerComm: the waits inside its chunk (NOTE [Waits inside "
+                     "a chunk]); assign a whole list")
       .def(
           "check", [](const hs::CostModel& c) { c.check(); },
           "Raises ValueError unless costs are positive and finite, comm and memory >= 0.")
@@ -589,10 +627,10 @@ void bind_schedule(py::module_& m) {
           [](const hs::CostModel& c) {
             return py::make_tuple(c.f, c.b, c.w, c.comm, c.mem_b, c.mem_w, c.stage_f, c.stage_b,
                                   c.stage_w, c.stage_mem_b, c.stage_mem_w, c.stage_comm, c.send,
-                                  c.stage_send);
+                                  c.stage_send, c.stage_inner);
           },
           [](const py::tuple& t) {
-            if (t.size() != 14) value_error("CostModel: bad pickle state");
+            if (t.size() != 15) value_error("CostModel: bad pickle state");
             hs::CostModel c;
             c.f = t[0].cast<double>();
             c.b = t[1].cast<double>();
@@ -608,23 +646,32 @@ void bind_schedule(py::module_& m) {
             c.stage_comm = t[11].cast<std::vector<double>>();
             c.send = t[12].cast<double>();
             c.stage_send = t[13].cast<std::vector<double>>();
+            c.stage_inner = t[14].cast<std::vector<hs::InnerComm>>();
             return c;
           }));
 
   py::class_<hs::Event>(sub, "Event", "One timed action of one rank (simulated or measured).")
-      .def(py::init([](int rank, py::object action, double start, double end) {
-             hs::Event e;
-             e.rank = rank;
-             e.action = action_from(action);
-             e.start = start;
-             e.end = end;
-             return e;
-           }),
-           py::arg("rank"), py::arg("action"), py::arg("start"), py::arg("end"))
+      .def(py::init(
+               [](int rank, py::object action, double start, double end, int waits, double waited) {
+                 hs::Event e;
+                 e.rank = rank;
+                 e.action = action_from(action);
+                 e.start = start;
+                 e.end = end;
+                 e.waits = waits;
+                 e.waited = waited;
+                 return e;
+               }),
+           py::arg("rank"), py::arg("action"), py::arg("start"), py::arg("end"), py::kw_only(),
+           py::arg("waits") = 0, py::arg("waited") = 0.0)
       .def_readwrite("rank", &hs::Event::rank)
       .def_readwrite("action", &hs::Event::action)
       .def_readwrite("start", &hs::Event::start)
       .def_readwrite("end", &hs::Event::end)
+      .def_readwrite("waits", &hs::Event::waits,
+                     "waits on communication inside the action besides its input's (NOTE "
+                     "[Waits inside a chunk])")
+      .def_readwrite("waited", &hs::Event::waited, "their seconds in flight, in all")
       .def("__repr__", [](const hs::Event& e) {
         return "Event(rank=" + std::to_string(e.rank) + ", action=Action('" +
                hs::to_string(e.action) + "'), start=" + num(e.start) + ", end=" + num(e.end) + ")";

@@ -28,6 +28,7 @@ Op = _C.Op
 Action = _C.Action
 Schedule = _C.Schedule
 CostModel = _C.CostModel
+InnerComm = _C.InnerComm
 Event = _C.Event
 Timeline = _C.Timeline
 SimResult = _C.SimResult
@@ -53,6 +54,7 @@ __all__ = [
     "Action",
     "Schedule",
     "CostModel",
+    "InnerComm",
     "Event",
     "Timeline",
     "SimResult",

@@ -10,7 +10,9 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <map>
 #include <mutex>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -328,6 +330,23 @@ TEST_P(OverlappedPipelines, EqualOneProcess) {
     EXPECT_GT(ranks[0].rank_pair_hidden[r], 0.0) << "rank " << r;
     // With defer_wgrad some W's filled waits (and none without).
     EXPECT_EQ(ranks[0].rank_deferred_w_in_waits[r] > 0, k.defer_wgrad) << "rank " << r;
+  }
+  // NOTE [A chunk's own waits] in step_timer.h: counted apart from the
+  // receives, none on the dense GPT; on the expert stages each F makes as
+  // many as every other F of its stage, in a pair or alone, and each I (B)
+  // as many as every other I (B) of its stage.
+  std::map<std::pair<int, int>, std::set<int>> counts;  // (stage, op) -> waits seen
+  for (const auto& e : ranks[0].timeline.events) {
+    const auto op = e.action.op;
+    if (op != hp::schedule::Op::F && op != hp::schedule::Op::I && op != hp::schedule::Op::B)
+      continue;
+    counts[{e.action.stage, static_cast<int>(op)}].insert(e.waits);
+    EXPECT_EQ(e.waits > 0, e.waited > 0) << hp::schedule::to_string(e.action);
+  }
+  for (const auto& [key, seen] : counts) {
+    const bool forward = key.second == static_cast<int>(hp::schedule::Op::F);
+    EXPECT_EQ(seen.size(), 1u) << "stage " << key.first << " op " << key.second;
+    if (forward || k.ep == 1) EXPECT_EQ(*seen.begin() > 0, k.ep > 1) << "stage " << key.first;
   }
   // NOTE [A half's sends leave when it ends]: some pair's forward output was
   // sent before the pair ended (the backward half still computing). Not on

@@ -252,6 +252,31 @@ def test_send_occupies_the_sender():
     assert "send=0.5" in repr(costs)
 
 
+def test_waits_inside_a_chunk():
+    # NOTE [Waits inside a chunk]: an action that runs alone waits its
+    # chunk's own communication whole; its event and busy time are its compute.
+    sched = hs.build("1f1b", 2, 4)
+    plain = hs.simulate(sched, hs.CostModel(f=1, b=1, w=1))
+    costs = hs.CostModel(f=1, b=1, w=1)
+    costs.stage_inner = [hs.InnerComm(f_waits=2, f=0.25), hs.InnerComm()]
+    waited = hs.simulate(sched, costs)
+    assert waited.makespan > plain.makespan
+    assert waited.rank_busy == pytest.approx(plain.rank_busy)
+    forwards = [e for e in waited.timeline.events if e.action.op == hs.Op.F]
+    assert len(forwards) == 8
+    for e in forwards:
+        assert e.end - e.start == pytest.approx(1)
+        assert (e.waits, e.waited) == ((2, pytest.approx(0.5)) if e.rank == 0 else (0, 0))
+    back = pickle.loads(pickle.dumps(costs))
+    assert [c.f_waits for c in back.stage_inner] == [2, 0]
+    assert "InnerComm(2, 0.25, 0, 0, 0, 0)" in repr(costs)
+    e = hs.Event(0, "0F0", 1, 2, waits=3, waited=0.5)
+    assert (e.waits, e.waited) == (3, 0.5)
+    costs.stage_inner = [hs.InnerComm(f_waits=-1), hs.InnerComm()]
+    with pytest.raises(ValueError, match="non-negative"):
+        hs.simulate(sched, costs)
+
+
 def test_stage_cost_file(tmp_path):
     doc = {"stages": [
         {"f": 1.4, "i": 1.4, "w": 0.7, "comm": 0.3},

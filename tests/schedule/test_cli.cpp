@@ -404,3 +404,34 @@ TEST(Cli, ShowSimulatesOverlappedPairs) {
   EXPECT_NE(plain.out.find("\"makespan\": 80.5"), std::string::npos) << plain.out;
   EXPECT_NE(pair.out.find("\"makespan\": 76.0"), std::string::npos) << pair.out;
 }
+
+// show --costs: a cost file's waits inside a chunk (NOTE [Waits inside a
+// chunk]) are waited whole by a plain pair, hidden in part by an overlapped
+// one, and such a pair is drawn node by node (its halves' letters
+// alternate); a file for another number of stages is refused.
+TEST(Cli, ShowDrawsAPairNodeByNodeUnderACostFile) {
+  std::string stages, dense;
+  for (int s = 0; s < 4; ++s) {
+    stages +=
+        std::string(s ? "," : "") +
+        R"({"f": 1, "i": 1, "w": 1, "comm": 1, "f_waits": 2, "f_wait": 1, "i_waits": 2, "i_wait": 1})";
+    dense += std::string(s ? "," : "") + R"({"f": 1, "i": 1, "w": 1, "comm": 1})";
+  }
+  const std::string moe = temp("waits.json"), gpt = temp("dense.json");
+  write(moe, "{\"stages\": [" + stages + "]}");
+  write(gpt, "{\"stages\": [" + dense + "]}");
+  const std::string show = "schedule show dualpipev -p 2 -m 8 --no-color --costs ";
+  CliRun plain = hp(show + moe + " --json");
+  CliRun pair = hp(show + moe + " --fb-overlap --json");
+  ASSERT_EQ(plain.status, 0) << plain.out;
+  ASSERT_EQ(pair.status, 0) << pair.out;
+  EXPECT_NE(plain.out.find("\"makespan\": 128.0"), std::string::npos) << plain.out;
+  EXPECT_NE(pair.out.find("\"makespan\": 94.3"), std::string::npos) << pair.out;
+  EXPECT_NE(hp(show + moe + " --fb-overlap").out.find("BFBF"), std::string::npos);
+  EXPECT_EQ(hp(show + gpt + " --fb-overlap").out.find("BFBF"), std::string::npos);
+  CliRun other = hp("schedule show dualpipev -p 4 -m 8 --costs " + moe);
+  EXPECT_EQ(other.status, 1);
+  EXPECT_NE(other.out.find("has 4 stages but the schedule has 8"), std::string::npos) << other.out;
+  std::remove(moe.c_str());
+  std::remove(gpt.c_str());
+}

@@ -228,6 +228,19 @@ TEST(CostFile, ReadsStagesAndReportSections) {
           "stages": [{"f": 0.01, "i": 0.012, "w": 0.006}]}})",
       "report.json");
   EXPECT_EQ(r.stage_f.size(), 1u);
+  EXPECT_TRUE(r.stage_inner.empty());
+  // NOTE [Waits inside a chunk]: an expert stage's waits, as a report gives them.
+  hs::CostModel m = hs::parse_stage_costs(
+      R"({"stages": [{"f": 1, "i": 1, "w": 1},
+                     {"f": 1, "i": 1, "w": 1, "f_waits": 3, "f_wait": 0.5, "i_waits": 2,
+                      "i_wait": 0.25, "w_waits": 0, "w_wait": 0}]})",
+      "moe.json");
+  ASSERT_EQ(m.stage_inner.size(), 2u);
+  EXPECT_EQ(m.stage_inner[0].f_waits + m.stage_inner[0].i_waits, 0);
+  EXPECT_EQ(m.stage_inner[1].f_waits, 3);
+  EXPECT_EQ(m.stage_inner[1].i_waits, 2);
+  EXPECT_DOUBLE_EQ(m.stage_inner[1].f, 0.5);
+  EXPECT_DOUBLE_EQ(m.stage_inner[1].i, 0.25);
 }
 
 TEST(CostFile, RefusesWhatItCannotTrust) {
@@ -250,6 +263,8 @@ TEST(CostFile, RefusesWhatItCannotTrust) {
   EXPECT_NE(e(R"({"stages": [{"f": "1", "i": 1, "w": 1}]})").find("must be a number"),
             std::string::npos);
   EXPECT_NE(e(R"({"stages": [{"f": 1, "i": 1, "b": 1, "w": 1}]})").find("not both"),
+            std::string::npos);
+  EXPECT_NE(e(R"({"stages": [{"f": 1, "i": 1, "w": 1, "f_waits": 1.5}]})").find("whole number"),
             std::string::npos);
   // Raw bytes never reach a message unescaped, and a NUL does not cut it.
   std::string msg = e(R"({"stages": [{"f": 1, "i": 1, "w": 1, "a\u0000b\u00ff": 1}]})");

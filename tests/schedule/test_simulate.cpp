@@ -561,7 +561,7 @@ TEST(Simulate, APairTakesTurnsAtTheWaitsInsideItsChunks) {
   hs::CostModel c = costs(1, 1, 1, 1);
   c.stage_f = {3, 1};
   c.stage_inner.resize(2);
-  c.stage_inner[1] = hs::InnerComm{1, 1.5, 1, 1.5};
+  c.stage_inner[1] = hs::InnerComm{1, 1.5, 1, 1.5, 0, 0};
   auto at = [](const hs::SimResult& r, hs::Action a) {
     for (const auto& e : r.timeline.events)
       if (e.action == a) return e;
@@ -595,10 +595,10 @@ TEST(Simulate, APairTakesTurnsAtTheWaitsInsideItsChunks) {
   const hs::CostModel got = hs::costs_from_timeline(s, pair.timeline, 1);
   ASSERT_EQ(got.stage_inner.size(), 2u);
   EXPECT_EQ(got.stage_inner[1].f_waits, 1);
-  EXPECT_EQ(got.stage_inner[1].b_waits, 1);
+  EXPECT_EQ(got.stage_inner[1].i_waits, 1);  // the B's, as I's
   EXPECT_NEAR(got.stage_inner[1].f, 1.5, 1e-12);
-  EXPECT_NEAR(got.stage_inner[1].b, 1.5, 1e-12);
-  EXPECT_EQ(got.stage_inner[0].f_waits + got.stage_inner[0].b_waits, 0);
+  EXPECT_NEAR(got.stage_inner[1].i, 1.5, 1e-12);
+  EXPECT_EQ(got.stage_inner[0].f_waits + got.stage_inner[0].i_waits, 0);
   EXPECT_NEAR(hs::simulate(s, got, o).makespan, 17, 1e-12);
   // A negative count is refused, as is a vector of the wrong size.
   hs::CostModel bad = c;

@@ -133,7 +133,7 @@ hs::BuildOptions options_of(const Common& o) {
 
 struct ShowArgs {
   Common c;
-  std::string name, from, svg, trace, csv;
+  std::string name, from, svg, trace, csv, costs;
   bool json = false, lowered = false, no_color = false, fb_overlap = false, defer_wgrad = false;
   int width = 160;
 };
@@ -155,6 +155,13 @@ void run_show(const ShowArgs& a) {
   hs::validate(low);
   const hs::Schedule& shown = a.lowered ? low : s;
   hs::CostModel costs = costs_of(a.c);
+  if (!a.costs.empty()) {  // NOTE [Stage cost file]: one entry per stage of this schedule
+    costs = hs::parse_stage_costs(hs::read_input_file(a.costs), a.costs);
+    if (costs.stage_f.size() != static_cast<size_t>(s.num_stages))
+      throw std::invalid_argument(a.costs + " has " + std::to_string(costs.stage_f.size()) +
+                                  " stages but the schedule has " + std::to_string(s.num_stages) +
+                                  " (a report of the same schedule, -p and -m fits)");
+  }
   hs::SimOptions so;
   so.overlap_pairs = a.fb_overlap;  // NOTE [An overlapped pair in the simulator]
   so.defer_wgrad = a.defer_wgrad;   // NOTE [Deferred W's in the simulator]
@@ -162,10 +169,12 @@ void run_show(const ShowArgs& a) {
   std::string title =
       s.name + "  p=" + std::to_string(s.num_ranks) + " m=" + std::to_string(s.num_microbatches);
   r.timeline.title = title;
+  // NOTE [Waits inside a chunk]: a pair cut at its chunks' waits, node by node.
+  const hs::Timeline drawn = hs::pair_nodes_drawn(r);
   hs::ClosedForm cf = hs::closed_form(s.name, s.num_ranks, s.num_microbatches, a.c.v, costs);
   if (!a.csv.empty()) write_file(a.csv, hs::to_csv(shown));
-  if (!a.svg.empty()) write_file(a.svg, hs::render_svg(r.timeline));
-  if (!a.trace.empty()) write_file(a.trace, hs::render_chrome_trace(r.timeline));
+  if (!a.svg.empty()) write_file(a.svg, hs::render_svg(drawn));
+  if (!a.trace.empty()) write_file(a.trace, hs::render_chrome_trace(drawn));
   if (a.json) {
     auto j = nlohmann::json::parse(hs::summary_json(r, s.name));
     j["ranks"] = s.num_ranks;
@@ -183,7 +192,7 @@ void run_show(const ShowArgs& a) {
   hs::AsciiOptions ao;
   ao.max_width = a.width;
   ao.color = !a.no_color && isatty(STDOUT_FILENO);
-  std::cout << hs::render_ascii(r.timeline, ao) << "\n" << hs::summary_text(r);
+  std::cout << hs::render_ascii(drawn, ao) << "\n" << hs::summary_text(r);
   if (cf.known)
     std::cout << "closed form    " << cf.formula << " = " << num(cf.bubble) << " (bubble rate "
               << pct(cf.bubble_rate) << (cf.matches_simulator ? "" : ", reference only") << ")\n";
@@ -324,6 +333,10 @@ void add_schedule_command(CLI::App& app) {
                  "with --fb-overlap: each pair's B runs its I and queues its W, as hp train "
                  "--defer-wgrad does")
       ->needs("--fb-overlap");
+  show->add_option("--costs", show_args->costs,
+                   "simulate under the per-stage costs of FILE (a stage cost file or a report "
+                   "of hp train --report, one entry per stage), the waits inside its chunks "
+                   "included: with --fb-overlap each pair is drawn node by node");
   show->add_flag("--no-color", show_args->no_color, "no ANSI colours even on a terminal");
   show->add_option("--width", show_args->width, "max timeline width in characters")
       ->capture_default_str();
