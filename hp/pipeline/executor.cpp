@@ -71,6 +71,7 @@ struct Executor::State {
   std::vector<TimedSpan> spans;                 // the events, in the order they happened
   std::vector<std::pair<int, int>> comm_spans;  // batch postings, receive waits, the drain
   std::vector<std::pair<int, int>>* waits_of_running = nullptr;
+  ChunkWaits* own_waits_of_running = nullptr;  // NOTE [A chunk's own waits] in step_timer.h
   std::unique_ptr<PairRunner> pairs;           // made by the first overlapped FB
   std::deque<std::pair<int, int>> deferred_w;  // (stage, mb): NOTE [Weight gradients in the waits]
   bool in_pair = false;                        // an overlapped pair runs (its idle runs the W's)
@@ -408,6 +409,7 @@ struct Executor::State {
         continue;
       }
       const int start = timer->mark();
+      const auto began = std::chrono::steady_clock::now();
       std::function<void()> on_done;
       auto ops = send_ops(a, on_done);
       auto works = comm->batch(ops);
@@ -419,6 +421,9 @@ struct Executor::State {
       comm_spans.emplace_back(start, stop);
       spans.push_back({a, start, stop});
       if (waits_of_running != nullptr) waits_of_running->emplace_back(start, stop);
+      if (own_waits_of_running != nullptr && !in_pair)  // a posting, not the action's compute
+        own_waits_of_running->exclude(
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count());
     }
   }
 
@@ -569,14 +574,17 @@ struct Executor::State {
                            {},
                            ps.compute[lead],
                            ps.inner_waits[lead],
-                           ps.inner_waited[lead]};
-          TimedSpan b_half{Action::make(defer ? Op::I : Op::B, b.stage, b.microbatch),
-                           pair_start,
-                           b_end,
-                           {},
-                           ps.compute[1 - lead],
-                           ps.inner_waits[1 - lead],
-                           ps.inner_waited[1 - lead]};
+                           ps.inner_waited[lead],
+                           ps.inner_waits[lead] > 0 ? ps.nodes[lead] : std::vector<double>{}};
+          TimedSpan b_half{
+              Action::make(defer ? Op::I : Op::B, b.stage, b.microbatch),
+              pair_start,
+              b_end,
+              {},
+              ps.compute[1 - lead],
+              ps.inner_waits[1 - lead],
+              ps.inner_waited[1 - lead],
+              ps.inner_waits[1 - lead] > 0 ? ps.nodes[1 - lead] : std::vector<double>{}};
           pair_halves = f_end <= b_end ? std::vector<TimedSpan>{f_half, b_half}
                                        : std::vector<TimedSpan>{b_half, f_half};
           ++stats.pairs;
@@ -614,6 +622,7 @@ struct Executor::State {
   void run_deferred_w_span() {
     const Action w = Action::make(Op::W, deferred_w.front().first, deferred_w.front().second);
     const int start = timer->mark();
+    const auto began = std::chrono::steady_clock::now();
     ChunkWaits own;  // its own, not the action's it runs in (NOTE [A chunk's own waits])
     try {
       ProfiledAction range(w);
@@ -625,7 +634,11 @@ struct Executor::State {
     } catch (const std::exception& e) {
       throw std::runtime_error(where(w) + " (deferred): " + e.what());
     }
-    spans.push_back({w, start, timer->mark(), {}, -1, own.count, own.seconds});
+    own.finish();
+    if (own_waits_of_running != nullptr)  // not a node of the action it ran in
+      own_waits_of_running->exclude(
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count());
+    spans.push_back({w, start, timer->mark(), {}, -1, own.count, own.seconds, own.nodes});
     stats.executed.push_back(w);
   }
 
@@ -686,16 +699,20 @@ struct Executor::State {
         running = i;
         pair_halves.clear();
         ChunkWaits own;  // NOTE [A chunk's own waits] in step_timer.h
+        own_waits_of_running = &own;
         {
           ProfiledAction range(a);
           distributed::WaitObserverScope observe(&own);
           compute(a);
         }
+        own.finish();
+        own_waits_of_running = nullptr;
         waits_of_running = nullptr;
         const int end = timer->mark();
         stats.executed.push_back(a);
         if (pair_halves.empty()) {
-          spans.push_back({a, start, end, std::move(waits), -1, own.count, own.seconds});
+          spans.push_back(
+              {a, start, end, std::move(waits), -1, own.count, own.seconds, std::move(own.nodes)});
         } else {  // NOTE [An overlapped pair's events] in step_timer.cpp
           for (TimedSpan& half : pair_halves)
             spans.push_back(std::move(half));
@@ -704,6 +721,7 @@ struct Executor::State {
         reaper->rethrow_if_failed();
       } catch (const std::exception&) {
         waits_of_running = nullptr;
+        own_waits_of_running = nullptr;
         fail_at(i, "");
       }
       ++i;

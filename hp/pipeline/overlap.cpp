@@ -125,6 +125,7 @@ struct PairRunner::State {
   Clock::time_point wait_start[2], turn_given[2];
   Clock::time_point arrived[2];        // at its current wait (before a W run there)
   bool inner[2] = {false, false};      // that wait is the chunk's own (NOTE [A chunk's own waits])
+  double node[2] = {0.0, 0.0};         // compute of the half's node so far
   Clock::time_point running_since[2];  // when the half last took the CPU
   PairStats stats;
   // The runner's thread and its job.
@@ -144,13 +145,20 @@ struct PairRunner::State {
 
   // The half gives up the CPU (a wait, its end): its compute since it took it.
   void stop_running(int half) {
-    stats.compute[half] +=
-        std::chrono::duration<double>(Clock::now() - running_since[half]).count();
+    const double ran = std::chrono::duration<double>(Clock::now() - running_since[half]).count();
+    stats.compute[half] += ran;
+    node[half] += ran;
+  }
+  // A node of the half ends (at a wait of its chunk's own, or its end).
+  void end_node(int half) {
+    stats.nodes[half].push_back(node[half]);
+    node[half] = 0.0;
   }
 
   void finish(int half, std::exception_ptr e) {
     std::lock_guard<std::mutex> lock(mutex);
     stop_running(half);
+    end_node(half);
     done[half] = true;
     if (e) {
       error[half] = e;
@@ -178,6 +186,7 @@ class Switcher : public distributed::WaitObserver {
     s_.stop_running(half_);
     s_.arrived[half_] = Clock::now();
     s_.inner[half_] = !in_receive();
+    if (s_.inner[half_]) s_.end_node(half_);
     if (s_.idle != nullptr && *s_.idle && s_.started[1 - half_]) {
       // The partner has ended or is stopped at a wait: a deferred W runs
       // first, on this thread, which holds the CPU (NOTE [Weight gradients
@@ -284,6 +293,7 @@ PairStats PairRunner::run(const std::function<void()>& first, const std::functio
     s.error[0] = s.error[1] = nullptr;
     s.failed_first = -1;
     s.stats = PairStats{};
+    s.node[0] = s.node[1] = 0.0;
     s.running_since[0] = Clock::now();
     s.tls.emplace();  // this thread's state, for the second half
     s.interrupt_check = distributed::current_interrupt_check();

@@ -35,6 +35,8 @@ struct PairStats {
   /// each from the half's arrival at it to its end.
   int inner_waits[2] = {0, 0};
   double inner_waited[2] = {0.0, 0.0};
+  /// Each half's compute between those waits, in order (inner_waits + 1).
+  std::vector<double> nodes[2];
 };
 
 /// Runs pairs of functions as partners (NOTE [Overlapped pairs]): one on the

@@ -110,14 +110,30 @@ bool in_receive() {
   return t_in_receive;
 }
 
+ChunkWaits::ChunkWaits() : last_(Clock::now()) {}
+
 void ChunkWaits::before_wait(const distributed::Work&) {
+  const auto now = Clock::now();
+  node_ += std::chrono::duration<double>(now - last_).count();
   counting_ = !in_receive();
-  if (counting_) started_ = Clock::now();
+  if (!counting_) return;
+  started_ = now;
+  nodes.push_back(std::max(0.0, node_));
+  node_ = 0.0;
 }
 void ChunkWaits::after_wait() {
+  last_ = Clock::now();
   if (!counting_) return;
   ++count;
-  seconds += std::chrono::duration<double>(Clock::now() - started_).count();
+  seconds += std::chrono::duration<double>(last_ - started_).count();
+}
+void ChunkWaits::exclude(double s) {
+  node_ -= s;
+}
+void ChunkWaits::finish() {
+  node_ += std::chrono::duration<double>(Clock::now() - last_).count();
+  nodes.push_back(std::max(0.0, node_));
+  if (count == 0) nodes.clear();
 }
 
 // NOTE [An overlapped pair's events]
@@ -151,7 +167,7 @@ double resolve_spans(StepTimer& timer, int rank, const std::vector<TimedSpan>& s
       start = std::min(end, start);
       compute += end - start;
     }
-    events.push_back({rank, sp.action, start, end, sp.inner_waits, sp.inner_waited});
+    events.push_back({rank, sp.action, start, end, sp.inner_waits, sp.inner_waited, sp.nodes});
   }
   return compute;
 }

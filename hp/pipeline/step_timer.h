@@ -60,6 +60,7 @@ struct TimedSpan {
   /// how many, and their seconds from entering each to its end.
   int inner_waits = 0;
   double inner_waited = 0.0;
+  std::vector<double> nodes;  ///< its compute between those waits (waits + 1), if any
 };
 
 // NOTE [A chunk's own waits]
@@ -73,7 +74,10 @@ struct TimedSpan {
 // Outside a pair a ChunkWaits observer counts them; inside one the pair
 // runner's observer does (PairStats::inner_waits). The event of the action
 // excludes them, as it does its receive's wait (NOTE [Compute events
-// exclude waits]), and carries their count and seconds.
+// exclude waits]), and carries their count and seconds, and its compute
+// between them (its nodes: their shares place a pair's turns in the
+// simulator). A node leaves out what the thread did for others meanwhile: a
+// queued W, a send's posting.
 
 /// While alive, the calling thread's waits are a pipeline receive's (or,
 /// with false, are not: a W run inside a receive's wait).
@@ -91,16 +95,24 @@ class ReceiveScope {
 bool in_receive();
 
 /// Counts the waits of its thread that are not a receive's (NOTE [A chunk's
-/// own waits]) while installed with a distributed::WaitObserverScope.
+/// own waits]) while installed with a distributed::WaitObserverScope, and
+/// times the compute between them: the action's nodes.
 class ChunkWaits : public distributed::WaitObserver {
  public:
+  ChunkWaits();  ///< the action starts
   void before_wait(const distributed::Work& work) override;
   void after_wait() override;
-  int count = 0;         ///< the waits seen
-  double seconds = 0.0;  ///< their time, each from its start to its end
+  /// `seconds` of the thread's time since went to other work (a queued W).
+  void exclude(double seconds);
+  /// The action ended: its last node. `nodes` stays empty without waits.
+  void finish();
+  int count = 0;              ///< the waits seen
+  double seconds = 0.0;       ///< their time, each from its start to its end
+  std::vector<double> nodes;  ///< compute between them (count + 1, after finish())
 
  private:
-  std::chrono::steady_clock::time_point started_;
+  std::chrono::steady_clock::time_point started_, last_;
+  double node_ = 0.0;
   bool counting_ = false;
 };
 

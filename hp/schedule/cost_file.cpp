@@ -107,14 +107,16 @@ CostModel parse_stage_costs(const std::string& text, const std::string& source) 
     const std::string where = source + ": stage " + std::to_string(index++);
     if (!s.is_object()) throw std::invalid_argument(where + ": expected an object");
     static const std::set<std::string> kKeys = {
-        "f",     "i",    "b",       "w",      "comm",    "send",   "mem_b",   "mem_w",
-        "stage", "name", "f_waits", "f_wait", "i_waits", "i_wait", "w_waits", "w_wait"};
+        "f",       "i",      "b",       "w",       "comm",   "send",    "mem_b",
+        "mem_w",   "stage",  "name",    "f_waits", "f_wait", "i_waits", "i_wait",
+        "w_waits", "w_wait", "f_nodes", "i_nodes", "w_nodes"};
     for (auto it = s.begin(); it != s.end(); ++it)
       if (!kKeys.count(it.key()))
         throw std::invalid_argument(
             where + ": unknown key '" + escape_bytes(it.key()) +
             "' (known: f, i (or b), w, comm, send, mem_b, mem_w, "
-            "f_waits, f_wait, i_waits, i_wait, w_waits, w_wait, stage, name)");
+            "f_waits, f_wait, i_waits, i_wait, w_waits, w_wait, f_nodes, i_nodes, w_nodes, "
+            "stage, name)");
     if (s.contains("i") && s.contains("b"))
       throw std::invalid_argument(where + ": give \"i\" or \"b\" (the same cost), not both");
     const double f = number(s, "f", 0, true, where);
@@ -136,6 +138,23 @@ CostModel parse_stage_costs(const std::string& text, const std::string& source) 
     InnerComm inner{count("f_waits"), number(s, "f_wait", 0, false, where),
                     count("i_waits"), number(s, "i_wait", 0, false, where),
                     count("w_waits"), number(s, "w_wait", 0, false, where)};
+    auto shares = [&](const char* key, std::vector<double>& out) {
+      auto it = s.find(key);
+      if (it == s.end()) return;
+      if (!it->is_array() || it->size() > 1000000)
+        throw std::invalid_argument(where + ": \"" + key +
+                                    "\" must be an array of each node's share of the compute");
+      for (const json& v : *it) {
+        if (!v.is_number() || !(v.get<double>() >= 0) || !std::isfinite(v.get<double>()))
+          throw std::invalid_argument(where + ": \"" + key +
+                                      "\" must hold non-negative numbers, got " +
+                                      escape_bytes(v.dump(), 40));
+        out.push_back(v.get<double>());
+      }
+    };
+    shares("f_nodes", inner.f_nodes);
+    shares("i_nodes", inner.i_nodes);
+    shares("w_nodes", inner.w_nodes);
     if (!c.stage_inner.empty() || inner.f_waits > 0 || inner.i_waits > 0 || inner.w_waits > 0) {
       c.stage_inner.resize(index - 1);  // the stages before it had none
       c.stage_inner.push_back(inner);

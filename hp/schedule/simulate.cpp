@@ -65,6 +65,17 @@ void CostModel::check() const {
     nonneg(c.f, "stage_inner f");
     nonneg(c.i, "stage_inner i");
     nonneg(c.w, "stage_inner w");
+    auto shares = [&](const std::vector<double>& v, int waits, const char* n) {
+      if (!v.empty() && v.size() != size_t(waits + 1))
+        throw std::invalid_argument(std::string("cost model: stage_inner ") + n + " has " +
+                                    std::to_string(v.size()) + " shares for " +
+                                    std::to_string(waits) + " waits (give waits + 1, or none)");
+      for (double x : v)
+        nonneg(x, "stage_inner node share");
+    };
+    shares(c.f_nodes, c.f_waits, "f_nodes");
+    shares(c.i_nodes, c.i_waits, "i_nodes");
+    shares(c.w_nodes, c.w_waits, "w_nodes");
   }
 }
 
@@ -195,6 +206,7 @@ struct Half {
   double ready = 0.0;
   bool receives = false;
   double compute = 0.0;
+  const std::vector<double>* shares = nullptr;  // each node's share, or equal ones
   int waits = 0;
   double inflight = 0.0;
   bool queues_w = false;    // defer_wgrad: its W is queued as it ends
@@ -244,7 +256,9 @@ PairRun run_pair(double t0, const Half (&h)[2], WQueue queue, bool defer,
     if (has_wait(x)) t = std::max(t, wait_until[x]);
     if (node[x] == 0) run.start[x] = t;
     const double node_start = t;
-    t += h[x].compute / (h[x].waits + 1);
+    const auto* sh = h[x].shares;
+    t += sh != nullptr && sh->size() == size_t(h[x].waits + 1) ? h[x].compute * (*sh)[node[x]]
+                                                               : h[x].compute / (h[x].waits + 1);
     run.nodes.emplace_back(x, node_start, t);
     entered[x] = false;
     if (++node[x] == h[x].waits + 1) {
@@ -394,9 +408,10 @@ SimResult simulate(const Schedule& s, const CostModel& costs, const SimOptions& 
             if (!costs.stage_inner.empty()) {
               const InnerComm& cf = costs.stage_inner[a.stage];
               const InnerComm& cg = costs.stage_inner[a.stage2];
-              hf.waits = cf.f_waits, hf.inflight = cf.f;
+              hf.waits = cf.f_waits, hf.inflight = cf.f, hf.shares = &cf.f_nodes;
               const auto [n, t] = costs.inner_waits(g_ran);  // I's, or I's and W's for a B
               hg.waits = n, hg.inflight = n > 0 ? t / n : 0.0;
+              if (g_ran.op == Op::I) hg.shares = &cg.i_nodes;  // a fused B's: equal
             }
             hg.queues_w = defer;
             hg.w = {a.stage2, a.microbatch2};
@@ -532,7 +547,9 @@ SimResult simulate(const Schedule& s, const CostModel& costs, const SimOptions& 
 // - the waits inside a chunk (NOTE [Waits inside a chunk] in simulate.h):
 //   per stage, the mean number an F, I and W made, rounded, and the mean
 //   time one was in flight; a stage that never split its backward gives its
-//   B's as its I's; an FB run as one event gives none.
+//   B's as its I's; an FB run as one event gives none. Where events carry
+//   their nodes, each node's mean share of the op's compute (over the events
+//   with that many waits).
 // - send: the mean time the stage's rank spent posting one of its SENDs
 //   (NOTE [Sending occupies the sender]); sends posted in one batch share the
 //   batch's time equally (their events carry the whole batch's span).
@@ -559,6 +576,8 @@ CostModel costs_from_timeline(const Schedule& s, const Timeline& t, double comm)
     int f_waits = 0, i_waits = 0, w_waits = 0, b_waits = 0;
   };
   std::vector<Waits> inner(S);
+  // (stage, op, waits) -> the sum of the events' node shares, and how many.
+  std::map<std::tuple<int, int, int>, std::pair<std::vector<double>, int>> shares;
   bool any_inner = false;
   // Batches of sends: events of one rank with the same span.
   std::map<std::tuple<int, double, double>, int> batch;
@@ -576,6 +595,16 @@ CostModel costs_from_timeline(const Schedule& s, const Timeline& t, double comm)
                : a.op == Op::W ? in.w_waits
                                : in.b_waits;
       sum.add(e.waited), n += e.waits;
+      double total = 0.0;
+      for (double v : e.nodes)
+        total += v;
+      if (e.waits > 0 && e.nodes.size() == size_t(e.waits + 1) && total > 0) {
+        auto& [sums, count] = shares[{a.stage, int(a.op), e.waits}];
+        sums.resize(e.nodes.size(), 0.0);
+        for (size_t k = 0; k < e.nodes.size(); ++k)
+          sums[k] += e.nodes[k] / total;
+        ++count;
+      }
     }
     switch (a.op) {
       case Op::F:
@@ -654,6 +683,15 @@ CostModel costs_from_timeline(const Schedule& s, const Timeline& t, double comm)
       } else {
         per(in.b, in.b_waits, ic.i_waits, ic.i);
       }
+      auto mean_shares = [&](Op op, int waits, std::vector<double>& out) {
+        auto it = shares.find({st, int(op), waits});
+        if (waits == 0 || it == shares.end()) return;
+        for (double v : it->second.first)
+          out.push_back(v / it->second.second);
+      };
+      mean_shares(Op::F, ic.f_waits, ic.f_nodes);
+      mean_shares(Op::I, ic.i_waits, ic.i_nodes);
+      mean_shares(Op::W, ic.w_waits, ic.w_nodes);
     }
   }
   return c;

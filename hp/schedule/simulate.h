@@ -56,9 +56,11 @@ namespace hp::schedule {
 /// backwards fall in W). The compute costs (`f`, `b`, `w`) stay the CPU's
 /// share alone. An action that runs by itself waits each one whole: it lasts
 /// its compute plus its waits' time, and is busy for its compute. In an
-/// overlapped pair the halves are cut at those waits into waits + 1 nodes of
-/// equal compute, and the partner's nodes run while a half's communication
-/// is in flight (NOTE [An overlapped pair in the simulator] in
+/// overlapped pair the halves are cut at those waits into waits + 1 nodes,
+/// each the share of the compute that `*_nodes` gives (measured: an expert
+/// F's token-count and token all-to-alls follow each other almost at once),
+/// equal shares where none are given, and the partner's nodes run while a
+/// half's communication is in flight (NOTE [An overlapped pair in the simulator] in
 /// simulate.cpp). Measured: the `waits` and `waited` of a runtime's events
 /// (costs_from_timeline).
 struct InnerComm {
@@ -68,6 +70,9 @@ struct InnerComm {
   double i = 0.0;
   int w_waits = 0;  ///< waits inside one W
   double w = 0.0;
+  /// Each node's share of the op's compute (waits + 1 entries summing to
+  /// 1), or empty: equal shares.
+  std::vector<double> f_nodes, i_nodes, w_nodes;
 };
 
 struct CostModel {

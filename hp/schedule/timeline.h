@@ -22,6 +22,9 @@ struct Event {
   /// holds its compute only, so those waits are outside it.
   int waits = 0;
   double waited = 0.0;
+  /// Where measured: its compute between those waits, in order (waits + 1
+  /// nodes); empty otherwise.
+  std::vector<double> nodes;
 };
 
 /// A set of timed events over ranks: the common input of every renderer.

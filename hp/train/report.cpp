@@ -45,6 +45,24 @@ torch::Tensor pack_events(const std::vector<schedule::Event>& events) {
   return t;
 }
 
+// Each event's nodes (NOTE [A chunk's own waits]) as rows (event, node, seconds).
+torch::Tensor pack_nodes(const std::vector<schedule::Event>& events) {
+  std::vector<double> flat;
+  for (size_t i = 0; i < events.size(); ++i)
+    for (size_t k = 0; k < events[i].nodes.size(); ++k)
+      flat.insert(flat.end(), {double(i), double(k), events[i].nodes[k]});
+  return torch::tensor(flat, torch::kFloat64).view({-1, 3});
+}
+
+void unpack_nodes(const torch::Tensor& t, schedule::Event* events) {
+  auto a = t.accessor<double, 2>();
+  for (int64_t row = 0; row < t.size(0); ++row) {
+    auto& nodes = events[static_cast<size_t>(a[row][0])].nodes;
+    nodes.resize(std::max(nodes.size(), static_cast<size_t>(a[row][1]) + 1));
+    nodes[static_cast<size_t>(a[row][1])] = a[row][2];
+  }
+}
+
 void unpack_events(const torch::Tensor& t, int rank, std::vector<schedule::Event>& out) {
   auto a = t.accessor<double, 2>();
   for (int64_t i = 0; i < t.size(0); ++i) {
@@ -78,6 +96,7 @@ void gather_and_report(const TrainConfig& config, const schedule::Schedule& sche
     t = torch::empty_like(mine);
   comm.all_gather(all, mine);
   auto events = distributed::gather_rows(comm, pack_events(last.events), 0);
+  auto nodes = distributed::gather_rows(comm, pack_nodes(last.events), 0);
   if (comm.rank() != 0 || !reporter) return;
   for (auto& t : all) {
     result.rank_compute.push_back(t[0].item<double>());
@@ -91,8 +110,11 @@ void gather_and_report(const TrainConfig& config, const schedule::Schedule& sche
   }
   result.timeline.num_ranks = config.nproc;
   result.timeline.title = config.schedule + " (measured, last step)";
-  for (int r = 0; r < config.nproc; ++r)
+  for (int r = 0; r < config.nproc; ++r) {
+    const size_t first = result.timeline.events.size();
     unpack_events(events[r], r, result.timeline.events);
+    unpack_nodes(nodes[r], result.timeline.events.data() + first);
+  }
   auto measured = schedule::timeline_stats(result.timeline);
   result.measured_bubble = measured.bubble_rate;
   result.measured_makespan = measured.makespan;
@@ -201,6 +223,9 @@ std::string report_json(const TrainConfig& c, const TrainResult& r) {
         stages[st]["i_wait"] = in.i;
         stages[st]["w_waits"] = in.w_waits;
         stages[st]["w_wait"] = in.w;
+        if (!in.f_nodes.empty()) stages[st]["f_nodes"] = in.f_nodes;
+        if (!in.i_nodes.empty()) stages[st]["i_nodes"] = in.i_nodes;
+        if (!in.w_nodes.empty()) stages[st]["w_nodes"] = in.w_nodes;
       }
     if (!stages.empty()) j["stage_costs"] = {{"unit", "seconds"}, {"stages", stages}};
   }

@@ -554,14 +554,23 @@ void bind_schedule(py::module_& m) {
       .def_readwrite("i", &hs::InnerComm::i)
       .def_readwrite("w_waits", &hs::InnerComm::w_waits)
       .def_readwrite("w", &hs::InnerComm::w)
+      .def_readwrite("f_nodes", &hs::InnerComm::f_nodes,
+                     "each node's share of F's compute (f_waits + 1), or [] for equal shares")
+      .def_readwrite("i_nodes", &hs::InnerComm::i_nodes)
+      .def_readwrite("w_nodes", &hs::InnerComm::w_nodes)
       .def(py::pickle(
           [](const hs::InnerComm& c) {
-            return py::make_tuple(c.f_waits, c.f, c.i_waits, c.i, c.w_waits, c.w);
+            return py::make_tuple(c.f_waits, c.f, c.i_waits, c.i, c.w_waits, c.w, c.f_nodes,
+                                  c.i_nodes, c.w_nodes);
           },
           [](const py::tuple& t) {
-            if (t.size() != 6) value_error("InnerComm: bad pickle state");
-            return hs::InnerComm{t[0].cast<int>(),    t[1].cast<double>(), t[2].cast<int>(),
-                                 t[3].cast<double>(), t[4].cast<int>(),    t[5].cast<double>()};
+            if (t.size() != 9) value_error("InnerComm: bad pickle state");
+            hs::InnerComm c{t[0].cast<int>(),    t[1].cast<double>(), t[2].cast<int>(),
+                            t[3].cast<double>(), t[4].cast<int>(),    t[5].cast<double>()};
+            c.f_nodes = t[6].cast<std::vector<double>>();
+            c.i_nodes = t[7].cast<std::vector<double>>();
+            c.w_nodes = t[8].cast<std::vector<double>>();
+            return c;
           }));
 
   py::class_<hs::CostModel>(

@@ -342,6 +342,11 @@ TEST_P(OverlappedPipelines, EqualOneProcess) {
       continue;
     counts[{e.action.stage, static_cast<int>(op)}].insert(e.waits);
     EXPECT_EQ(e.waits > 0, e.waited > 0) << hp::schedule::to_string(e.action);
+    // Its compute between them: one node more than waits, none without.
+    EXPECT_EQ(e.nodes.size(), e.waits > 0 ? size_t(e.waits + 1) : 0u)
+        << hp::schedule::to_string(e.action);
+    for (double v : e.nodes)
+      EXPECT_GE(v, 0.0) << hp::schedule::to_string(e.action);
   }
   for (const auto& [key, seen] : counts) {
     const bool forward = key.second == static_cast<int>(hp::schedule::Op::F);

@@ -233,7 +233,8 @@ TEST(CostFile, ReadsStagesAndReportSections) {
   hs::CostModel m = hs::parse_stage_costs(
       R"({"stages": [{"f": 1, "i": 1, "w": 1},
                      {"f": 1, "i": 1, "w": 1, "f_waits": 3, "f_wait": 0.5, "i_waits": 2,
-                      "i_wait": 0.25, "w_waits": 0, "w_wait": 0}]})",
+                      "i_wait": 0.25, "w_waits": 0, "w_wait": 0,
+                      "f_nodes": [0.5, 0.1, 0.3, 0.1]}]})",
       "moe.json");
   ASSERT_EQ(m.stage_inner.size(), 2u);
   EXPECT_EQ(m.stage_inner[0].f_waits + m.stage_inner[0].i_waits, 0);
@@ -241,6 +242,8 @@ TEST(CostFile, ReadsStagesAndReportSections) {
   EXPECT_EQ(m.stage_inner[1].i_waits, 2);
   EXPECT_DOUBLE_EQ(m.stage_inner[1].f, 0.5);
   EXPECT_DOUBLE_EQ(m.stage_inner[1].i, 0.25);
+  EXPECT_EQ(m.stage_inner[1].f_nodes, (std::vector<double>{0.5, 0.1, 0.3, 0.1}));
+  EXPECT_TRUE(m.stage_inner[1].i_nodes.empty());
 }
 
 TEST(CostFile, RefusesWhatItCannotTrust) {
@@ -265,6 +268,11 @@ TEST(CostFile, RefusesWhatItCannotTrust) {
   EXPECT_NE(e(R"({"stages": [{"f": 1, "i": 1, "b": 1, "w": 1}]})").find("not both"),
             std::string::npos);
   EXPECT_NE(e(R"({"stages": [{"f": 1, "i": 1, "w": 1, "f_waits": 1.5}]})").find("whole number"),
+            std::string::npos);
+  EXPECT_NE(e(R"({"stages": [{"f": 1, "i": 1, "w": 1, "f_waits": 1, "f_nodes": [1]}]})")
+                .find("1 shares for 1 waits"),
+            std::string::npos);
+  EXPECT_NE(e(R"({"stages": [{"f": 1, "i": 1, "w": 1, "f_nodes": [-1]}]})").find("non-negative"),
             std::string::npos);
   // Raw bytes never reach a message unescaped, and a NUL does not cut it.
   std::string msg = e(R"({"stages": [{"f": 1, "i": 1, "w": 1, "a\u0000b\u00ff": 1}]})");

@@ -600,6 +600,27 @@ TEST(Simulate, APairTakesTurnsAtTheWaitsInsideItsChunks) {
   EXPECT_NEAR(got.stage_inner[1].i, 1.5, 1e-12);
   EXPECT_EQ(got.stage_inner[0].f_waits + got.stage_inner[0].i_waits, 0);
   EXPECT_NEAR(hs::simulate(s, got, o).makespan, 17, 1e-12);
+  // Nodes of unequal compute: F's first node 0.2 of its 1, its second 0.8.
+  // The B's first node [6.5, 7.5) (its all-to-all back at 9), the F's
+  // [7.5, 7.7) (back at 9.2), the B's second [9, 10), the F's [10, 10.8).
+  hs::CostModel shares = c;
+  shares.stage_inner[1].f_nodes = {0.2, 0.8};
+  const hs::SimResult uneven = hs::simulate(s, shares, o);
+  e = at(uneven, F(1, 1));
+  EXPECT_NEAR(e.start, 9.8, 1e-12);
+  EXPECT_NEAR(e.end, 10.8, 1e-12);
+  EXPECT_NEAR(uneven.makespan, 17.3, 1e-12);
+  // Read back: each node's mean share, from the events that carry nodes.
+  hs::Timeline with_nodes = pair.timeline;
+  for (auto& ev : with_nodes.events)
+    if (ev.action.op == Op::F && ev.waits == 1) ev.nodes = {0.3, 0.7};
+  const hs::CostModel read = hs::costs_from_timeline(s, with_nodes, 1);
+  ASSERT_EQ(read.stage_inner[1].f_nodes.size(), 2u);
+  EXPECT_NEAR(read.stage_inner[1].f_nodes[0], 0.3, 1e-12);
+  EXPECT_NEAR(read.stage_inner[1].f_nodes[1], 0.7, 1e-12);
+  EXPECT_TRUE(read.stage_inner[1].i_nodes.empty());
+  shares.stage_inner[1].f_nodes = {1.0};  // one share for two nodes
+  EXPECT_THROW(hs::simulate(s, shares, o), std::invalid_argument);
   // A negative count is refused, as is a vector of the wrong size.
   hs::CostModel bad = c;
   bad.stage_inner[1].f_waits = -1;
