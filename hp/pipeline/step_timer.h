@@ -52,7 +52,7 @@ class StepTimer {
 struct TimedSpan {
   schedule::Action action;
   int start = 0, end = 0;
-  std::vector<std::pair<int, int>> waits;  ///< a compute action's receive waits, as marks
+  std::vector<std::pair<int, int>> waits{};  ///< a compute action's receive waits, as marks
   /// Its compute in seconds where the runner counted it (an overlapped pair's
   /// half: NOTE [An overlapped pair's events] in step_timer.cpp); < 0: not.
   double compute = -1;
@@ -60,7 +60,7 @@ struct TimedSpan {
   /// how many, and their seconds from entering each to its end.
   int inner_waits = 0;
   double inner_waited = 0.0;
-  std::vector<double> nodes;  ///< its compute between those waits (waits + 1), if any
+  std::vector<double> nodes{};  ///< its compute between those waits (waits + 1), if any
 };
 
 // NOTE [A chunk's own waits]

@@ -72,7 +72,7 @@ struct InnerComm {
   double w = 0.0;
   /// Each node's share of the op's compute (waits + 1 entries summing to
   /// 1), or empty: equal shares.
-  std::vector<double> f_nodes, i_nodes, w_nodes;
+  std::vector<double> f_nodes{}, i_nodes{}, w_nodes{};
 };
 
 struct CostModel {

@@ -24,7 +24,7 @@ struct Event {
   double waited = 0.0;
   /// Where measured: its compute between those waits, in order (waits + 1
   /// nodes); empty otherwise.
-  std::vector<double> nodes;
+  std::vector<double> nodes{};
 };
 
 /// A set of timed events over ranks: the common input of every renderer.

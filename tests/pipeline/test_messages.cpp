@@ -174,7 +174,9 @@ TEST_P(MessagesOfSeveralTensors, TrainLikeOneProcessExactly) {
   });
   for (int r = 0; r < c.ranks; ++r) {
     EXPECT_NEAR(losses[r], ref_loss, 1e-12 * ref_loss) << "rank " << r;
-    if (c.described) EXPECT_NEAR(second_losses[r], ref_loss, 1e-12 * ref_loss) << "rank " << r;
+    if (c.described) {
+      EXPECT_NEAR(second_losses[r], ref_loss, 1e-12 * ref_loss) << "rank " << r;
+    }
   }
   for (int r = 0; r < c.ranks; ++r)
     for (const auto& [ch, p] : held[r]) {

@@ -351,7 +351,9 @@ TEST_P(OverlappedPipelines, EqualOneProcess) {
   for (const auto& [key, seen] : counts) {
     const bool forward = key.second == static_cast<int>(hp::schedule::Op::F);
     EXPECT_EQ(seen.size(), 1u) << "stage " << key.first << " op " << key.second;
-    if (forward || k.ep == 1) EXPECT_EQ(*seen.begin() > 0, k.ep > 1) << "stage " << key.first;
+    if (forward || k.ep == 1) {
+      EXPECT_EQ(*seen.begin() > 0, k.ep > 1) << "stage " << key.first;
+    }
   }
   // NOTE [A half's sends leave when it ends]: some pair's forward output was
   // sent before the pair ended (the backward half still computing). Not on

@@ -70,9 +70,10 @@ void expect_report_matches(const nlohmann::json& report, const TrainResult& ref,
   for (size_t s = 0; s < ref.losses.size(); ++s)
     EXPECT_NEAR(report["loss"][s].get<double>(), ref.losses[s], 1e-9 * std::abs(ref.losses[s]))
         << "step " << s;
-  if (checksum)
+  if (checksum) {
     EXPECT_NEAR(report["parameter_checksum"].get<double>(), ref.checksum,
                 1e-9 * std::max(1.0, std::abs(ref.checksum)));
+  }
 }
 
 class TrainEndToEnd : public ::testing::TestWithParam<std::pair<std::string, int>> {};

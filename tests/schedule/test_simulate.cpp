@@ -383,6 +383,21 @@ TEST(CostsFromTimeline, BatchesFusedBackwardsAndFb) {
   EXPECT_THROW(hs::costs_from_timeline(s, t, 0), std::invalid_argument);
 }
 
+namespace {
+// Two ranks, two microbatches; rank 1 (the last stage) pairs F(1, 1) with
+// B(1, 0) between F(1, 0) and B(1, 1).
+hs::Schedule last_stage_pair() {
+  using hs::Op;
+  const auto F = [](int st, int mb) { return hs::Action::make(Op::F, st, mb); };
+  const auto B = [](int st, int mb) { return hs::Action::make(Op::B, st, mb); };
+  hs::Schedule s = hs::make_loop_layout(2, 2, 2);
+  s.name = "pair";
+  s.actions = {{F(0, 0), F(0, 1), B(0, 0), B(0, 1)},
+               {F(1, 0), hs::Action::overlap(1, 1, 1, 0), B(1, 1)}};
+  return s;
+}
+}  // namespace
+
 // NOTE [An overlapped pair in the simulator]: rank 1's pair F(1, mb 1) +
 // B(1, mb 0) has B's input (the loss of mb 0) at 5 and F's (from rank 0's
 // slow stage) at 7. Plain, the pair waits for both: [7, 10), and every
@@ -390,13 +405,8 @@ TEST(CostsFromTimeline, BatchesFusedBackwardsAndFb) {
 // rank 0's backward starts 3 earlier and the step ends at 13, not 15.
 // NOTE [An overlapped pair in the simulator]
 TEST(Simulate, AnOverlappedPairRunsInTheRunnersOrder) {
-  hs::Schedule s = hs::make_loop_layout(2, 2, 2);
-  s.name = "pair";
+  hs::Schedule s = last_stage_pair();
   using hs::Op;
-  s.actions = {{hs::Action::make(Op::F, 0, 0), hs::Action::make(Op::F, 0, 1),
-                hs::Action::make(Op::B, 0, 0), hs::Action::make(Op::B, 0, 1)},
-               {hs::Action::make(Op::F, 1, 0), hs::Action::overlap(1, 1, 1, 0),
-                hs::Action::make(Op::B, 1, 1)}};
   hs::CostModel c = costs(1, 1, 1, 1);
   c.stage_f = {3, 1};
   hs::SimResult plain = hs::simulate(s, c);
@@ -498,10 +508,7 @@ TEST(Simulate, DeferredWeightGradientsRunWhereTheExecutorRunsThem) {
   // Two ranks, the pair on the last stage: its B (the loss, no wait) runs
   // its I first, the F once its input came; W(1, 0) waits in the queue, and
   // B(1, 1) receives nothing, so it runs after the rank's last action.
-  hs::Schedule s = hs::make_loop_layout(2, 2, 2);
-  s.name = "pair";
-  s.actions = {{F(0, 0), F(0, 1), B(0, 0), B(0, 1)},
-               {F(1, 0), hs::Action::overlap(1, 1, 1, 0), B(1, 1)}};
+  hs::Schedule s = last_stage_pair();
   hs::CostModel c = costs(1, 1, 1, 1);
   c.stage_f = {3, 1};
   hs::SimResult r = hs::simulate(s, c, o);
@@ -554,10 +561,7 @@ TEST(Simulate, APairTakesTurnsAtTheWaitsInsideItsChunks) {
   using hs::Op;
   const auto F = [](int st, int mb) { return hs::Action::make(Op::F, st, mb); };
   const auto B = [](int st, int mb) { return hs::Action::make(Op::B, st, mb); };
-  hs::Schedule s = hs::make_loop_layout(2, 2, 2);
-  s.name = "pair";
-  s.actions = {{F(0, 0), F(0, 1), B(0, 0), B(0, 1)},
-               {F(1, 0), hs::Action::overlap(1, 1, 1, 0), B(1, 1)}};
+  hs::Schedule s = last_stage_pair();
   hs::CostModel c = costs(1, 1, 1, 1);
   c.stage_f = {3, 1};
   c.stage_inner.resize(2);
