@@ -48,6 +48,26 @@ def reference(steps):
     return losses, params
 
 
+def train(pipe, params, steps=3):
+    """`steps` SGD steps of `pipe` on batch(); their losses."""
+    opt = torch.optim.SGD(params, lr=0.1)
+    x, y = batch()
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        losses.append(pipe.step(x, y))
+        opt.step()
+    return losses
+
+
+def assert_matches_reference(losses, params):
+    """Losses and parameters equal plain autograd's after as many steps."""
+    want_losses, want = reference(len(losses))
+    assert losses == pytest.approx(want_losses, rel=1e-12, abs=1e-14)
+    for q, w in zip(params, want):
+        assert torch.allclose(q, w, rtol=0, atol=1e-13)
+
+
 def pipeline(group, **kw):
     model = chunks()
     sched = hp.pipeline.schedule("dualpipev", ranks=1, microbatches=M)
@@ -75,24 +95,14 @@ def test_a_pair_function_runs_every_pair_exactly(one_rank_group, how):
 
     kind = _ComputationType.OVERLAP_F_B if how == "torch-kind" else hp.pipeline.OVERLAP_F_B
     pipe.register_custom_function(kind, run)
-    opt = torch.optim.SGD(params, lr=0.1)
-    x, y = batch()
-    losses = []
-    for _ in range(3):
-        opt.zero_grad()
-        losses.append(pipe.step(x, y))
-        opt.step()
-    want_losses, want = reference(3)
-    assert losses == pytest.approx(want_losses, rel=1e-12, abs=1e-14)
-    for q, w in zip(params, want):
-        assert torch.allclose(q, w, rtol=0, atol=1e-13)
+    assert_matches_reference(train(pipe, params), params)
     pairs = [a for a in pipe.schedule.actions[0] if "+" in str(a)]
     assert len(pairs) == 5 and len(seen) == 3 * len(pairs)
     assert seen[0] == ("1F1+0B0", 1, 1, 0, 0), seen[0]
     assert (pipe.last_stats["pairs"] > 0) == (how == "overlapped")
     # None restores the built-in order.
     pipe.register_custom_function(hp.pipeline.OVERLAP_F_B, None)
-    pipe.step(x, y)
+    pipe.step(*batch())
     assert len(seen) == 3 * len(pairs)
 
 
@@ -172,14 +182,9 @@ def test_chunks_that_define_overlapped_forward_backward_run_every_pair_exactly(o
     pipe = hp.pipeline.Pipeline(model, sched, loss_fn=mse, activation_shape=(2, 8),
                                 group=one_rank_group)
     params = [q for c in model.values() for q in c.parameters()]
-    opt = torch.optim.SGD(params, lr=0.1)
     x, y = batch()
     HookedChunk.calls.clear()
-    losses = []
-    for _ in range(3):
-        opt.zero_grad()
-        losses.append(pipe.step(x, y))
-        opt.step()
+    losses = train(pipe, params)
     # Plain autograd with the auxiliary loss, each microbatch's over M.
     ref = hooked_chunks()
     ref_params = [q for c in ref.values() for q in c.parameters()]
@@ -255,15 +260,5 @@ def test_pairs_led_by_their_backward_train_exactly(one_rank_group):
     pipe = hp.pipeline.Pipeline(model, sched, loss_fn=mse, activation_shape=(2, 8),
                                 group=one_rank_group, fb_overlap=True)
     params = [q for c in model.values() for q in c.parameters()]
-    opt = torch.optim.SGD(params, lr=0.1)
-    x, y = batch()
-    losses = []
-    for _ in range(3):
-        opt.zero_grad()
-        losses.append(pipe.step(x, y))
-        opt.step()
-    want_losses, want = reference(3)
-    assert losses == pytest.approx(want_losses, rel=1e-12, abs=1e-14)
-    for q, w in zip(params, want):
-        assert torch.allclose(q, w, rtol=0, atol=1e-13)
+    assert_matches_reference(train(pipe, params), params)
     assert pipe.last_stats["pairs"] == len(pairs)
