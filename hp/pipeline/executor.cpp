@@ -25,6 +25,7 @@
 #include <utility>
 
 #include "hp/core/memory.h"
+#include "hp/distributed/lanes.h"
 #include "hp/pipeline/frames.h"
 #include "hp/pipeline/overlap.h"
 #include "hp/pipeline/send_reaper.h"
@@ -534,7 +535,7 @@ struct Executor::State {
         };
         // NOTE [Overlapped pairs] in overlap.cpp
         auto overlapped = [&] {
-          if (!pairs) pairs = std::make_unique<PairRunner>(opts.device);
+          if (!pairs) pairs = std::make_unique<PairRunner>(opts.device, opts.pair_first_ready);
           std::function<bool()> idle;
           if (defer)  // each W its own event, while the partner waits
             idle = [this] {
@@ -613,6 +614,9 @@ struct Executor::State {
     if (deferred_w.empty()) return false;
     const auto [s, mb] = deferred_w.front();
     deferred_w.pop_front();
+    // Its posts (the last W's gradient reduction) on a lane of their own,
+    // wherever it runs (NOTE [Lanes] in hp/distributed/lanes.cpp).
+    distributed::LaneScope lane(distributed::kDeferredLane);
     stage.backward_weight(s, mb);
     return true;
   }

@@ -65,6 +65,12 @@ struct ExecutorOptions {
   /// which runs in a wait of a later half that nothing else fills, or at the
   /// step's end (NOTE [Weight gradients in the waits] in overlap.cpp).
   bool defer_wgrad = false;
+  /// With fb_overlap: a half whose wait ended takes the CPU as soon as it is
+  /// free, not in the code's order (NOTE [Turns as messages arrive] in
+  /// overlap.cpp). Only where every group the halves and the deferred W's
+  /// post on is in lanes (distributed::with_lanes): else ranks would post
+  /// in different orders.
+  bool pair_first_ready = false;
   /// Runs each FB pair in place of the built-in order (torch's
   /// register_custom_function(OVERLAP_F_B, fn)); unset: fb_overlap decides.
   std::function<void(PairCall&)> pair_function;

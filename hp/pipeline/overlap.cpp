@@ -21,6 +21,7 @@
 
 #include "hp/core/memory.h"
 #include "hp/distributed/comm.h"
+#include "hp/distributed/lanes.h"
 #include "hp/pipeline/step_timer.h"
 
 namespace hp::pipeline {
@@ -56,14 +57,36 @@ namespace hp::pipeline {
 // came first once both have ended (a half never outlives run()).
 //
 // Timing, per wait of a half: from its start to its end, the part during
-// which the other half held the baton is hidden communication; the rest is
-// exposed (PairStats). Each half's compute is the time it held the baton,
-// from taking it to its next wait or its end (a W run in a wait left out):
-// the pair's span less its waits would not do, since the waits of one half
-// overlap the other's compute.
+// which the CPU computed (the other half, or a W run in a wait) is hidden
+// communication; the rest is exposed (PairStats). Each half's compute is
+// the time it held the baton, from taking it to its next wait or its end (a
+// W run in a wait left out): the pair's span less its waits would not do,
+// since the waits of one half overlap the other's compute.
 //
 // Which half is `first` is the caller's: the executor passes the lead of
 // the pair's action (NOTE [The half that leads] in hp/schedule/fuse.cpp).
+
+// NOTE [Turns as messages arrive]
+// The fixed order wastes the CPU whenever the half whose turn it is still
+// waits while the other's message is there: an expert layer's forward
+// waits on its dispatch, the backward's next node is short (the gap
+// between its two all-to-alls), and the CPU idles until the dispatch ends
+// although the backward's combine arrived long ago. A GPU's two streams
+// have no such order: whichever's data is there runs. With `first_ready`
+// the runner does the same: the CPU is a lock the computing half holds,
+// released at each wait, and taken by whichever half's wait ends first (or
+// the one that was waiting when it is released). The posts of the two
+// halves then interleave by timing, which is only safe when each half posts
+// on a copy of each group of its own: the second half runs under
+// distributed::kPartnerLane and the executor runs deferred W's under
+// kDeferredLane (NOTE [Lanes] in hp/distributed/lanes.cpp); `hp train`
+// makes its expert-parallel and data-parallel groups in lanes and turns it
+// on with --fb-overlap. The pipeline's sends that a half posts as it ends
+// keep their order by themselves (NOTE [A half's sends leave when it
+// ends] in executor.cpp); the receives are posted before the pair. A W in
+// a wait is still placed by the rule below, but its posts (the last W's
+// gradient reduction) have a lane of their own, so where it runs no longer
+// has to be the same on every rank.
 
 // NOTE [An overlapped pair on a device]
 // On a GPU the CPU's baton is not enough: with NCCL a wait only makes the
@@ -111,8 +134,11 @@ using Clock = std::chrono::steady_clock;
 struct PairRunner::State {
   std::mutex mutex;
   std::condition_variable cv;
+  bool first_ready = false;  // NOTE [Turns as messages arrive]
   // The pair in progress.
-  int turn = 0;
+  int turn = 0;      // the fixed order: the half that may run (when its wait ended)
+  int holder = 0;    // first-ready: the half that holds the CPU, -1 none
+  int released = 0;  // the half that last gave the CPU up at a wait
   bool done[2] = {false, false};
   bool started[2] = {false, false};
   const std::function<bool()>* idle = nullptr;
@@ -122,11 +148,16 @@ struct PairRunner::State {
   std::exception_ptr error[2];
   int failed_first = -1;  // the half whose error came first
   distributed::Work in_flight[2];
-  Clock::time_point wait_start[2], turn_given[2];
+  Clock::time_point wait_start[2];
   Clock::time_point arrived[2];        // at its current wait (before a W run there)
   bool inner[2] = {false, false};      // that wait is the chunk's own (NOTE [A chunk's own waits])
   double node[2] = {0.0, 0.0};         // compute of the half's node so far
   Clock::time_point running_since[2];  // when the half last took the CPU
+  // The CPU's compute so far (a half, or a W in a wait), for what a wait hid.
+  bool busy = false;
+  double busy_before = 0.0;  // seconds, up to busy_since
+  Clock::time_point busy_since;
+  double busy_at_wait[2] = {0.0, 0.0};  // busy_until(wait_start[half])
   PairStats stats;
   // The runner's thread and its job.
   std::thread thread;
@@ -138,16 +169,35 @@ struct PairRunner::State {
 
   // Called with the mutex held.
   void give_turn(int to) {
-    turn = to;
-    turn_given[to] = Clock::now();
+    if (first_ready)
+      holder = -1;  // whichever half's wait ends first (or has ended) takes it
+    else
+      turn = to;
     cv.notify_all();
   }
+  bool may_run(int half) const { return first_ready ? holder == -1 : turn == half; }
 
+  void set_busy(bool b, Clock::time_point now) {
+    if (b && !busy) busy_since = now;
+    if (!b && busy) busy_before += std::chrono::duration<double>(now - busy_since).count();
+    busy = b;
+  }
+  double busy_until(Clock::time_point now) const {
+    return busy_before + (busy ? std::chrono::duration<double>(now - busy_since).count() : 0.0);
+  }
+  // The half takes the CPU.
+  void start_running(int half) {
+    running_since[half] = Clock::now();
+    if (first_ready) holder = half;
+    set_busy(true, running_since[half]);
+  }
   // The half gives up the CPU (a wait, its end): its compute since it took it.
   void stop_running(int half) {
-    const double ran = std::chrono::duration<double>(Clock::now() - running_since[half]).count();
+    const auto now = Clock::now();
+    const double ran = std::chrono::duration<double>(now - running_since[half]).count();
     stats.compute[half] += ran;
     node[half] += ran;
+    set_busy(false, now);
   }
   // A node of the half ends (at a wait of its chunk's own, or its end).
   void end_node(int half) {
@@ -191,13 +241,17 @@ class Switcher : public distributed::WaitObserver {
       // The partner has ended or is stopped at a wait: a deferred W runs
       // first, on this thread, which holds the CPU (NOTE [Weight gradients
       // in the waits]).
+      s_.set_busy(true, Clock::now());
       lock.unlock();
       const bool ran = (*s_.idle)();
       lock.lock();
+      s_.set_busy(false, Clock::now());
       if (ran) ++s_.stats.filled;
     }
     s_.in_flight[half_] = work;
     s_.wait_start[half_] = Clock::now();
+    s_.busy_at_wait[half_] = s_.busy_until(s_.wait_start[half_]);
+    s_.released = half_;
     if (!s_.done[1 - half_]) {
       ++s_.stats.switches;
       s_.give_turn(1 - half_);
@@ -212,13 +266,16 @@ class Switcher : public distributed::WaitObserver {
       s_.stats.inner_waited[half_] +=
           std::chrono::duration<double>(ended - s_.arrived[half_]).count();
     }
-    s_.cv.wait(lock, [&] { return s_.turn == half_ || s_.done[1 - half_]; });
-    const auto back = std::max(s_.turn_given[half_], s_.wait_start[half_]);
-    const double hidden =
-        std::chrono::duration<double>(std::min(ended, back) - s_.wait_start[half_]).count();
-    s_.stats.hidden += std::max(0.0, hidden);
-    s_.stats.exposed += std::max(0.0, std::chrono::duration<double>(ended - back).count());
-    s_.running_since[half_] = Clock::now();
+    // What the CPU computed while the wait was in flight (up to now, a
+    // moment after its end: no more than the wait).
+    const double waited = std::chrono::duration<double>(ended - s_.wait_start[half_]).count();
+    const double hidden = std::clamp(s_.busy_until(Clock::now()) - s_.busy_at_wait[half_], 0.0,
+                                     std::max(0.0, waited));
+    s_.stats.hidden += hidden;
+    s_.stats.exposed += std::max(0.0, waited - hidden);
+    s_.cv.wait(lock, [&] { return s_.may_run(half_) || s_.done[1 - half_]; });
+    if (s_.released == half_ && s_.started[1 - half_] && !s_.done[1 - half_]) ++s_.stats.reordered;
+    s_.start_running(half_);
     s_.check_partner(half_);
   }
 
@@ -229,8 +286,9 @@ class Switcher : public distributed::WaitObserver {
 
 }  // namespace
 
-PairRunner::PairRunner(c10::Device device) : state_(std::make_unique<State>()) {
+PairRunner::PairRunner(c10::Device device, bool first_ready) : state_(std::make_unique<State>()) {
   State* s = state_.get();
+  s->first_ready = first_ready;
   if (!device.is_cpu()) {
     c10::impl::VirtualGuardImpl impl(device.type());
     s->device = device;
@@ -243,10 +301,10 @@ PairRunner::PairRunner(c10::Device device) : state_(std::make_unique<State>()) {
       s->cv.wait(lock, [&] { return s->has_job || s->stop; });
       if (s->stop) return;
       s->has_job = false;
-      s->cv.wait(lock, [&] { return s->turn == 1; });
+      s->cv.wait(lock, [&] { return s->may_run(1); });
       const bool skip = s->failed_first >= 0;  // the first half failed before it waited
       s->started[1] = true;
-      s->running_since[1] = Clock::now();
+      s->start_running(1);
       lock.unlock();
       std::exception_ptr error;
       if (!skip) {
@@ -256,6 +314,7 @@ PairRunner::PairRunner(c10::Device device) : state_(std::make_unique<State>()) {
         if (s->step_cache) cache.emplace();
         Switcher switcher(*s, 1);
         distributed::WaitObserverScope observe(&switcher);
+        distributed::LaneScope lane(distributed::kPartnerLane);  // NOTE [Lanes]
         std::optional<c10::StreamGuard> on_stream;
         if (s->streams[1]) on_stream.emplace(*s->streams[1]);
         try {
@@ -286,6 +345,9 @@ PairStats PairRunner::run(const std::function<void()>& first, const std::functio
     std::lock_guard<std::mutex> lock(s.mutex);
     TORCH_CHECK(!s.has_job && s.job == nullptr, "PairRunner::run is not reentrant");
     s.turn = 0;
+    s.holder = 0;
+    s.busy = false;
+    s.busy_before = 0.0;
     s.done[0] = s.done[1] = false;
     s.started[0] = true;
     s.started[1] = false;
@@ -294,7 +356,7 @@ PairStats PairRunner::run(const std::function<void()>& first, const std::functio
     s.failed_first = -1;
     s.stats = PairStats{};
     s.node[0] = s.node[1] = 0.0;
-    s.running_since[0] = Clock::now();
+    s.start_running(0);
     s.tls.emplace();  // this thread's state, for the second half
     s.interrupt_check = distributed::current_interrupt_check();
     s.step_cache = step_cache_active();

@@ -19,11 +19,15 @@ struct PairStats {
   /// Times the CPU went from one half to the other (at a wait on
   /// communication).
   int switches = 0;
-  /// Seconds some wait of a half was in flight while the other half
-  /// computed: communication the pair hid.
+  /// First-ready turns (NOTE [Turns as messages arrive]): times a half took
+  /// the CPU back while its partner, whose turn it was, still waited.
+  int reordered = 0;
+  /// Seconds some wait of a half was in flight while the CPU computed (the
+  /// other half, or a W in a wait): communication the pair hid.
   double hidden = 0.0;
-  /// Seconds a half waited on communication with nothing to compute
-  /// (the other half done, or waiting too): what it exposed.
+  /// Seconds a wait of a half was in flight while nothing computed (the
+  /// other half done, or waiting too): what it exposed. A time both halves
+  /// wait counts for each.
   double exposed = 0.0;
   /// Times `idle` ran a piece of work during a wait.
   int filled = 0;
@@ -49,7 +53,11 @@ class PairRunner {
  public:
   /// On a device other than the CPU each half issues its work on a stream
   /// of its own (NOTE [An overlapped pair on a device] in overlap.cpp).
-  explicit PairRunner(c10::Device device = c10::Device(c10::kCPU));
+  /// With `first_ready`, a half whose wait ended takes the CPU as soon as it
+  /// is free, whichever half that is; else the halves alternate in the
+  /// code's order. First-ready needs every group the halves post on in
+  /// lanes (distributed::with_lanes; NOTE [Turns as messages arrive]).
+  explicit PairRunner(c10::Device device = c10::Device(c10::kCPU), bool first_ready = false);
   ~PairRunner();
   PairRunner(const PairRunner&) = delete;
   PairRunner& operator=(const PairRunner&) = delete;

@@ -357,6 +357,7 @@ Pipeline::Pipeline(schedule::Schedule schedule, std::shared_ptr<distributed::Com
   eo.cache_cpu_memory = options_.cache_cpu_memory;
   eo.fb_overlap = options_.fb_overlap;
   eo.defer_wgrad = options_.defer_wgrad;
+  eo.pair_first_ready = options_.pair_first_ready;
   eo.pair_function = options_.pair_function;
   try {
     executor_ = std::make_unique<Executor>(sched_, rank_, *stage_, comm_, std::move(eo));

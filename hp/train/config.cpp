@@ -129,6 +129,8 @@ void TrainConfig::validate() const {
          "--link delays the group's point-to-point; --p2p shm would bypass it "
          "(use --p2p auto or group)");
   }
+  need(pair_turns == "ready" || pair_turns == "fixed",
+       "--pair-turns '" + pair_turns + "' is not one of: ready, fixed");
   need(!defer_wgrad || fb_overlap,
        "--defer-wgrad defers the W of overlapped pairs: give --fb-overlap too");
   need(receive_lookahead >= 0, "--receive-lookahead " + std::to_string(receive_lookahead) +

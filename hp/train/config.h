@@ -79,6 +79,10 @@ struct TrainConfig {
   bool fb_overlap = false;
   /// With fb_overlap: each pair's W waits for a wait to fill (PipelineOptions::defer_wgrad).
   bool defer_wgrad = false;
+  /// With fb_overlap: "ready" (a half takes the CPU as its message arrives;
+  /// the expert- and data-parallel groups in lanes) or "fixed" (the code's
+  /// order). NOTE [Turns as messages arrive] in hp/pipeline/overlap.cpp.
+  std::string pair_turns = "ready";
   /// "LATENCY_US,GBPS": the cost every pipeline transfer and expert all-to-all
   /// pays (NOTE [The link model] in hp/distributed/link_model.cpp); empty: none.
   std::string link;

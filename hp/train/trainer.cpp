@@ -20,6 +20,7 @@
 
 #include "hp/core/memory.h"
 #include "hp/distributed/collectives.h"
+#include "hp/distributed/lanes.h"
 #include "hp/distributed/mesh.h"
 #include "hp/launch/launcher.h"
 #include "hp/models/data.h"
@@ -86,6 +87,16 @@ RankGroups make_groups(const TrainConfig& config, std::shared_ptr<distributed::C
       g.ep = distributed::with_link_model(mesh.group("ep"), g.link);
       g.expert_dp = distributed::with_link_model(mesh.group("edp"), g.link);
     }
+  }
+  // --pair-turns ready: the groups whose posts a pair's halves and its W's
+  // make, in lanes (NOTE [Turns as messages arrive] in
+  // hp/pipeline/overlap.cpp). The pipeline's own group needs none (NOTE [A
+  // half's sends leave when it ends]), nor the expert copies' (reduced at
+  // the step's end).
+  if (config.fb_overlap && config.pair_turns == "ready" && g.dp) {
+    const bool shared = g.ep == g.dp;
+    g.dp = distributed::with_lanes(g.dp, distributed::kPairLanes);
+    g.ep = shared ? g.dp : distributed::with_lanes(g.ep, distributed::kPairLanes);
   }
   return g;
 }
@@ -179,6 +190,7 @@ pipeline::PipelineOptions pipeline_options(const TrainConfig& config, const Rank
   po.cache_cpu_memory = true;  // the CPU's caching allocator (CUDA has its own)
   po.fb_overlap = config.fb_overlap;
   po.defer_wgrad = config.defer_wgrad;
+  po.pair_first_ready = config.fb_overlap && config.pair_turns == "ready";
   po.link = groups.link;
   return po;
 }

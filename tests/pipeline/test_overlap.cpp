@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "hp/distributed/comm.h"
+#include "hp/distributed/lanes.h"
 #include "hp/pipeline/overlap.h"
 #include "hp/schedule/fuse.h"
 #include "hp/train/trainer.h"
@@ -86,6 +87,99 @@ TEST(PairRunner, HalvesTakeTurnsAtEveryWaitInAnOrderFixedByTheCode) {
         << "trial " << trial;
     EXPECT_EQ(stats.switches, 4);
   }
+}
+
+// NOTE [Turns as messages arrive]: with first_ready the half whose wait
+// ended takes the CPU, out of the code's order; the second half posts on
+// its own lane.
+TEST(PairRunner, FirstReadyGivesTheCpuToTheHalfWhoseWaitEnded) {
+  PairRunner fixed, ready(c10::Device(c10::kCPU), /*first_ready=*/true);
+  for (PairRunner* runner : {&fixed, &ready}) {
+    std::vector<std::string> log;
+    std::mutex m;
+    auto note = [&](const std::string& s) {
+      std::lock_guard<std::mutex> lock(m);
+      log.push_back(s);
+    };
+    int lanes[2] = {-1, -1};
+    // The forward's one wait is long; the backward's two are short.
+    auto first = [&] {
+      lanes[0] = hp::distributed::current_lane();
+      note("F1");
+      sleep_work(150).wait();
+      note("F2");
+    };
+    auto second = [&] {
+      lanes[1] = hp::distributed::current_lane();
+      note("B1");
+      sleep_work(5).wait();
+      note("B2");
+      sleep_work(5).wait();
+      note("B3");
+    };
+    const auto t0 = Clock::now();
+    const auto stats = runner->run(first, second);
+    const double took = since(t0);
+    EXPECT_EQ(lanes[0], hp::distributed::kMainLane);
+    EXPECT_EQ(lanes[1], hp::distributed::kPartnerLane);
+    if (runner == &fixed) {
+      EXPECT_EQ(log, (std::vector<std::string>{"F1", "B1", "F2", "B2", "B3"}));
+      EXPECT_GT(took, 0.155) << "the backward's second wait comes after the forward's";
+      EXPECT_EQ(stats.reordered, 0);
+    } else {
+      EXPECT_EQ(log, (std::vector<std::string>{"F1", "B1", "B2", "B3", "F2"}));
+      EXPECT_LT(took, 0.155 + 0.1);
+      EXPECT_EQ(stats.reordered, 2) << "B2 and B3 came before F2";
+    }
+    // Nothing computes while they wait: the time both halves wait counts as
+    // exposed for each, and no compute hid it.
+    EXPECT_LT(stats.hidden, 0.02);
+    EXPECT_GT(stats.exposed, 0.15);
+  }
+}
+
+// NOTE [Lanes]: two threads per rank post on one laned group in orders
+// that differ between the ranks; each lane keeps its own order, so every
+// message reaches the right receive. A subgroup keeps the lanes.
+TEST(Lanes, EachLaneKeepsItsOwnOrder) {
+  hp::testing::run_ranks_as_threads(2, [](int r, std::shared_ptr<hp::distributed::Comm> g) {
+    EXPECT_EQ(hp::distributed::with_lanes(g, 1), g);
+    EXPECT_THROW(hp::distributed::with_lanes(g, 0), c10::Error);
+    auto laned = hp::distributed::with_lanes(g, hp::distributed::kPairLanes);
+    const int peer = 1 - r;
+    for (auto comm : {laned, laned->split({0, 1})}) {
+      EXPECT_EQ(comm->rank(), r);
+      EXPECT_EQ(comm->world_size(), 2);
+      // Lane L sends L*100 + k, k = 0..2; rank 0 runs lane 1 before lane 0,
+      // rank 1 lane 0 before lane 1 (without lanes the first messages would
+      // cross between the threads' receives).
+      std::vector<torch::Tensor> got[2];
+      auto post = [&](int lane) {
+        hp::distributed::LaneScope scope(lane);
+        EXPECT_EQ(hp::distributed::current_lane(), lane);
+        for (int k = 0; k < 3; ++k) {
+          auto in = torch::empty({1}, torch::kFloat64);
+          auto works = comm->batch({hp::distributed::P2POp::send(
+                                        torch::full({1}, 100.0 * lane + k, torch::kFloat64), peer),
+                                    hp::distributed::P2POp::recv(in, peer)});
+          hp::distributed::wait_all(works);
+          got[lane].push_back(in);
+        }
+      };
+      std::thread other([&] { post(r == 0 ? 0 : 1); });
+      post(r == 0 ? 1 : 0);
+      other.join();
+      for (int lane = 0; lane < 2; ++lane)
+        for (int k = 0; k < 3; ++k)
+          EXPECT_EQ(got[lane][k].item<double>(), 100.0 * lane + k) << "lane " << lane;
+      // A collective on the thread's lane; a lane beyond the count is lane 0.
+      hp::distributed::LaneScope beyond(7);
+      auto t = torch::full({2}, 1.0 + r, torch::kFloat64);
+      comm->all_reduce(t);
+      EXPECT_TRUE(torch::equal(t, torch::full({2}, 3.0, torch::kFloat64)));
+    }
+    EXPECT_EQ(hp::distributed::current_lane(), hp::distributed::kMainLane);
+  });
 }
 
 TEST(PairRunner, OneHalfComputesWhileTheOtherWaits) {
@@ -286,6 +380,7 @@ struct OverlapCase {
   int ep;
   bool recompute;
   bool defer_wgrad = false;
+  std::string pair_turns = "ready";  // NOTE [Turns as messages arrive]
 };
 
 class OverlappedPipelines : public ::testing::TestWithParam<OverlapCase> {};
@@ -306,6 +401,7 @@ TEST_P(OverlappedPipelines, EqualOneProcess) {
   c.recompute = k.recompute;
   c.fb_overlap = true;
   c.defer_wgrad = k.defer_wgrad;
+  c.pair_turns = k.pair_turns;
   c.link = "2000,0.05";  // 2 ms, 50 MB/s
   if (hp::schedule::is_fb_variant(k.schedule)) {
     // Some of their pairs lead with the B (NOTE [The half that leads] in
@@ -396,7 +492,7 @@ TEST_P(OverlappedPipelines, EqualOneProcess) {
 
 INSTANTIATE_TEST_SUITE_P(Pairs, OverlappedPipelines,
                          ::testing::Values(OverlapCase{"dualpipev", 6, 1, false},
-                                           OverlapCase{"dualpipev", 6, 2, false},
+                                           OverlapCase{"dualpipev", 6, 2, false, false, "fixed"},
                                            OverlapCase{"dualpipe", 4, 2, false},
                                            OverlapCase{"dualpipev", 6, 2, true},
                                            OverlapCase{"dualpipev", 6, 1, false, true},
@@ -409,7 +505,8 @@ INSTANTIATE_TEST_SUITE_P(Pairs, OverlappedPipelines,
                            std::replace(n.begin(), n.end(), '-', '_');
                            n += std::string(info.param.ep > 1 ? "_ep2" : "_dense") +
                                 (info.param.recompute ? "_recompute" : "") +
-                                (info.param.defer_wgrad ? "_defer_wgrad" : "");
+                                (info.param.defer_wgrad ? "_defer_wgrad" : "") +
+                                (info.param.pair_turns == "fixed" ? "_fixed_turns" : "");
                            return n;
                          });
 

@@ -410,6 +410,9 @@ TEST(TrainEndToEnd, PipelineTimesExpertParallelEqualsSingleProcessTraining) {
     expect_report_matches(report, ref, /*checksum=*/true);
     if (!overlap.empty()) {
       EXPECT_EQ(report["config"]["fb_overlap"], true);
+      // Real processes, the halves taking turns as messages arrive, each on
+      // its own lane of the expert-parallel group (NOTE [Lanes]).
+      EXPECT_EQ(report["config"]["pair_turns"], "ready");
       for (const auto& rank : report["ranks"])
         EXPECT_GT(rank["pair_hidden_comm_seconds"].get<double>(), 0.0) << rank;
     }
@@ -419,6 +422,9 @@ TEST(TrainEndToEnd, PipelineTimesExpertParallelEqualsSingleProcessTraining) {
   EXPECT_NE(link.exit_code, 0);
   EXPECT_NE(link.output.find("--link '20': no comma; give LATENCY_US,GBPS"), std::string::npos)
       << link.output;
+  HpRun turns = run_hp(moe_flags(small("dualpipev", 2)) + " --ep 2 --fb-overlap --pair-turns soon");
+  EXPECT_NE(turns.exit_code, 0);
+  EXPECT_NE(turns.output.find("--pair-turns"), std::string::npos) << turns.output;
   HpRun bad = run_hp(moe_flags(small("1f1b", 2)) + " --experts 3 --ep 2");
   EXPECT_NE(bad.exit_code, 0);
   EXPECT_NE(bad.output.find("--experts 3 do not divide over --ep 2"), std::string::npos)

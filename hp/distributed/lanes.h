@@ -1,0 +1,41 @@
+// hp/distributed/lanes.h: a group in several copies over the same ranks, one
+// per thread that posts in an order of its own (NOTE [Lanes] in lanes.cpp).
+#pragma once
+
+#include <memory>
+
+#include "hp/distributed/comm.h"
+
+namespace hp::distributed {
+
+/// `group` and `lanes - 1` copies of it over the same ranks (split() of
+/// all of them; every rank calls it): each operation goes to the copy the
+/// calling thread's LaneScope names (NOTE [Lanes]), so threads whose posts
+/// interleave by timing each keep an order of their own. A lane beyond the
+/// count is lane 0; `lanes` 1 returns `group`.
+std::shared_ptr<Comm> with_lanes(std::shared_ptr<Comm> group, int lanes);
+
+/// The lanes an overlapped pair uses (NOTE [Lanes]).
+enum Lane : int {
+  kMainLane = 0,      ///< the executor, and a pair's first half
+  kPartnerLane = 1,   ///< a pair's second half (the runner's thread)
+  kDeferredLane = 2,  ///< the weight gradients run in waits
+  kPairLanes = 3,     ///< how many
+};
+
+/// Names the lane the calling thread's operations on a with_lanes Comm take,
+/// while alive; nests, restoring the previous one (kMainLane at first).
+class LaneScope {
+ public:
+  explicit LaneScope(int lane);
+  ~LaneScope();
+  LaneScope(const LaneScope&) = delete;
+  LaneScope& operator=(const LaneScope&) = delete;
+
+ private:
+  int previous_;
+};
+/// The calling thread's lane.
+int current_lane();
+
+}  // namespace hp::distributed
