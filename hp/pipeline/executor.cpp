@@ -25,10 +25,8 @@
 #include <utility>
 
 #include "hp/core/memory.h"
-#include "hp/distributed/lanes.h"
+#include "hp/pipeline/executor_state.h"
 #include "hp/pipeline/frames.h"
-#include "hp/pipeline/overlap.h"
-#include "hp/pipeline/send_reaper.h"
 #include "hp/schedule/action.h"
 #include "hp/schedule/progress.h"
 
@@ -41,726 +39,480 @@ using schedule::Action;
 using schedule::Op;
 using Clock = std::chrono::steady_clock;
 
-using Key = std::pair<int, int>;  // (stage, microbatch)
-
 }  // namespace
 
-struct Executor::State {
-  const schedule::Schedule& sched;
-  int rank;
-  PipelineStage& stage;
-  std::shared_ptr<distributed::Comm> comm;
-  ExecutorOptions opts;
-  const std::vector<Action>& actions;
-
-  // Per step.
-  struct Posted {
-    std::vector<distributed::Work> works;  // one per tensor
-    Message buffers;
-    std::vector<bool> takes_grad;  // forward: which leaves take a gradient
-    int peer = -1;        // framed: the sender's rank (NOTE [Messages that describe themselves])
-    uint64_t number = 0;  // framed: the message's number from that rank
-  };
-  std::map<std::tuple<int, int, int>, Posted> recvs;  // (kind, consumer stage, mb)
-  std::map<Key, Message> local_grad;                  // dx handed to (consumer stage, mb)
-  std::map<Key, Message> pending_dx;                  // dx waiting for its SEND_B
-  StepStats stats;
-  std::unique_ptr<StepTimer> timer;
-  std::unique_ptr<SendReaper> reaper;
-  // This step's timed spans as timer marks, turned into seconds after the
-  // step (NOTE [Timing on the device]).
-  std::vector<TimedSpan> spans;                 // the events, in the order they happened
-  std::vector<std::pair<int, int>> comm_spans;  // batch postings, receive waits, the drain
-  std::vector<std::pair<int, int>>* waits_of_running = nullptr;
-  ChunkWaits* own_waits_of_running = nullptr;  // NOTE [A chunk's own waits] in step_timer.h
-  std::unique_ptr<PairRunner> pairs;           // made by the first overlapped FB
-  std::deque<std::pair<int, int>> deferred_w;  // (stage, mb): NOTE [Weight gradients in the waits]
-  bool in_pair = false;                        // an overlapped pair runs (its idle runs the W's)
-  std::vector<TimedSpan> pair_halves;          // the last overlapped pair's halves, as they ended
-  // The action list's batches (runs of SEND/RECV actions) as [first, last),
-  // the batch starting at each index, and the receives posted ahead this step
-  // (NOTE [Receives posted ahead]).
-  std::vector<std::pair<size_t, size_t>> batches;
-  std::map<size_t, size_t> batch_at;
-  size_t lookahead = 0;
-  std::vector<char> posted_ahead;
-  size_t running = 0;  // the index of the compute action that runs
-  // Messages that describe themselves (no layout declared): their frames.
-  std::unique_ptr<Frames> frames;
-
-  State(const schedule::Schedule& s, int r, PipelineStage& st, std::shared_ptr<distributed::Comm> c,
-        ExecutorOptions o)
-      : sched(s),
-        rank(r),
-        stage(st),
-        comm(std::move(c)),
-        opts(std::move(o)),
-        actions(s.actions.at(r)) {
-    if (opts.make_timer) {
-      timer = opts.make_timer();
-      TORCH_CHECK(timer != nullptr, "ExecutorOptions::make_timer returned no timer");
-    } else {
-      timer = opts.device.is_cpu() ? make_host_timer() : make_device_timer(opts.device);
+Executor::State::State(const schedule::Schedule& s, int r, PipelineStage& st,
+                       std::shared_ptr<distributed::Comm> c, ExecutorOptions o)
+    : sched(s),
+      rank(r),
+      stage(st),
+      comm(std::move(c)),
+      opts(std::move(o)),
+      actions(s.actions.at(r)) {
+  if (opts.make_timer) {
+    timer = opts.make_timer();
+    TORCH_CHECK(timer != nullptr, "ExecutorOptions::make_timer returned no timer");
+  } else {
+    timer = opts.device.is_cpu() ? make_host_timer() : make_device_timer(opts.device);
+  }
+  for (size_t i = 0; i < actions.size();) {
+    if (!schedule::is_comm(actions[i].op)) {
+      ++i;
+      continue;
     }
-    for (size_t i = 0; i < actions.size();) {
-      if (!schedule::is_comm(actions[i].op)) {
-        ++i;
-        continue;
+    size_t j = i;
+    while (j < actions.size() && schedule::is_comm(actions[j].op))
+      ++j;
+    batch_at[i] = batches.size();
+    batches.emplace_back(i, j);
+    i = j;
+  }
+  const bool free_early = comm->early_receives_are_free();
+  TORCH_CHECK(opts.receive_lookahead >= 0, "ExecutorOptions::receive_lookahead is ",
+              opts.receive_lookahead, "; give a number of batches (0: none ahead)");
+  TORCH_CHECK(opts.receive_lookahead <= 0 || free_early, "ExecutorOptions::receive_lookahead is ",
+              opts.receive_lookahead, ", but the ", comm->backend_name(),
+              " Comm does not say that receives posted ahead are free (where a rank's "
+              "operations run in posting order, as on NCCL, they would hold back its sends; "
+              "NOTE [Receives posted ahead])");
+  lookahead = size_t(opts.receive_lookahead);
+  if (!opts.layout && !opts.activation_shape) {
+    frames = std::make_unique<Frames>(s.num_ranks, opts.device, opts.first_frame_bytes);
+  }
+}
+
+std::string Executor::State::where(const Action& a) const {
+  std::ostringstream os;
+  os << "rank " << rank << " action " << schedule::to_string(a);
+  return os.str();
+}
+
+// NOTE [The actions around a failure]
+// A failed action's error ends with this rank's actions around it, the
+// failed one in brackets, as PyTorch's pipelining prints the schedule: which
+// transfers came before it and what the rank was about to do says more
+// than the action alone (a mismatched order, a missing send).
+std::string Executor::State::around(size_t i) const {
+  constexpr size_t kBefore = 6, kAfter = 4;
+  const size_t from = i > kBefore ? i - kBefore : 0;
+  const size_t to = std::min(actions.size(), i + kAfter + 1);
+  std::ostringstream os;
+  os << "\n  rank " << rank << "'s actions " << from << "-" << to - 1 << " of " << actions.size()
+     << ":";
+  for (size_t k = from; k < to; ++k) {
+    const std::string text = schedule::to_string(actions[k]);
+    os << " " << (k == i ? "[" + text + "]" : text);
+  }
+  return os.str();
+}
+
+// Rethrows the error of action i with where it happened, before and after.
+[[noreturn]] void Executor::State::fail_at(size_t i, const std::string& what) const {
+  const std::string prefix = where(actions[i]) + what + ": ";
+  try {
+    throw;
+  } catch (const distributed::CommError& e) {
+    throw distributed::CommError(prefix + e.what() + around(i), e.lost_ranks(), e.timed_out());
+  } catch (const c10::Error& e) {
+    throw std::runtime_error(prefix + e.what_without_backtrace() + around(i));
+  } catch (const std::exception& e) {
+    throw std::runtime_error(prefix + e.what() + around(i));
+  }
+}
+
+// What stage `stage_id` outputs for microbatch `mb` (NOTE [Messages
+// between stages]): ExecutorOptions::layout, or one tensor that takes a
+// gradient.
+Layout Executor::State::layout_for(int stage_id, int mb) const {
+  if (opts.layout) return opts.layout(stage_id, mb);
+  return {Leaf{opts.dtype, opts.activation_shape(stage_id, mb), true}};
+}
+
+// The receives of a RECV action: fresh buffers, one per tensor of the
+// message, from the producer's rank.
+std::vector<distributed::P2POp> Executor::State::recv_ops(const Action& a, Posted& posted) {
+  const bool fwd = a.op == Op::RECV_F;
+  int producer =
+      fwd ? sched.prev_stage(a.stage, a.microbatch) : sched.next_stage(a.stage, a.microbatch);
+  TORCH_CHECK(producer >= 0, where(a), ": nothing on the route sends this");
+  TORCH_CHECK(!recvs.count(std::make_tuple(fwd ? 0 : 1, a.stage, a.microbatch)), where(a),
+              ": received twice");
+  // A forward message is what the producer outputs; a backward one the
+  // gradients of what this stage outputs, for its leaves that take one.
+  if (frames) {  // NOTE [Messages that describe themselves] in frames.h
+    posted.peer = rank_of(producer);
+    return {frames->expect(posted.peer, &posted.number)};
+  }
+  const Layout layout = layout_for(fwd ? producer : a.stage, a.microbatch);
+  std::vector<distributed::P2POp> ops;
+  for (const Leaf& leaf : layout) {
+    if (fwd) posted.takes_grad.push_back(leaf.grad);
+    if (!fwd && !leaf.grad) continue;
+    posted.buffers.push_back(
+        torch::empty(leaf.shape, torch::TensorOptions().dtype(leaf.dtype).device(opts.device)));
+    ops.push_back(distributed::P2POp::recv(posted.buffers.back(), rank_of(producer)));
+  }
+  return ops;
+}
+
+Message Executor::State::take_recv(int kind, int stage_id, int mb, const Action& consumer,
+                                   std::vector<bool>* takes_grad) {
+  auto it = recvs.find(std::make_tuple(kind, stage_id, mb));
+  TORCH_CHECK(it != recvs.end(), where(consumer), ": its input was never received (no ",
+              kind == 0 ? "RECV_F" : "RECV_B", " before it in the action list)");
+  Posted& posted = it->second;
+  // NOTE [Weight gradients in the waits] in overlap.cpp: outside a pair,
+  // one queued W before each receive's wait, a span of its own that the
+  // waiting action's compute excludes.
+  if (!in_pair && !deferred_w.empty()) {
+    const int w_start = timer->mark();
+    run_deferred_w_span();
+    if (waits_of_running != nullptr) waits_of_running->emplace_back(w_start, timer->mark());
+    ++stats.deferred_w_in_waits;
+  }
+  bool blocks = false;
+  const int start = timer->mark();
+  Message buffers;
+  ReceiveScope receiving;  // NOTE [A chunk's own waits] in step_timer.h
+  if (frames) {
+    blocks = !opts.device.is_cpu() || (!posted.works.empty() && posted.works[0].blocks_host());
+    buffers = frames->take(posted.peer, posted.number, takes_grad,
+                           [this](const distributed::P2POp& op) { return comm->batch({op})[0]; });
+  } else {
+    for (distributed::Work& w : posted.works) {
+      blocks = blocks || w.blocks_host();
+      w.wait();
+    }
+    buffers = std::move(posted.buffers);
+    if (takes_grad != nullptr) *takes_grad = std::move(posted.takes_grad);
+  }
+  const int end = timer->mark();
+  if (blocks) ++stats.host_syncs;
+  comm_spans.emplace_back(start, end);
+  // The wait is the receive's event (NOTE [Compute events exclude waits] in step_timer.cpp).
+  spans.push_back({Action::make(kind == 0 ? Op::RECV_F : Op::RECV_B, stage_id, mb), start, end});
+  if (waits_of_running != nullptr) waits_of_running->emplace_back(start, end);
+  recvs.erase(it);
+  return buffers;
+}
+
+// The sends of a SEND action: the output (F) or input gradients (I/B) it
+// names, one per tensor, to the consumer's rank; `on_done` frees a sent
+// output.
+std::vector<distributed::P2POp> Executor::State::send_ops(const Action& a,
+                                                          std::function<void()>& on_done) {
+  const bool fwd = a.op == Op::SEND_F;
+  const int mb = a.microbatch;
+  int consumer = fwd ? sched.next_stage(a.stage, mb) : sched.prev_stage(a.stage, mb);
+  TORCH_CHECK(consumer >= 0, where(a), ": nothing on the route receives this");
+  Message m;
+  std::vector<bool> grad;
+  if (fwd) {
+    m = stage.output(a.stage, mb);
+    if (frames) grad = stage.output_takes_grad(a.stage, mb);
+    if (opts.layout) check_layout(a, m, opts.layout(a.stage, mb));
+    if (opts.release_sent_outputs) {
+      PipelineStage* st = &stage;
+      int s = a.stage;
+      on_done = [st, s, mb] { st->release_output(s, mb); };
+    }
+  } else {
+    auto it = pending_dx.find({a.stage, mb});
+    TORCH_CHECK(it != pending_dx.end(), where(a), ": no input gradient to send (I must run first)");
+    m = std::move(it->second);
+    pending_dx.erase(it);
+  }
+  if (frames) {  // gradients take none
+    if (!fwd) grad.assign(m.size(), false);
+    return frames->send(m, grad, rank_of(consumer));
+  }
+  std::vector<distributed::P2POp> ops;
+  for (const torch::Tensor& t : m) {
+    TORCH_INTERNAL_ASSERT(t.is_contiguous(), where(a), ": what is sent is contiguous");
+    ops.push_back(distributed::P2POp::send(t, rank_of(consumer)));
+  }
+  return ops;
+}
+
+// A stage's output against the layout its receiver posted buffers for.
+void Executor::State::check_layout(const Action& a, const Message& m, const Layout& want) const {
+  const Layout got = layout_of(m);
+  if (got == want) return;
+  std::string which;
+  for (size_t i = 0; i < std::max(got.size(), want.size()); ++i)
+    if (i >= got.size() || i >= want.size() || got[i] != want[i]) {
+      which = "tensor " + std::to_string(i) + " differs first";
+      break;
+    }
+  TORCH_CHECK(false, where(a), ": stage ", a.stage, " microbatch ", a.microbatch, " output ",
+              to_string(got), " where its layout says ", to_string(want), " (", which, ")");
+}
+
+// NOTE [Receives posted ahead]
+// Gloo's TCP transport moves a message only once both ends posted it: a
+// posted receive writes a "ready" note to the sender, and a send posted
+// after that note arrived is written at once by the posting thread; a send
+// posted before it waits for the sender's event-loop thread to answer the
+// note. That thread shares the core with the rank's main thread, which is
+// computing by then, and the scheduler may let the computation run on to
+// its next tick: on the benchmark host (4 ms ticks, 1F1B, 32 microbatches
+// of 2 KB) one message in five arrived 1-5 ms after its send was posted
+// (seen with `perf sched`: the sender's event-loop thread woken by the
+// note, then runnable for 4.3 ms behind its own rank's compute). Posting
+// each batch's receives a batch earlier (ExecutorOptions::receive_lookahead
+// 1) cut that lateness from 8.5-9.9 to 1-3 ms per step, and in the compute
+// setting from 3.8-4.4 to 0.2-0.3 ms, yet the steps got slower in paired
+// runs (PyTorch / hp step 1.23 -> 1.03 on 1F1B and 1.41 -> 1.21 on GPipe
+// in the overhead setting, 1.20 -> 0.91 on 1F1B in the compute one): the
+// data now lands while the receiver computes (its event-loop thread
+// preempts the computation to read it), the sender writes it inline on its
+// compute thread, and more arrivals meet a posting thread holding the
+// connection's lock (NOTE [Sends before receives] in lower.cpp). So none
+// are posted ahead by default; the option stays for hosts where transport
+// threads have cores of their own. Only where the Comm says it is free: on
+// NCCL a rank's operations run in posting order on one stream, so an
+// early receive would hold back the sends behind it.
+//
+// Posts actions[i, j) (consecutive SEND/RECV actions) as one batch, in
+// list order (NOTE [Executor protocol]), with the RECVs of the next
+// `lookahead` batches after them (their order kept: every channel's
+// receives are still posted in list order).
+void Executor::State::post_batch(size_t i, size_t j) {
+  std::vector<size_t> which;
+  for (size_t k = i; k < j; ++k)
+    if (!posted_ahead[k]) which.push_back(k);
+  const size_t b = batch_at.at(i);
+  for (size_t ahead = b + 1; ahead <= b + lookahead && ahead < batches.size(); ++ahead)
+    for (size_t k = batches[ahead].first; k < batches[ahead].second; ++k)
+      if (!is_send(actions[k].op) && !posted_ahead[k]) {
+        posted_ahead[k] = 1;
+        which.push_back(k);
       }
-      size_t j = i;
-      while (j < actions.size() && schedule::is_comm(actions[j].op))
-        ++j;
-      batch_at[i] = batches.size();
-      batches.emplace_back(i, j);
-      i = j;
-    }
-    const bool free_early = comm->early_receives_are_free();
-    TORCH_CHECK(opts.receive_lookahead >= 0, "ExecutorOptions::receive_lookahead is ",
-                opts.receive_lookahead, "; give a number of batches (0: none ahead)");
-    TORCH_CHECK(opts.receive_lookahead <= 0 || free_early, "ExecutorOptions::receive_lookahead is ",
-                opts.receive_lookahead, ", but the ", comm->backend_name(),
-                " Comm does not say that receives posted ahead are free (where a rank's "
-                "operations run in posting order, as on NCCL, they would hold back its sends; "
-                "NOTE [Receives posted ahead])");
-    lookahead = size_t(opts.receive_lookahead);
-    if (!opts.layout && !opts.activation_shape) {
-      frames = std::make_unique<Frames>(s.num_ranks, opts.device, opts.first_frame_bytes);
+  if (which.empty()) return;
+  std::vector<distributed::P2POp> ops;
+  std::vector<size_t> first_op(which.size() + 1,
+                               0);  // action n's ops: [first_op[n], first_op[n+1])
+  std::vector<Posted> posted(which.size());
+  std::vector<std::function<void()>> on_done(which.size());
+  for (size_t n = 0; n < which.size(); ++n) {
+    const Action& a = actions[which[n]];
+    auto mine = is_send(a.op) ? send_ops(a, on_done[n]) : recv_ops(a, posted[n]);
+    ops.insert(ops.end(), mine.begin(), mine.end());
+    first_op[n + 1] = ops.size();
+  }
+  auto works = comm->batch(ops);
+  for (size_t n = 0; n < which.size(); ++n) {
+    const Action& a = actions[which[n]];
+    if (is_send(a.op)) {
+      // The reaper holds each sent tensor while its send runs; the data is
+      // freed by on_done after the message's last send (outputs: their
+      // storage is swapped out) or when the reaper drops it (gradients).
+      for (size_t k = first_op[n]; k < first_op[n + 1]; ++k)
+        reaper->add(works[k], ops[k].tensor,
+                    k + 1 == first_op[n + 1] ? std::move(on_done[n]) : std::function<void()>());
+    } else {
+      posted[n].works.assign(works.begin() + first_op[n], works.begin() + first_op[n + 1]);
+      if (frames) frames->posted(posted[n].peer, posted[n].works.at(0));
+      recvs.emplace(std::make_tuple(a.op == Op::RECV_F ? 0 : 1, a.stage, a.microbatch),
+                    std::move(posted[n]));
     }
   }
+}
 
-  int rank_of(int stage_id) const { return sched.stage_rank.at(stage_id); }
-  static bool is_send(Op op) { return op == Op::SEND_F || op == Op::SEND_B; }
-  std::string where(const Action& a) const {
-    std::ostringstream os;
-    os << "rank " << rank << " action " << schedule::to_string(a);
-    return os.str();
+// Where each input comes from: schedule::forward_input/backward_input,
+// the same definition validation and the simulator use (NOTE [What an
+// action waits for]).
+// The input of F (s, mb), and which of its tensors take a gradient (the
+// model's input takes none).
+Message Executor::State::forward_input(int s, int mb, const Action& a,
+                                       std::vector<bool>* takes_grad) {
+  const schedule::InputSource in = schedule::forward_input(sched, s, mb);
+  switch (in.kind) {
+    case schedule::InputSource::Kind::Data:
+      return opts.input_message ? opts.input_message(mb) : Message{opts.input(mb)};
+    case schedule::InputSource::Kind::Local:
+      *takes_grad = stage.output_takes_grad(in.stage, mb);
+      return stage.output(in.stage, mb);
+    default:
+      return take_recv(0, s, mb, a, takes_grad);
   }
+}
 
-  // NOTE [The actions around a failure]
-  // A failed action's error ends with this rank's actions around it, the
-  // failed one in brackets, as PyTorch's pipelining prints the schedule: which
-  // transfers came before it and what the rank was about to do says more
-  // than the action alone (a mismatched order, a missing send).
-  std::string around(size_t i) const {
-    constexpr size_t kBefore = 6, kAfter = 4;
-    const size_t from = i > kBefore ? i - kBefore : 0;
-    const size_t to = std::min(actions.size(), i + kAfter + 1);
-    std::ostringstream os;
-    os << "\n  rank " << rank << "'s actions " << from << "-" << to - 1 << " of " << actions.size()
-       << ":";
-    for (size_t k = from; k < to; ++k) {
-      const std::string text = schedule::to_string(actions[k]);
-      os << " " << (k == i ? "[" + text + "]" : text);
-    }
-    return os.str();
+bool Executor::State::ends_in_loss(int s, int mb) const {
+  return schedule::backward_input(sched, s, mb).kind == schedule::InputSource::Kind::Loss;
+}
+
+void Executor::State::forward(int s, int mb, const Action& a) {
+  std::vector<bool> takes_grad;
+  Message input = forward_input(s, mb, a, &takes_grad);
+  stage.forward(s, mb, input, takes_grad, ends_in_loss(s, mb));
+}
+
+Message Executor::State::grad_for(int s, int mb, const Action& a) {
+  stage.prepare_backward(s, mb);
+  const schedule::InputSource in = schedule::backward_input(sched, s, mb);
+  if (in.kind == schedule::InputSource::Kind::Loss) return {};
+  if (in.kind == schedule::InputSource::Kind::Local) {
+    auto it = local_grad.find({s, mb});
+    TORCH_CHECK(it != local_grad.end(), where(a), ": the output gradient from stage ", in.stage,
+                " (same rank) is not there yet; its I must run first");
+    Message g = std::move(it->second);
+    local_grad.erase(it);
+    return g;
   }
+  return take_recv(1, s, mb, a);
+}
 
-  // Rethrows the error of action i with where it happened, before and after.
-  [[noreturn]] void fail_at(size_t i, const std::string& what) const {
-    const std::string prefix = where(actions[i]) + what + ": ";
-    try {
-      throw;
-    } catch (const distributed::CommError& e) {
-      throw distributed::CommError(prefix + e.what() + around(i), e.lost_ranks(), e.timed_out());
-    } catch (const c10::Error& e) {
-      throw std::runtime_error(prefix + e.what_without_backtrace() + around(i));
-    } catch (const std::exception& e) {
-      throw std::runtime_error(prefix + e.what() + around(i));
-    }
+void Executor::State::store_dx(int s, int mb, Message dx) {
+  int prev = sched.prev_stage(s, mb);
+  if (prev < 0) return;
+  if (rank_of(prev) == rank) {
+    local_grad[{prev, mb}] = std::move(dx);
+  } else {
+    for (torch::Tensor& t : dx)
+      t = t.contiguous();
+    pending_dx[{s, mb}] = std::move(dx);
   }
+}
 
-  // An action's range for torch.profiler (RECORD_FUNCTION's user scope, as
-  // torch.profiler.record_function makes): "hp::1F3" is stage 1's F of
-  // microbatch 3. The name is made only while a profiler listens.
-  struct ProfiledAction {
-    at::RecordFunction guard{at::RecordScope::USER_SCOPE};
-    explicit ProfiledAction(const Action& a) {
-      if (guard.isActive()) guard.before("hp::" + schedule::to_string(a));
-    }
-  };
-
-  // What stage `stage_id` outputs for microbatch `mb` (NOTE [Messages
-  // between stages]): ExecutorOptions::layout, or one tensor that takes a
-  // gradient.
-  Layout layout_for(int stage_id, int mb) const {
-    if (opts.layout) return opts.layout(stage_id, mb);
-    return {Leaf{opts.dtype, opts.activation_shape(stage_id, mb), true}};
+void Executor::State::compute(const Action& a) {
+  switch (a.op) {
+    case Op::F:
+      forward(a.stage, a.microbatch, a);
+      break;
+    case Op::I:
+      store_dx(a.stage, a.microbatch,
+               stage.backward_input(a.stage, a.microbatch, grad_for(a.stage, a.microbatch, a)));
+      break;
+    case Op::W:
+      stage.backward_weight(a.stage, a.microbatch);
+      break;
+    case Op::B:
+      store_dx(a.stage, a.microbatch,
+               stage.backward(a.stage, a.microbatch, grad_for(a.stage, a.microbatch, a)));
+      break;
+    case Op::FB:  // NOTE [Overlapped pairs] in overlap.cpp
+      run_pair(a);
+      break;
+    default:
+      TORCH_INTERNAL_ASSERT(false, "not a compute action");
   }
+}
 
-  // The receives of a RECV action: fresh buffers, one per tensor of the
-  // message, from the producer's rank.
-  std::vector<distributed::P2POp> recv_ops(const Action& a, Posted& posted) {
-    const bool fwd = a.op == Op::RECV_F;
-    int producer =
-        fwd ? sched.prev_stage(a.stage, a.microbatch) : sched.next_stage(a.stage, a.microbatch);
-    TORCH_CHECK(producer >= 0, where(a), ": nothing on the route sends this");
-    TORCH_CHECK(!recvs.count(std::make_tuple(fwd ? 0 : 1, a.stage, a.microbatch)), where(a),
-                ": received twice");
-    // A forward message is what the producer outputs; a backward one the
-    // gradients of what this stage outputs, for its leaves that take one.
-    if (frames) {  // NOTE [Messages that describe themselves] in frames.h
-      posted.peer = rank_of(producer);
-      return {frames->expect(posted.peer, &posted.number)};
-    }
-    const Layout layout = layout_for(fwd ? producer : a.stage, a.microbatch);
-    std::vector<distributed::P2POp> ops;
-    for (const Leaf& leaf : layout) {
-      if (fwd) posted.takes_grad.push_back(leaf.grad);
-      if (!fwd && !leaf.grad) continue;
-      posted.buffers.push_back(
-          torch::empty(leaf.shape, torch::TensorOptions().dtype(leaf.dtype).device(opts.device)));
-      ops.push_back(distributed::P2POp::recv(posted.buffers.back(), rank_of(producer)));
-    }
-    return ops;
-  }
+// Turns the step's marks into its events and sums; `last` is the step's last mark.
+void Executor::State::resolve(int last) {
+  auto sec = [&](int mark) { return timer->seconds(mark); };
+  stats.compute = resolve_spans(*timer, rank, spans, stats.events);
+  for (const auto& [c0, c1] : comm_spans)
+    stats.comm_wait += sec(c1) - sec(c0);
+  stats.wall = sec(last);
+  stats.overhead = std::max(0.0, stats.wall - stats.compute - stats.comm_wait);
+  stats.host_syncs += timer->host_syncs();
+}
 
-  Message take_recv(int kind, int stage_id, int mb, const Action& consumer,
-                    std::vector<bool>* takes_grad = nullptr) {
-    auto it = recvs.find(std::make_tuple(kind, stage_id, mb));
-    TORCH_CHECK(it != recvs.end(), where(consumer), ": its input was never received (no ",
-                kind == 0 ? "RECV_F" : "RECV_B", " before it in the action list)");
-    Posted& posted = it->second;
-    // NOTE [Weight gradients in the waits] in overlap.cpp: outside a pair,
-    // one queued W before each receive's wait, a span of its own that the
-    // waiting action's compute excludes.
-    if (!in_pair && !deferred_w.empty()) {
-      const int w_start = timer->mark();
-      run_deferred_w_span();
-      if (waits_of_running != nullptr) waits_of_running->emplace_back(w_start, timer->mark());
-      ++stats.deferred_w_in_waits;
-    }
-    bool blocks = false;
+StepStats Executor::State::run() {
+  TORCH_CHECK(sched.lowered, "the Executor runs lowered schedules; call schedule::lower first");
+  // The stages' device is current for the step (streams, events, allocations).
+  c10::OptionalDeviceGuard on_device;
+  if (!opts.device.is_cpu()) on_device.reset_device(opts.device);
+  std::optional<StepCacheScope> cache;  // NOTE [The step cache] in hp/core/memory.cpp
+  if (opts.cache_cpu_memory && opts.device.is_cpu()) cache.emplace();
+  stats = StepStats{};
+  recvs.clear();
+  deferred_w.clear();
+  local_grad.clear();
+  pending_dx.clear();
+  spans.clear();
+  comm_spans.clear();
+  waits_of_running = nullptr;
+  posted_ahead.assign(actions.size(), 0);
+  stage.reset();
+  reaper = std::make_unique<SendReaper>(opts.device);
+  timer->start();
+  timer->mark();  // time 0
+  const size_t n = actions.size();
+  for (size_t i = 0; i < n;) {
+    const Action& a = actions[i];
     const int start = timer->mark();
-    Message buffers;
-    ReceiveScope receiving;  // NOTE [A chunk's own waits] in step_timer.h
-    if (frames) {
-      blocks = !opts.device.is_cpu() || (!posted.works.empty() && posted.works[0].blocks_host());
-      buffers = frames->take(posted.peer, posted.number, takes_grad,
-                             [this](const distributed::P2POp& op) { return comm->batch({op})[0]; });
-    } else {
-      for (distributed::Work& w : posted.works) {
-        blocks = blocks || w.blocks_host();
-        w.wait();
-      }
-      buffers = std::move(posted.buffers);
-      if (takes_grad != nullptr) *takes_grad = std::move(posted.takes_grad);
-    }
-    const int end = timer->mark();
-    if (blocks) ++stats.host_syncs;
-    comm_spans.emplace_back(start, end);
-    // The wait is the receive's event (NOTE [Compute events exclude waits] in step_timer.cpp).
-    spans.push_back({Action::make(kind == 0 ? Op::RECV_F : Op::RECV_B, stage_id, mb), start, end});
-    if (waits_of_running != nullptr) waits_of_running->emplace_back(start, end);
-    recvs.erase(it);
-    return buffers;
-  }
-
-  // The sends of a SEND action: the output (F) or input gradients (I/B) it
-  // names, one per tensor, to the consumer's rank; `on_done` frees a sent
-  // output.
-  std::vector<distributed::P2POp> send_ops(const Action& a, std::function<void()>& on_done) {
-    const bool fwd = a.op == Op::SEND_F;
-    const int mb = a.microbatch;
-    int consumer = fwd ? sched.next_stage(a.stage, mb) : sched.prev_stage(a.stage, mb);
-    TORCH_CHECK(consumer >= 0, where(a), ": nothing on the route receives this");
-    Message m;
-    std::vector<bool> grad;
-    if (fwd) {
-      m = stage.output(a.stage, mb);
-      if (frames) grad = stage.output_takes_grad(a.stage, mb);
-      if (opts.layout) check_layout(a, m, opts.layout(a.stage, mb));
-      if (opts.release_sent_outputs) {
-        PipelineStage* st = &stage;
-        int s = a.stage;
-        on_done = [st, s, mb] { st->release_output(s, mb); };
-      }
-    } else {
-      auto it = pending_dx.find({a.stage, mb});
-      TORCH_CHECK(it != pending_dx.end(), where(a),
-                  ": no input gradient to send (I must run first)");
-      m = std::move(it->second);
-      pending_dx.erase(it);
-    }
-    if (frames) {  // gradients take none
-      if (!fwd) grad.assign(m.size(), false);
-      return frames->send(m, grad, rank_of(consumer));
-    }
-    std::vector<distributed::P2POp> ops;
-    for (const torch::Tensor& t : m) {
-      TORCH_INTERNAL_ASSERT(t.is_contiguous(), where(a), ": what is sent is contiguous");
-      ops.push_back(distributed::P2POp::send(t, rank_of(consumer)));
-    }
-    return ops;
-  }
-
-  // A stage's output against the layout its receiver posted buffers for.
-  void check_layout(const Action& a, const Message& m, const Layout& want) const {
-    const Layout got = layout_of(m);
-    if (got == want) return;
-    std::string which;
-    for (size_t i = 0; i < std::max(got.size(), want.size()); ++i)
-      if (i >= got.size() || i >= want.size() || got[i] != want[i]) {
-        which = "tensor " + std::to_string(i) + " differs first";
-        break;
-      }
-    TORCH_CHECK(false, where(a), ": stage ", a.stage, " microbatch ", a.microbatch, " output ",
-                to_string(got), " where its layout says ", to_string(want), " (", which, ")");
-  }
-
-  // NOTE [Receives posted ahead]
-  // Gloo's TCP transport moves a message only once both ends posted it: a
-  // posted receive writes a "ready" note to the sender, and a send posted
-  // after that note arrived is written at once by the posting thread; a send
-  // posted before it waits for the sender's event-loop thread to answer the
-  // note. That thread shares the core with the rank's main thread, which is
-  // computing by then, and the scheduler may let the computation run on to
-  // its next tick: on the benchmark host (4 ms ticks, 1F1B, 32 microbatches
-  // of 2 KB) one message in five arrived 1-5 ms after its send was posted
-  // (seen with `perf sched`: the sender's event-loop thread woken by the
-  // note, then runnable for 4.3 ms behind its own rank's compute). Posting
-  // each batch's receives a batch earlier (ExecutorOptions::receive_lookahead
-  // 1) cut that lateness from 8.5-9.9 to 1-3 ms per step, and in the compute
-  // setting from 3.8-4.4 to 0.2-0.3 ms, yet the steps got slower in paired
-  // runs (PyTorch / hp step 1.23 -> 1.03 on 1F1B and 1.41 -> 1.21 on GPipe
-  // in the overhead setting, 1.20 -> 0.91 on 1F1B in the compute one): the
-  // data now lands while the receiver computes (its event-loop thread
-  // preempts the computation to read it), the sender writes it inline on its
-  // compute thread, and more arrivals meet a posting thread holding the
-  // connection's lock (NOTE [Sends before receives] in lower.cpp). So none
-  // are posted ahead by default; the option stays for hosts where transport
-  // threads have cores of their own. Only where the Comm says it is free: on
-  // NCCL a rank's operations run in posting order on one stream, so an
-  // early receive would hold back the sends behind it.
-  //
-  // Posts actions[i, j) (consecutive SEND/RECV actions) as one batch, in
-  // list order (NOTE [Executor protocol]), with the RECVs of the next
-  // `lookahead` batches after them (their order kept: every channel's
-  // receives are still posted in list order).
-  void post_batch(size_t i, size_t j) {
-    std::vector<size_t> which;
-    for (size_t k = i; k < j; ++k)
-      if (!posted_ahead[k]) which.push_back(k);
-    const size_t b = batch_at.at(i);
-    for (size_t ahead = b + 1; ahead <= b + lookahead && ahead < batches.size(); ++ahead)
-      for (size_t k = batches[ahead].first; k < batches[ahead].second; ++k)
-        if (!is_send(actions[k].op) && !posted_ahead[k]) {
-          posted_ahead[k] = 1;
-          which.push_back(k);
-        }
-    if (which.empty()) return;
-    std::vector<distributed::P2POp> ops;
-    std::vector<size_t> first_op(which.size() + 1,
-                                 0);  // action n's ops: [first_op[n], first_op[n+1])
-    std::vector<Posted> posted(which.size());
-    std::vector<std::function<void()>> on_done(which.size());
-    for (size_t n = 0; n < which.size(); ++n) {
-      const Action& a = actions[which[n]];
-      auto mine = is_send(a.op) ? send_ops(a, on_done[n]) : recv_ops(a, posted[n]);
-      ops.insert(ops.end(), mine.begin(), mine.end());
-      first_op[n + 1] = ops.size();
-    }
-    auto works = comm->batch(ops);
-    for (size_t n = 0; n < which.size(); ++n) {
-      const Action& a = actions[which[n]];
-      if (is_send(a.op)) {
-        // The reaper holds each sent tensor while its send runs; the data is
-        // freed by on_done after the message's last send (outputs: their
-        // storage is swapped out) or when the reaper drops it (gradients).
-        for (size_t k = first_op[n]; k < first_op[n + 1]; ++k)
-          reaper->add(works[k], ops[k].tensor,
-                      k + 1 == first_op[n + 1] ? std::move(on_done[n]) : std::function<void()>());
-      } else {
-        posted[n].works.assign(works.begin() + first_op[n], works.begin() + first_op[n + 1]);
-        if (frames) frames->posted(posted[n].peer, posted[n].works.at(0));
-        recvs.emplace(std::make_tuple(a.op == Op::RECV_F ? 0 : 1, a.stage, a.microbatch),
-                      std::move(posted[n]));
-      }
-    }
-  }
-
-  // NOTE [A half's sends leave when it ends]
-  // The sends of an FB pair follow it in the list, so a pair run as F then B
-  // sends the F's output only after the B: the next stage waits for both
-  // halves. In an overlapped pair on the CPU each half posts, as it ends, the
-  // sends of the batch after the pair that are ready (the F's output, the
-  // B's input gradient), in list order per peer: a send goes only where no
-  // earlier send of that batch to the same peer is still waiting, so every
-  // channel's messages keep the order the receiver posted its receives in
-  // (NOTE [Point-to-point without tags]). The batch then posts the rest
-  // (posted_ahead marks those gone). The halves never run at once, so the
-  // executor's state is touched by one thread at a time. On a device the
-  // sends keep their place (NCCL runs a rank's operations in posting order).
-  // The simulator's overlapped pair lets each half's output leave as it
-  // ends (NOTE [An overlapped pair in the simulator]): the pair now runs so.
-  void post_ready_sends() {
-    const size_t next = running + 1;
-    if (!opts.device.is_cpu() || !batch_at.count(next)) return;
-    const auto [first, end] = batches[batch_at.at(next)];
-    std::set<int> held;  // peers with an earlier send still waiting
-    for (size_t k = first; k < end; ++k) {
-      const Action& a = actions[k];
-      if (!is_send(a.op) || posted_ahead[k]) continue;
-      const bool fwd = a.op == Op::SEND_F;
-      const int peer = rank_of(fwd ? sched.next_stage(a.stage, a.microbatch)
-                                   : sched.prev_stage(a.stage, a.microbatch));
-      const bool ready = fwd ? stage.has_output(a.stage, a.microbatch)
-                             : pending_dx.count({a.stage, a.microbatch}) > 0;
-      if (!ready || held.count(peer)) {
-        held.insert(peer);
-        continue;
-      }
-      const int start = timer->mark();
-      const auto began = std::chrono::steady_clock::now();
-      std::function<void()> on_done;
-      auto ops = send_ops(a, on_done);
-      auto works = comm->batch(ops);
-      for (size_t n = 0; n < ops.size(); ++n)
-        reaper->add(works[n], ops[n].tensor,
-                    n + 1 == ops.size() ? std::move(on_done) : std::function<void()>());
-      posted_ahead[k] = 1;
-      const int stop = timer->mark();
-      comm_spans.emplace_back(start, stop);
-      spans.push_back({a, start, stop});
-      if (waits_of_running != nullptr) waits_of_running->emplace_back(start, stop);
-      if (own_waits_of_running != nullptr && !in_pair)  // a posting, not the action's compute
-        own_waits_of_running->exclude(
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count());
-    }
-  }
-
-  // Where each input comes from: schedule::forward_input/backward_input,
-  // the same definition validation and the simulator use (NOTE [What an
-  // action waits for]).
-  // The input of F (s, mb), and which of its tensors take a gradient (the
-  // model's input takes none).
-  Message forward_input(int s, int mb, const Action& a, std::vector<bool>* takes_grad) {
-    const schedule::InputSource in = schedule::forward_input(sched, s, mb);
-    switch (in.kind) {
-      case schedule::InputSource::Kind::Data:
-        return opts.input_message ? opts.input_message(mb) : Message{opts.input(mb)};
-      case schedule::InputSource::Kind::Local:
-        *takes_grad = stage.output_takes_grad(in.stage, mb);
-        return stage.output(in.stage, mb);
-      default:
-        return take_recv(0, s, mb, a, takes_grad);
-    }
-  }
-
-  bool ends_in_loss(int s, int mb) const {
-    return schedule::backward_input(sched, s, mb).kind == schedule::InputSource::Kind::Loss;
-  }
-
-  void forward(int s, int mb, const Action& a) {
-    std::vector<bool> takes_grad;
-    Message input = forward_input(s, mb, a, &takes_grad);
-    stage.forward(s, mb, input, takes_grad, ends_in_loss(s, mb));
-  }
-
-  // An FB pair whose halves a pair function computes itself (PairCall::
-  // computed; NOTE [A pair that computes itself] in stage.cpp): both inputs
-  // first, then fn inside the F.
-  void computed_pair(const Action& a, const Action& b,
-                     const std::function<Message(const PairInputs&)>& fn) {
-    std::vector<bool> takes_grad;
-    Message input = forward_input(a.stage, a.microbatch, a, &takes_grad);
-    Message g = grad_for(b.stage, b.microbatch, b);
-    PairInputs p;
-    p.forward_is_last = ends_in_loss(a.stage, a.microbatch);
-    p.backward_is_last = ends_in_loss(b.stage, b.microbatch);
-    std::tie(p.backward_roots, p.backward_grads) = stage.backward_roots(b.stage, b.microbatch, g);
-    stage.forward_computed(a.stage, a.microbatch, input, takes_grad, p.forward_is_last,
-                           [&](const Message& leaves) {
-                             p.forward_input = leaves;
-                             return fn(p);
-                           });
-    store_dx(b.stage, b.microbatch, stage.backward_computed(b.stage, b.microbatch));
-  }
-
-  Message grad_for(int s, int mb, const Action& a) {
-    stage.prepare_backward(s, mb);
-    const schedule::InputSource in = schedule::backward_input(sched, s, mb);
-    if (in.kind == schedule::InputSource::Kind::Loss) return {};
-    if (in.kind == schedule::InputSource::Kind::Local) {
-      auto it = local_grad.find({s, mb});
-      TORCH_CHECK(it != local_grad.end(), where(a), ": the output gradient from stage ", in.stage,
-                  " (same rank) is not there yet; its I must run first");
-      Message g = std::move(it->second);
-      local_grad.erase(it);
-      return g;
-    }
-    return take_recv(1, s, mb, a);
-  }
-
-  void store_dx(int s, int mb, Message dx) {
-    int prev = sched.prev_stage(s, mb);
-    if (prev < 0) return;
-    if (rank_of(prev) == rank) {
-      local_grad[{prev, mb}] = std::move(dx);
-    } else {
-      for (torch::Tensor& t : dx)
-        t = t.contiguous();
-      pending_dx[{s, mb}] = std::move(dx);
-    }
-  }
-
-  void compute(const Action& a) {
-    switch (a.op) {
-      case Op::F:
-        forward(a.stage, a.microbatch, a);
-        break;
-      case Op::I:
-        store_dx(a.stage, a.microbatch,
-                 stage.backward_input(a.stage, a.microbatch, grad_for(a.stage, a.microbatch, a)));
-        break;
-      case Op::W:
-        stage.backward_weight(a.stage, a.microbatch);
-        break;
-      case Op::B:
-        store_dx(a.stage, a.microbatch,
-                 stage.backward(a.stage, a.microbatch, grad_for(a.stage, a.microbatch, a)));
-        break;
-      case Op::FB: {
-        const Action b = Action::make(Op::B, a.stage2, a.microbatch2);
-        auto run_f = [&] { forward(a.stage, a.microbatch, a); };
-        const bool defer = opts.fb_overlap && opts.defer_wgrad;
-        auto run_b = [&] {
-          Message g = grad_for(b.stage, b.microbatch, b);
-          if (!defer) {
-            store_dx(b.stage, b.microbatch, stage.backward(b.stage, b.microbatch, g));
-            return;
-          }
-          // NOTE [Weight gradients in the waits] in overlap.cpp
-          store_dx(b.stage, b.microbatch, stage.backward_input(b.stage, b.microbatch, g));
-          deferred_w.emplace_back(b.stage, b.microbatch);
-        };
-        // NOTE [Overlapped pairs] in overlap.cpp
-        auto overlapped = [&] {
-          if (!pairs) pairs = std::make_unique<PairRunner>(opts.device, opts.pair_first_ready);
-          std::function<bool()> idle;
-          if (defer)  // each W its own event, while the partner waits
-            idle = [this] {
-              if (deferred_w.empty()) return false;
-              run_deferred_w_span();
-              return true;
-            };
-          in_pair = true;
-          PairStats ps;
-          // NOTE [A half's sends leave when it ends]
-          const int pair_start = timer->mark();
-          int f_end = 0, b_end = 0;
-          auto f_then_send = [&] {
-            run_f();
-            f_end = timer->mark();
-            post_ready_sends();
-          };
-          auto b_then_send = [&] {
-            run_b();
-            b_end = timer->mark();
-            post_ready_sends();
-          };
-          try {
-            // NOTE [The half that leads] in hp/schedule/fuse.cpp
-            ps = a.backward_first ? pairs->run(b_then_send, f_then_send, idle)
-                                  : pairs->run(f_then_send, b_then_send, idle);
-          } catch (...) {
-            in_pair = false;
-            throw;
-          }
-          in_pair = false;
-          // NOTE [An overlapped pair's events] in step_timer.cpp
-          const int lead = a.backward_first ? 1 : 0;  // ps.compute's index of the F half
-          TimedSpan f_half{Action::make(Op::F, a.stage, a.microbatch),
-                           pair_start,
-                           f_end,
-                           {},
-                           ps.compute[lead],
-                           ps.inner_waits[lead],
-                           ps.inner_waited[lead],
-                           ps.inner_waits[lead] > 0 ? ps.nodes[lead] : std::vector<double>{}};
-          TimedSpan b_half{
-              Action::make(defer ? Op::I : Op::B, b.stage, b.microbatch),
-              pair_start,
-              b_end,
-              {},
-              ps.compute[1 - lead],
-              ps.inner_waits[1 - lead],
-              ps.inner_waited[1 - lead],
-              ps.inner_waits[1 - lead] > 0 ? ps.nodes[1 - lead] : std::vector<double>{}};
-          pair_halves = f_end <= b_end ? std::vector<TimedSpan>{f_half, b_half}
-                                       : std::vector<TimedSpan>{b_half, f_half};
-          ++stats.pairs;
-          stats.pair_hidden += ps.hidden;
-          stats.pair_exposed += ps.exposed;
-          stats.deferred_w_in_waits += ps.filled;
-        };
-        if (opts.pair_function) {
-          run_pair_function(opts.pair_function, a, run_f, run_b, overlapped,
-                            [&](const auto& fn) { computed_pair(a, b, fn); });
-        } else if (opts.fb_overlap) {
-          overlapped();
-        } else {
-          run_f();
-          run_b();
-        }
-        break;
-      }
-      default:
-        TORCH_INTERNAL_ASSERT(false, "not a compute action");
-    }
-  }
-
-  // Runs the oldest deferred W, if any (NOTE [Weight gradients in the waits]).
-  bool run_deferred_w() {
-    if (deferred_w.empty()) return false;
-    const auto [s, mb] = deferred_w.front();
-    deferred_w.pop_front();
-    // Its posts (the last W's gradient reduction) on a lane of their own,
-    // wherever it runs (NOTE [Lanes] in hp/distributed/lanes.cpp).
-    distributed::LaneScope lane(distributed::kDeferredLane);
-    stage.backward_weight(s, mb);
-    return true;
-  }
-
-  // Runs the oldest deferred W (there is one) as an action of its own: its
-  // event, its profiler range, its place in `executed`; errors name it.
-  void run_deferred_w_span() {
-    const Action w = Action::make(Op::W, deferred_w.front().first, deferred_w.front().second);
-    const int start = timer->mark();
-    const auto began = std::chrono::steady_clock::now();
-    ChunkWaits own;  // its own, not the action's it runs in (NOTE [A chunk's own waits])
-    try {
-      ProfiledAction range(w);
-      distributed::WaitObserverScope observe(&own);
-      ReceiveScope not_a_receive(false);  // it may run in one's wait
-      run_deferred_w();
-    } catch (const distributed::CommError& e) {
-      throw e.with_context(where(w) + " (deferred): ");
-    } catch (const std::exception& e) {
-      throw std::runtime_error(where(w) + " (deferred): " + e.what());
-    }
-    own.finish();
-    if (own_waits_of_running != nullptr)  // not a node of the action it ran in
-      own_waits_of_running->exclude(
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count());
-    spans.push_back({w, start, timer->mark(), {}, -1, own.count, own.seconds, own.nodes});
-    stats.executed.push_back(w);
-  }
-
-  // Turns the step's marks into its events and sums; `last` is the step's last mark.
-  void resolve(int last) {
-    auto sec = [&](int mark) { return timer->seconds(mark); };
-    stats.compute = resolve_spans(*timer, rank, spans, stats.events);
-    for (const auto& [c0, c1] : comm_spans)
-      stats.comm_wait += sec(c1) - sec(c0);
-    stats.wall = sec(last);
-    stats.overhead = std::max(0.0, stats.wall - stats.compute - stats.comm_wait);
-    stats.host_syncs += timer->host_syncs();
-  }
-
-  StepStats run() {
-    TORCH_CHECK(sched.lowered, "the Executor runs lowered schedules; call schedule::lower first");
-    // The stages' device is current for the step (streams, events, allocations).
-    c10::OptionalDeviceGuard on_device;
-    if (!opts.device.is_cpu()) on_device.reset_device(opts.device);
-    std::optional<StepCacheScope> cache;  // NOTE [The step cache] in hp/core/memory.cpp
-    if (opts.cache_cpu_memory && opts.device.is_cpu()) cache.emplace();
-    stats = StepStats{};
-    recvs.clear();
-    deferred_w.clear();
-    local_grad.clear();
-    pending_dx.clear();
-    spans.clear();
-    comm_spans.clear();
-    waits_of_running = nullptr;
-    posted_ahead.assign(actions.size(), 0);
-    stage.reset();
-    reaper = std::make_unique<SendReaper>(opts.device);
-    timer->start();
-    timer->mark();  // time 0
-    const size_t n = actions.size();
-    for (size_t i = 0; i < n;) {
-      const Action& a = actions[i];
-      const int start = timer->mark();
-      if (schedule::is_comm(a.op)) {
-        const size_t j = batches[batch_at.at(i)].second;  // the batch's end
-        try {
-          ProfiledAction range(a);
-          post_batch(i, j);
-        } catch (const std::exception&) {
-          fail_at(i, "");
-        }
-        const int end = timer->mark();
-        comm_spans.emplace_back(start, end);
-        // Posting a batch runs its sends' copies (on loopback): the sends' events.
-        for (size_t k = i; k < j; ++k)
-          if (is_send(actions[k].op) && !posted_ahead[k]) spans.push_back({actions[k], start, end});
-        i = j;
-        continue;
-      }
+    if (schedule::is_comm(a.op)) {
+      const size_t j = batches[batch_at.at(i)].second;  // the batch's end
       try {
-        std::vector<std::pair<int, int>> waits;
-        waits_of_running = &waits;
-        running = i;
-        pair_halves.clear();
-        ChunkWaits own;  // NOTE [A chunk's own waits] in step_timer.h
-        own_waits_of_running = &own;
-        {
-          ProfiledAction range(a);
-          distributed::WaitObserverScope observe(&own);
-          compute(a);
-        }
-        own.finish();
-        own_waits_of_running = nullptr;
-        waits_of_running = nullptr;
-        const int end = timer->mark();
-        stats.executed.push_back(a);
-        if (pair_halves.empty()) {
-          spans.push_back(
-              {a, start, end, std::move(waits), -1, own.count, own.seconds, std::move(own.nodes)});
-        } else {  // NOTE [An overlapped pair's events] in step_timer.cpp
-          for (TimedSpan& half : pair_halves)
-            spans.push_back(std::move(half));
-          pair_halves.clear();
-        }
-        reaper->rethrow_if_failed();
+        ProfiledAction range(a);
+        post_batch(i, j);
       } catch (const std::exception&) {
-        waits_of_running = nullptr;
-        own_waits_of_running = nullptr;
         fail_at(i, "");
       }
-      ++i;
+      const int end = timer->mark();
+      comm_spans.emplace_back(start, end);
+      // Posting a batch runs its sends' copies (on loopback): the sends' events.
+      for (size_t k = i; k < j; ++k)
+        if (is_send(actions[k].op) && !posted_ahead[k]) spans.push_back({actions[k], start, end});
+      i = j;
+      continue;
     }
-    // The deferred W's no wait took: after the step's last action, each its own event.
-    while (!deferred_w.empty()) {
-      run_deferred_w_span();
-      ++stats.deferred_w_at_end;
-    }
-    const int drain_start = timer->mark();
     try {
-      reaper->drain();
-    } catch (const distributed::CommError& e) {
-      throw e.with_context("rank " + std::to_string(rank) + " while completing the step's sends: ");
-    } catch (const std::exception& e) {
-      throw std::runtime_error("rank " + std::to_string(rank) +
-                               " while completing the step's sends: " + e.what());
+      std::vector<std::pair<int, int>> waits;
+      waits_of_running = &waits;
+      running = i;
+      pair_halves.clear();
+      ChunkWaits own;  // NOTE [A chunk's own waits] in step_timer.h
+      own_waits_of_running = &own;
+      {
+        ProfiledAction range(a);
+        distributed::WaitObserverScope observe(&own);
+        compute(a);
+      }
+      own.finish();
+      own_waits_of_running = nullptr;
+      waits_of_running = nullptr;
+      const int end = timer->mark();
+      stats.executed.push_back(a);
+      if (pair_halves.empty()) {
+        spans.push_back(
+            {a, start, end, std::move(waits), -1, own.count, own.seconds, std::move(own.nodes)});
+      } else {  // NOTE [An overlapped pair's events] in step_timer.cpp
+        for (TimedSpan& half : pair_halves)
+          spans.push_back(std::move(half));
+        pair_halves.clear();
+      }
+      reaper->rethrow_if_failed();
+    } catch (const std::exception&) {
+      waits_of_running = nullptr;
+      own_waits_of_running = nullptr;
+      fail_at(i, "");
     }
-    const int last = timer->mark();
-    comm_spans.emplace_back(drain_start, last);
-    if (reaper->took_host_blocking_sends()) ++stats.host_syncs;
-    reaper.reset();
-    if (frames) frames->end_step();
-    TORCH_CHECK(recvs.empty() && local_grad.empty() && pending_dx.empty(), "rank ", rank,
-                ": the step ended with ", recvs.size(), " unread receives, ", local_grad.size(),
-                " unused local gradients and ", pending_dx.size(),
-                " unsent input gradients; the action list is inconsistent");
-    TORCH_CHECK(stage.in_flight() == 0, "rank ", rank, ": ", stage.in_flight(),
-                " microbatches did not finish their W");
-    resolve(last);
-    stats.loss_sum = stage.loss_sum();
-    if (!opts.device.is_cpu()) ++stats.host_syncs;  // the loss read from the device
-    return std::move(stats);
+    ++i;
   }
-};
+  // The deferred W's no wait took: after the step's last action, each its own event.
+  while (!deferred_w.empty()) {
+    run_deferred_w_span();
+    ++stats.deferred_w_at_end;
+  }
+  const int drain_start = timer->mark();
+  try {
+    reaper->drain();
+  } catch (const distributed::CommError& e) {
+    throw e.with_context("rank " + std::to_string(rank) + " while completing the step's sends: ");
+  } catch (const std::exception& e) {
+    throw std::runtime_error("rank " + std::to_string(rank) +
+                             " while completing the step's sends: " + e.what());
+  }
+  const int last = timer->mark();
+  comm_spans.emplace_back(drain_start, last);
+  if (reaper->took_host_blocking_sends()) ++stats.host_syncs;
+  reaper.reset();
+  if (frames) frames->end_step();
+  TORCH_CHECK(recvs.empty() && local_grad.empty() && pending_dx.empty(), "rank ", rank,
+              ": the step ended with ", recvs.size(), " unread receives, ", local_grad.size(),
+              " unused local gradients and ", pending_dx.size(),
+              " unsent input gradients; the action list is inconsistent");
+  TORCH_CHECK(stage.in_flight() == 0, "rank ", rank, ": ", stage.in_flight(),
+              " microbatches did not finish their W");
+  resolve(last);
+  stats.loss_sum = stage.loss_sum();
+  if (!opts.device.is_cpu()) ++stats.host_syncs;  // the loss read from the device
+  return std::move(stats);
+}
 
 Executor::Executor(const schedule::Schedule& schedule, int rank, PipelineStage& stage,
                    std::shared_ptr<distributed::Comm> comm, ExecutorOptions options) {

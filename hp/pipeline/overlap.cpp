@@ -83,7 +83,7 @@ namespace hp::pipeline {
 // makes its expert-parallel and data-parallel groups in lanes and turns it
 // on with --fb-overlap. The pipeline's sends that a half posts as it ends
 // keep their order by themselves (NOTE [A half's sends leave when it
-// ends] in executor.cpp); the receives are posted before the pair. A W in
+// ends] in executor_pairs.cpp); the receives are posted before the pair. A W in
 // a wait is still placed by the rule below, but its posts (the last W's
 // gradient reduction) have a lane of their own, so where it runs no longer
 // has to be the same on every rank.
