@@ -226,8 +226,10 @@ struct PairRun {
 // the half that holds the CPU runs its next node once the wait in front of
 // it has ended; at each wait it enters it first runs the oldest queued W if
 // defer and the other half has started (NOTE [Weight gradients in the
-// waits]), then hands the CPU to the other half unless that one has ended.
-PairRun run_pair(double t0, const Half (&h)[2], WQueue queue, bool defer,
+// waits]), then hands the CPU to the other half unless that one has ended,
+// or, with first_ready, to the half whose wait ends first (the other on a
+// tie: NOTE [Turns as messages arrive] in hp/pipeline/overlap.cpp).
+PairRun run_pair(double t0, const Half (&h)[2], WQueue queue, bool defer, bool first_ready,
                  const std::function<double(int)>& w_cost) {
   PairRun run;
   bool started[2] = {true, false}, done[2] = {false, false}, entered[2] = {false, false};
@@ -235,6 +237,7 @@ PairRun run_pair(double t0, const Half (&h)[2], WQueue queue, bool defer,
   double wait_until[2] = {h[0].ready, h[1].ready};  // end of the wait before the next node
   auto has_wait = [&](int x) { return node[x] > 0 || h[x].receives; };
   double t = t0;
+  auto can_run_at = [&](int x) { return has_wait(x) ? std::max(t, wait_until[x]) : t; };
   int cur = 0;
   while (!done[0] || !done[1]) {
     const int x = cur, y = 1 - cur;
@@ -246,7 +249,7 @@ PairRun run_pair(double t0, const Half (&h)[2], WQueue queue, bool defer,
         t += w_cost(queue.front().first);
         queue.pop_front();
       }
-      if (!done[y]) {
+      if (!done[y] && (!first_ready || can_run_at(y) <= can_run_at(x))) {
         cur = y;
         continue;
       }
@@ -419,7 +422,8 @@ SimResult simulate(const Schedule& s, const CostModel& costs, const SimOptions& 
             };
             auto order = [&](bool b_leads) {
               const Half halves[2] = {b_leads ? hg : hf, b_leads ? hf : hg};
-              return run_pair(free_at[r], halves, queued_w[r], defer, w_cost);
+              return run_pair(free_at[r], halves, queued_w[r], defer, opts.pair_first_ready,
+                              w_cost);
             };
             bool b_leads = a.backward_first;
             if (opts.choose_leads) {

@@ -135,6 +135,10 @@ struct SimOptions {
   /// executor's defer_wgrad (NOTE [Deferred W's in the simulator] in
   /// simulate.cpp); the W's time and the memory it holds are counted.
   bool defer_wgrad = false;
+  /// With overlap_pairs: at each wait the CPU goes to the half whose wait
+  /// ends first, as the executor's `--pair-turns ready` (NOTE [Turns as
+  /// messages arrive] in hp/pipeline/overlap.cpp); false: to the other half.
+  bool pair_first_ready = false;
 };
 
 /// What simulate() reports.

@@ -245,6 +245,11 @@ torch::Device TrainConfig::resolve_device(int local_rank) const {
   return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(local_rank % count));
 }
 
+bool TrainConfig::pairs_take_ready_turns() const {
+  // On a device the halves' waits only order their streams: the fixed order.
+  return fb_overlap && pair_turns == "ready" && resolve_device(0).is_cpu();
+}
+
 schedule::Schedule TrainConfig::build_schedule() const {
   if (!schedule_file.empty()) {
     // A schedule someone made (hp schedule recommend -o): read strictly, checked

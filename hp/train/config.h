@@ -111,6 +111,9 @@ struct TrainConfig {
   /// devices]); throws std::invalid_argument when `device` asks for CUDA and
   /// there is no CUDA device.
   torch::Device resolve_device(int local_rank) const;
+  /// With fb_overlap: whether the pairs take their turns as messages arrive
+  /// (pair_turns "ready" on CPU ranks; NOTE [Turns as messages arrive]).
+  bool pairs_take_ready_turns() const;
 };
 
 /// What one rank (or the reference) did.

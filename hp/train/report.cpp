@@ -126,6 +126,7 @@ void gather_and_report(const TrainConfig& config, const schedule::Schedule& sche
   schedule::SimOptions so;
   so.overlap_pairs = config.fb_overlap;  // NOTE [An overlapped pair in the simulator]
   so.defer_wgrad = config.defer_wgrad;   // NOTE [Deferred W's in the simulator]
+  so.pair_first_ready = config.pairs_take_ready_turns();
   auto sim = schedule::simulate(sched, result.stage_costs, so);
   result.simulated_bubble = sim.bubble_rate;
   result.simulated_makespan = sim.makespan;

@@ -63,8 +63,7 @@ struct RankGroups {
   distributed::LinkModel link;  ///< --link
 };
 
-RankGroups make_groups(const TrainConfig& config, std::shared_ptr<distributed::Comm> world,
-                       bool on_cpu) {
+RankGroups make_groups(const TrainConfig& config, std::shared_ptr<distributed::Comm> world) {
   TORCH_CHECK(world->world_size() == config.nproc * config.dp, "the Comm has ", world->world_size(),
               " ranks but the config asks for --pp ", config.nproc, " x --dp ", config.dp);
   RankGroups g;
@@ -93,9 +92,8 @@ RankGroups make_groups(const TrainConfig& config, std::shared_ptr<distributed::C
   // make, in lanes (NOTE [Turns as messages arrive] in
   // hp/pipeline/overlap.cpp). The pipeline's own group needs none (NOTE [A
   // half's sends leave when it ends]), nor the expert copies' (reduced at
-  // the step's end). CPU ranks only: on a device the halves' waits only
-  // order their streams, and the pair keeps the fixed order.
-  if (config.fb_overlap && config.pair_turns == "ready" && on_cpu && g.dp) {
+  // the step's end).
+  if (config.pairs_take_ready_turns() && g.dp) {
     const bool shared = g.ep == g.dp;
     g.dp = distributed::with_lanes(g.dp, distributed::kPairLanes);
     g.ep = shared ? g.dp : distributed::with_lanes(g.ep, distributed::kPairLanes);
@@ -192,7 +190,7 @@ pipeline::PipelineOptions pipeline_options(const TrainConfig& config, const Rank
   po.cache_cpu_memory = true;  // the CPU's caching allocator (CUDA has its own)
   po.fb_overlap = config.fb_overlap;
   po.defer_wgrad = config.defer_wgrad;
-  po.pair_first_ready = config.fb_overlap && config.pair_turns == "ready" && device.is_cpu();
+  po.pair_first_ready = config.pairs_take_ready_turns();
   po.link = groups.link;
   return po;
 }
@@ -235,8 +233,7 @@ void final_parameters(const TrainConfig& config, const RankModel& model,
 // Reports, traces and the progress line come from copy 0.
 TrainResult run_rank(const TrainConfig& config, std::shared_ptr<distributed::Comm> world) {
   config.validate();
-  // Every rank's device is of one type: the groups' lanes depend on it.
-  const RankGroups groups = make_groups(config, world, config.resolve_device(0).is_cpu());
+  const RankGroups groups = make_groups(config, world);
   const int rank = groups.pp->rank();
   const bool reporter = groups.replica == 0;  // copy 0 reports
   install_memory_tracker();

@@ -419,14 +419,19 @@ TEST_P(OverlappedPipelines, EqualOneProcess) {
   whole.fb_overlap = whole.defer_wgrad = false;
   whole.link.clear();
   hp::testing::expect_copies_equal_the_reference(ranks, hp::train::train_reference(whole));
-  // Rank 0 reports every rank's pairs: each rank ran some and hid some of
-  // their communication.
+  // Rank 0 reports every rank's pairs: each rank's waited on communication,
+  // and some of it was hidden. Not necessarily on every rank: a wait counts
+  // as hidden only while the CPU computed, and on a loaded machine a rank
+  // that lost its core finds every message of its last step already there.
   ASSERT_EQ(ranks[0].rank_pair_hidden.size(), size_t(c.nproc));
+  double hidden = 0.0;
   for (int r = 0; r < c.nproc; ++r) {
-    EXPECT_GT(ranks[0].rank_pair_hidden[r], 0.0) << "rank " << r;
+    EXPECT_GT(ranks[0].rank_pair_hidden[r] + ranks[0].rank_pair_exposed[r], 0.0) << "rank " << r;
+    hidden += ranks[0].rank_pair_hidden[r];
     // With defer_wgrad some W's filled waits (and none without).
     EXPECT_EQ(ranks[0].rank_deferred_w_in_waits[r] > 0, k.defer_wgrad) << "rank " << r;
   }
+  EXPECT_GT(hidden, 0.0);
   // NOTE [A chunk's own waits] in step_timer.h: counted apart from the
   // receives, none on the dense GPT; on the expert stages each F makes as
   // many as every other F of its stage, in a pair or alone, and each I (B)

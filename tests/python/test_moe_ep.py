@@ -54,6 +54,10 @@ def test_pp2_ep2_equals_one_process(tmp_path):
                                                       torch.float32 if grouped else torch.float64)
         if kind != "deepseek_v3":
             assert min(ref_aux) > 0.01, case  # the load-balancing term matters
+        if overlap:  # the pairs hid some of their all-to-alls and transfers (a wait
+            # counts only while the CPU computed: a loaded rank may find every
+            # message there, so over all ranks)
+            assert sum(res[case]["pair_hidden"] for res in results) > 0, f"{case}: nothing hidden"
         seen = set()
         for r, res in enumerate(results):
             got = res[case]
@@ -65,9 +69,7 @@ def test_pp2_ep2_equals_one_process(tmp_path):
             assert got["experts"], f"{case} rank {r}: no expert parameter"
             # Every MoE layer of the rank's chunks, 2 products each, every step.
             assert (got["grouped_calls"] >= 2 * w.STEPS) == grouped, (case, r, got["grouped_calls"])
-            if overlap:  # the pairs hid some of their all-to-alls and transfers
-                assert got["pair_hidden"] > 0, f"{case} rank {r}: nothing hidden"
-            else:
+            if not overlap:
                 assert got["pair_hidden"] == 0, case
             # "+hook": every pair through the chunks' overlapped_forward_backward.
             assert (got["hook_calls"] > 0) == ("hook" in flags), (case, r, got["hook_calls"])

@@ -422,11 +422,18 @@ TEST(Cli, ShowDrawsAPairNodeByNodeUnderACostFile) {
   write(gpt, "{\"stages\": [" + dense + "]}");
   const std::string show = "schedule show dualpipev -p 2 -m 8 --no-color --costs ";
   CliRun plain = hp(show + moe + " --json");
-  CliRun pair = hp(show + moe + " --fb-overlap --json");
+  CliRun pair = hp(show + moe + " --fb-overlap --pair-turns fixed --json");
+  // Ready turns (the default; Simulate.ReadyTurnsGiveTheCpuToTheHalfWhoseWaitEndsFirst
+  // works one pair by hand) are a little longer here: a half that keeps the
+  // CPU can delay the output its partner's consumer waits for.
+  CliRun ready = hp(show + moe + " --fb-overlap --json");
   ASSERT_EQ(plain.status, 0) << plain.out;
   ASSERT_EQ(pair.status, 0) << pair.out;
   EXPECT_NE(plain.out.find("\"makespan\": 128.0"), std::string::npos) << plain.out;
   EXPECT_NE(pair.out.find("\"makespan\": 94.3"), std::string::npos) << pair.out;
+  EXPECT_NE(ready.out.find("\"makespan\": 94.6"), std::string::npos) << ready.out;
+  EXPECT_NE(hp(show + moe + " --pair-turns ready").out.find("--pair-turns requires --fb-overlap"),
+            std::string::npos);
   EXPECT_NE(hp(show + moe + " --fb-overlap").out.find("BFBF"), std::string::npos);
   EXPECT_EQ(hp(show + gpt + " --fb-overlap").out.find("BFBF"), std::string::npos);
   CliRun other = hp("schedule show dualpipev -p 4 -m 8 --costs " + moe);
