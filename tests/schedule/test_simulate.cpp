@@ -396,6 +396,23 @@ hs::Schedule last_stage_pair() {
                {F(1, 0), hs::Action::overlap(1, 1, 1, 0), B(1, 1)}};
   return s;
 }
+
+// Costs of that pair with waits inside stage 1's chunks: F's one wait 1.5
+// in flight, the B's (I's) one wait `b_inflight`.
+hs::CostModel pair_with_waits(double b_inflight) {
+  hs::CostModel c = costs(1, 1, 1, 1);
+  c.stage_f = {3, 1};
+  c.stage_inner.resize(2);
+  c.stage_inner[1] = hs::InnerComm{1, 1.5, 1, b_inflight, 0, 0};
+  return c;
+}
+
+// The event of `a` in r's timeline (rank -1 where there is none).
+hs::Event event_of(const hs::SimResult& r, const hs::Action& a) {
+  for (const auto& e : r.timeline.events)
+    if (e.action == a) return e;
+  return hs::Event{-1, a, -1, -1};
+}
 }  // namespace
 
 // NOTE [An overlapped pair in the simulator]: rank 1's pair F(1, mb 1) +
@@ -557,57 +574,13 @@ TEST(Simulate, DeferredWeightGradientsRunWhereTheExecutorRunsThem) {
 // all-to-all (back at 9); the F's first node [7.5, 8) (back at 9.5); the
 // B's second [9, 10); the F's second [10, 10.5). Plain, the pair waits
 // both whole after both inputs: [7, 13).
-// NOTE [Turns as messages arrive] (SimOptions::pair_first_ready): the pair
-// above with the B's all-to-all 2.5 in flight. The B's first node [6.5,
-// 7.5) (back at 10), the F's first [7.5, 8) (back at 9.5). Fixed turns give
-// the CPU to the B, which waits until 10: its second node [10, 11), then the
-// F's [11, 11.5). Ready turns keep it with the F, whose wait ends first: the
-// F's second node [9.5, 10), then the B's [10, 11). The rank is free for
-// B(1, 1) at 11 instead of 11.5: its nodes [11, 12) and [14.5, 15.5), rank
-// 0's B(0, 1) [16.5, 18.5), the step 0.5 shorter than the fixed one's 19.
-TEST(Simulate, ReadyTurnsGiveTheCpuToTheHalfWhoseWaitEndsFirst) {
-  hs::Schedule s = last_stage_pair();
-  hs::CostModel c = costs(1, 1, 1, 1);
-  c.stage_f = {3, 1};
-  c.stage_inner.resize(2);
-  c.stage_inner[1] = hs::InnerComm{1, 1.5, 1, 2.5, 0, 0};
-  auto at = [](const hs::SimResult& r, hs::Action a) {
-    for (const auto& e : r.timeline.events)
-      if (e.action == a) return e;
-    return hs::Event{-1, a, -1, -1};
-  };
-  const hs::Action f = hs::Action::make(hs::Op::F, 1, 1), b = hs::Action::make(hs::Op::B, 1, 0);
-  hs::SimOptions o;
-  o.overlap_pairs = true;
-  const hs::SimResult fixed = hs::simulate(s, c, o);
-  o.pair_first_ready = true;
-  const hs::SimResult ready = hs::simulate(s, c, o);
-  EXPECT_EQ(std::make_pair(at(fixed, f).start, at(fixed, f).end), std::make_pair(10.5, 11.5));
-  EXPECT_EQ(std::make_pair(at(ready, f).start, at(ready, f).end), std::make_pair(9.0, 10.0));
-  EXPECT_EQ(std::make_pair(at(fixed, b).start, at(fixed, b).end), std::make_pair(9.0, 11.0));
-  EXPECT_EQ(std::make_pair(at(ready, b).start, at(ready, b).end), std::make_pair(9.0, 11.0));
-  EXPECT_NEAR(fixed.makespan, 19, 1e-12);
-  EXPECT_NEAR(ready.makespan, 18.5, 1e-12);
-  // With the B's all-to-all back first (1.5 in flight: at 9, before the F's
-  // at 9.5) both orders are the same.
-  c.stage_inner[1].i = 1.5;
-  EXPECT_EQ(at(hs::simulate(s, c, o), f).end, 10.5);
-}
-
 TEST(Simulate, APairTakesTurnsAtTheWaitsInsideItsChunks) {
   using hs::Op;
   const auto F = [](int st, int mb) { return hs::Action::make(Op::F, st, mb); };
   const auto B = [](int st, int mb) { return hs::Action::make(Op::B, st, mb); };
   hs::Schedule s = last_stage_pair();
-  hs::CostModel c = costs(1, 1, 1, 1);
-  c.stage_f = {3, 1};
-  c.stage_inner.resize(2);
-  c.stage_inner[1] = hs::InnerComm{1, 1.5, 1, 1.5, 0, 0};
-  auto at = [](const hs::SimResult& r, hs::Action a) {
-    for (const auto& e : r.timeline.events)
-      if (e.action == a) return e;
-    return hs::Event{-1, a, -1, -1};
-  };
+  hs::CostModel c = pair_with_waits(1.5);
+  const auto at = event_of;
   const hs::SimResult plain = hs::simulate(s, c);
   EXPECT_NEAR(plain.makespan, 19.5, 1e-12);
   hs::Event e = at(plain, F(1, 0));  // the event is its compute, at its end
@@ -668,4 +641,33 @@ TEST(Simulate, APairTakesTurnsAtTheWaitsInsideItsChunks) {
   EXPECT_THROW(hs::simulate(s, bad), std::invalid_argument);
   bad.stage_inner.resize(3);
   EXPECT_THROW(hs::simulate(s, bad), std::invalid_argument);
+}
+
+// NOTE [Turns as messages arrive] (SimOptions::pair_first_ready): the pair
+// of APairTakesTurnsAtTheWaitsInsideItsChunks with the B's all-to-all 2.5 in flight. The B's first
+// node [6.5, 7.5) (back at 10), the F's first [7.5, 8) (back at 9.5). Fixed turns give the CPU to
+// the B, which waits until 10: its second node [10, 11), then the F's [11, 11.5). Ready turns keep
+// it with the F, whose wait ends first: the F's second node [9.5, 10), then the B's [10, 11). The
+// rank is free for B(1, 1) at 11 instead of 11.5: its nodes [11, 12) and [14.5, 15.5), rank 0's
+// B(0, 1) [16.5, 18.5), the step 0.5 shorter than the fixed one's 19.
+TEST(Simulate, ReadyTurnsGiveTheCpuToTheHalfWhoseWaitEndsFirst) {
+  hs::Schedule s = last_stage_pair();
+  hs::CostModel c = pair_with_waits(2.5);
+  const auto at = event_of;
+  const hs::Action f = hs::Action::make(hs::Op::F, 1, 1), b = hs::Action::make(hs::Op::B, 1, 0);
+  hs::SimOptions o;
+  o.overlap_pairs = true;
+  const hs::SimResult fixed = hs::simulate(s, c, o);
+  o.pair_first_ready = true;
+  const hs::SimResult ready = hs::simulate(s, c, o);
+  EXPECT_EQ(std::make_pair(at(fixed, f).start, at(fixed, f).end), std::make_pair(10.5, 11.5));
+  EXPECT_EQ(std::make_pair(at(ready, f).start, at(ready, f).end), std::make_pair(9.0, 10.0));
+  EXPECT_EQ(std::make_pair(at(fixed, b).start, at(fixed, b).end), std::make_pair(9.0, 11.0));
+  EXPECT_EQ(std::make_pair(at(ready, b).start, at(ready, b).end), std::make_pair(9.0, 11.0));
+  EXPECT_NEAR(fixed.makespan, 19, 1e-12);
+  EXPECT_NEAR(ready.makespan, 18.5, 1e-12);
+  // With the B's all-to-all back first (1.5 in flight: at 9, before the F's
+  // at 9.5) both orders are the same.
+  c.stage_inner[1].i = 1.5;
+  EXPECT_EQ(at(hs::simulate(s, c, o), f).end, 10.5);
 }
