@@ -83,10 +83,14 @@ namespace hp::pipeline {
 // makes its expert-parallel and data-parallel groups in lanes and turns it
 // on with --fb-overlap. The pipeline's sends that a half posts as it ends
 // keep their order by themselves (NOTE [A half's sends leave when it
-// ends] in executor_pairs.cpp); the receives are posted before the pair. A W in
-// a wait is still placed by the rule below, but its posts (the last W's
-// gradient reduction) have a lane of their own, so where it runs no longer
-// has to be the same on every rank.
+// ends] in executor_pairs.cpp); the receives are posted before the pair.
+// Not with deferred W's: `hp train --defer-wgrad` keeps the fixed order.
+// Their posts have a lane of their own (kDeferredLane, which the executor
+// keeps), but where a W runs would then depend on timing, and a W that
+// waits on its peers (the gradient reduction, a recompute's all-to-all)
+// while they wait on this rank's half for an exchange that this rank posts
+// only after the W hangs the group: dualpipe pp 2 x ep 2 with recompute
+// sessions and --defer-wgrad did so once in a full test run.
 
 // NOTE [An overlapped pair on a device]
 // On a GPU the CPU's baton is not enough: with NCCL a wait only makes the

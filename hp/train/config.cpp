@@ -247,7 +247,8 @@ torch::Device TrainConfig::resolve_device(int local_rank) const {
 
 bool TrainConfig::pairs_take_ready_turns() const {
   // On a device the halves' waits only order their streams: the fixed order.
-  return fb_overlap && pair_turns == "ready" && resolve_device(0).is_cpu();
+  // With defer_wgrad: NOTE [Turns as messages arrive] in hp/pipeline/overlap.cpp.
+  return fb_overlap && !defer_wgrad && pair_turns == "ready" && resolve_device(0).is_cpu();
 }
 
 schedule::Schedule TrainConfig::build_schedule() const {

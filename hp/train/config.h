@@ -80,8 +80,9 @@ struct TrainConfig {
   /// With fb_overlap: each pair's W waits for a wait to fill (PipelineOptions::defer_wgrad).
   bool defer_wgrad = false;
   /// With fb_overlap: "ready" (a half takes the CPU as its message arrives;
-  /// the expert- and data-parallel groups in lanes) or "fixed" (the code's
-  /// order). NOTE [Turns as messages arrive] in hp/pipeline/overlap.cpp.
+  /// the expert- and data-parallel groups in lanes; on CPU ranks without
+  /// defer_wgrad, else fixed) or "fixed" (the code's order). NOTE [Turns as
+  /// messages arrive] in hp/pipeline/overlap.cpp.
   std::string pair_turns = "ready";
   /// "LATENCY_US,GBPS": the cost every pipeline transfer and expert all-to-all
   /// pays (NOTE [The link model] in hp/distributed/link_model.cpp); empty: none.
@@ -112,7 +113,8 @@ struct TrainConfig {
   /// there is no CUDA device.
   torch::Device resolve_device(int local_rank) const;
   /// With fb_overlap: whether the pairs take their turns as messages arrive
-  /// (pair_turns "ready" on CPU ranks; NOTE [Turns as messages arrive]).
+  /// (pair_turns "ready" on CPU ranks, without defer_wgrad; NOTE [Turns as
+  /// messages arrive]).
   bool pairs_take_ready_turns() const;
 };
 

@@ -173,7 +173,7 @@ std::string report_json(const TrainConfig& c, const TrainResult& r) {
     j["config"]["p2p"] = c.p2p;
     j["config"]["fb_overlap"] = c.fb_overlap;
     j["config"]["defer_wgrad"] = c.defer_wgrad;
-    if (c.fb_overlap) j["config"]["pair_turns"] = c.pair_turns;
+    if (c.fb_overlap) j["config"]["pair_turns"] = c.pairs_take_ready_turns() ? "ready" : "fixed";
     if (!c.link.empty()) j["config"]["link"] = c.link;
     j["p2p_backend"] = r.p2p_backend;  // what rank 0's pipeline group used
     if (!r.p2p_note.empty()) j["p2p_note"] = r.p2p_note;

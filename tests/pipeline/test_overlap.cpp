@@ -402,6 +402,8 @@ TEST_P(OverlappedPipelines, EqualOneProcess) {
   c.fb_overlap = true;
   c.defer_wgrad = k.defer_wgrad;
   c.pair_turns = k.pair_turns;
+  // Deferred W's keep the fixed order (NOTE [Turns as messages arrive]).
+  EXPECT_EQ(c.pairs_take_ready_turns(), k.pair_turns == "ready" && !k.defer_wgrad);
   c.link = "2000,0.05";  // 2 ms, 50 MB/s
   if (hp::schedule::is_fb_variant(k.schedule)) {
     // Some of their pairs lead with the B (NOTE [The half that leads] in

@@ -166,7 +166,7 @@ void run_show(const ShowArgs& a) {
   hs::SimOptions so;
   so.overlap_pairs = a.fb_overlap;  // NOTE [An overlapped pair in the simulator]
   so.defer_wgrad = a.defer_wgrad;   // NOTE [Deferred W's in the simulator]
-  so.pair_first_ready = a.pair_turns == "ready";
+  so.pair_first_ready = a.pair_turns == "ready" && !a.defer_wgrad;  // as hp train's
   hs::SimResult r = hs::simulate(shown, costs, so);
   std::string title =
       s.name + "  p=" + std::to_string(s.num_ranks) + " m=" + std::to_string(s.num_microbatches);
@@ -337,7 +337,8 @@ void add_schedule_command(CLI::App& app) {
       ->needs("--fb-overlap");
   show->add_option("--pair-turns", show_args->pair_turns,
                    "with --fb-overlap: ready (default, as hp train on CPU ranks: at each wait "
-                   "the half whose wait ends first runs) or fixed (the other half)")
+                   "the half whose wait ends first runs; fixed with --defer-wgrad) or fixed "
+                   "(the other half)")
       ->check(CLI::IsMember({"ready", "fixed"}))
       ->needs("--fb-overlap");
   show->add_option("--costs", show_args->costs,

@@ -311,7 +311,8 @@ void add_train_command(CLI::App& app) {
               "its weight gradient, which fills a later wait or runs at the step's end");
   t->add_option("--pair-turns", c.pair_turns,
                 "with --fb-overlap: ready (default: a half takes the CPU as soon as its message "
-                "arrived; CPU ranks) or fixed (the halves alternate in the code's order)")
+                "arrived; CPU ranks, not with --defer-wgrad) or fixed (the halves alternate in "
+                "the code's order)")
       ->check(CLI::IsMember({"ready", "fixed"}));
   t->add_option("--link", c.link,
                 "LATENCY_US,GBPS: give every transfer and expert all-to-all a network link's "
