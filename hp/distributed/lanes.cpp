@@ -22,7 +22,10 @@ namespace hp::distributed {
 // the code's again (a half's own program order, the queue of deferred W's),
 // the same on every rank, whichever half got the CPU first. A lane beyond
 // the group's count falls back to lane 0, so a LaneScope is harmless where
-// no group has lanes (and there the pair keeps its fixed order).
+// no group has lanes (and there the pair keeps its fixed order). A group
+// in lanes also tells an expert dispatch that each thread posting on it
+// has a lane of its own (lane_count; NOTE [Counts at the head of the rows]
+// in hp/moe/all_to_all.cpp).
 
 namespace {
 
@@ -55,6 +58,7 @@ class LanedComm : public Comm {
       l->abandon(why);
   }
   // A subgroup has as many lanes (each split in turn, on every member alike).
+  int lanes() const { return static_cast<int>(lanes_.size()); }
   std::shared_ptr<Comm> split(const std::vector<int>& ranks) override {
     std::vector<std::shared_ptr<Comm>> parts;
     for (auto& l : lanes_)
@@ -83,6 +87,11 @@ std::shared_ptr<Comm> with_lanes(std::shared_ptr<Comm> group, int lanes) {
   for (int l = 1; l < lanes; ++l)
     copies.push_back(group->split(all));
   return std::make_shared<LanedComm>(std::move(copies));
+}
+
+int lane_count(const Comm& group) {
+  const auto* laned = dynamic_cast<const LanedComm*>(&group);
+  return laned != nullptr ? laned->lanes() : 1;
 }
 
 LaneScope::LaneScope(int lane) : previous_(current_lane_index) {

@@ -15,6 +15,9 @@ namespace hp::distributed {
 /// count is lane 0; `lanes` 1 returns `group`.
 std::shared_ptr<Comm> with_lanes(std::shared_ptr<Comm> group, int lanes);
 
+/// How many lanes `group` has: with_lanes' count, 1 for any other Comm.
+int lane_count(const Comm& group);
+
 /// The lanes an overlapped pair uses (NOTE [Lanes]).
 enum Lane : int {
   kMainLane = 0,      ///< the executor, and a pair's first half

@@ -41,4 +41,21 @@ torch::Tensor all_to_all(const std::shared_ptr<distributed::Comm>& group, const 
                          const std::vector<int64_t>& send_rows,
                          const std::vector<int64_t>& recv_rows);
 
+/// What all_to_all_sized returns: the rows received and, per source rank,
+/// the counts it sent with them.
+struct SizedRows {
+  torch::Tensor rows;    ///< recv_counts[q].sum() rows from each rank q, in rank order
+  torch::Tensor counts;  ///< [ranks, k] int64 on the CPU: the counts each rank sent this one
+};
+
+/// The counts travel with their rows (NOTE [Counts at the head of the
+/// rows]): `counts` [ranks, k] (int64 on the CPU) says what `x`'s rows are,
+/// counts[q].sum() of them (in order) for each rank q; each rank receives
+/// what the others sent it, counts and rows, in one wait. Differentiable in
+/// `x` as all_to_all. Only where no other thread posts on the same group
+/// (lane) between the call's start and its end: the rows' receives are
+/// posted inside its wait, once their counts have arrived.
+SizedRows all_to_all_sized(const std::shared_ptr<distributed::Comm>& group, const torch::Tensor& x,
+                           const torch::Tensor& counts);
+
 }  // namespace hp::moe

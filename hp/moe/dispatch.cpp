@@ -4,6 +4,7 @@
 
 #include <cmath>
 
+#include "hp/distributed/lanes.h"
 #include "hp/moe/all_to_all.h"
 
 namespace hp::moe {
@@ -19,7 +20,9 @@ namespace hp::moe {
 //    sends to each of that rank's experts (one small all-to-all of int64s;
 //    the host reads them, since the shapes of what follows depend on them).
 // 3. Send the rows: one all-to-all with those counts as splits
-//    (all_to_all.h, differentiable).
+//    (all_to_all.h, differentiable). On the CPU, over a group in lanes,
+//    2 and 3 are one exchange with one wait: the counts go at the head of
+//    the rows (NOTE [Counts at the head of the rows] in all_to_all.cpp).
 // 4. Regroup the received rows, which come by source rank and then by
 //    expert, into one slice per local expert (by_expert), so each expert
 //    runs one product over all its rows.
@@ -85,15 +88,25 @@ Dispatched TokenDispatcher::dispatch(const torch::Tensor& x, const torch::Tensor
     counts = counts.clamp_max(cap);
   }
   d.order = order;
-  // 2. The counts per (rank, local expert), exchanged.
-  torch::Tensor recv_counts = counts.view({ep, L});
-  if (ep > 1) {
-    recv_counts = torch::empty_like(recv_counts);
+  // 2. The counts per (rank, local expert), exchanged, and 3. the rows,
+  // sent: with their counts at their head on a group whose every posting
+  // thread has a lane of its own (NOTE [Counts at the head of the rows] in
+  // all_to_all.cpp), else the counts first.
+  torch::Tensor rows = x.index_select(0, order.div(d.top_k, "floor"));
+  torch::Tensor got, received;
+  if (ep == 1) {
+    got = counts.view({ep, L}).cpu();
+  } else if (x.device().is_cpu() && distributed::lane_count(*group_) >= distributed::kPairLanes) {
+    SizedRows s = all_to_all_sized(group_, rows, counts.view({ep, L}).contiguous());
+    got = s.counts;
+    received = s.rows;
+  } else {
+    torch::Tensor recv_counts = torch::empty({ep, L}, counts.options());
     std::vector<int64_t> ones(ep, 1);
     comm_for(x.device())->all_to_all(recv_counts, ones, counts.view({ep, L}).contiguous(), ones);
+    got = recv_counts.cpu();
   }
   auto sent = counts.view({ep, L}).sum(1).cpu();
-  auto got = recv_counts.cpu();
   d.send_rows.assign(sent.data_ptr<int64_t>(), sent.data_ptr<int64_t>() + ep);
   d.recv_rows.resize(ep);
   d.tokens_per_expert.assign(L, 0);
@@ -103,13 +116,12 @@ Dispatched TokenDispatcher::dispatch(const torch::Tensor& x, const torch::Tensor
       d.recv_rows[q] += g[q * L + e];
       d.tokens_per_expert[e] += g[q * L + e];
     }
-  // 3. The rows, sent.
-  torch::Tensor rows = x.index_select(0, order.div(d.top_k, "floor"));
   if (ep == 1) {
     d.tokens = rows;
     return d;
   }
-  torch::Tensor received = all_to_all(comm_for(x.device()), rows, d.send_rows, d.recv_rows);
+  if (!received.defined())
+    received = all_to_all(comm_for(x.device()), rows, d.send_rows, d.recv_rows);
   // 4. Regrouped by local expert.
   std::vector<int64_t> source_start(ep + 1, 0);
   for (int q = 0; q < ep; ++q)

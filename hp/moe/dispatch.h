@@ -62,7 +62,9 @@ class TokenDispatcher {
   TokenDispatcher(std::shared_ptr<distributed::Comm> group, int64_t num_experts,
                   DispatchOptions options = {});
   /// `x` [T, hidden], `experts` [T, top_k] (int64, global expert ids).
-  /// Collective over the group (two exchanges: the counts, then the rows).
+  /// Collective over the group (two exchanges: the counts, then the rows;
+  /// one on the CPU over a group in lanes, NOTE [Counts at the head of the
+  /// rows] in all_to_all.cpp).
   Dispatched dispatch(const torch::Tensor& x, const torch::Tensor& experts) const;
   /// `y` [N, hidden]: the local experts' output for `d.tokens`, row for row;
   /// `weights` [T, top_k]: the router's. Returns [T, hidden], every token's

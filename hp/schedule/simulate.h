@@ -57,9 +57,9 @@ namespace hp::schedule {
 /// share alone. An action that runs by itself waits each one whole: it lasts
 /// its compute plus its waits' time, and is busy for its compute. In an
 /// overlapped pair the halves are cut at those waits into waits + 1 nodes,
-/// each the share of the compute that `*_nodes` gives (measured: an expert
-/// F's token-count and token all-to-alls follow each other almost at once),
-/// equal shares where none are given, and the partner's nodes run while a
+/// each the share of the compute that `*_nodes` gives (measured: where an
+/// expert F exchanges its token counts before its tokens, the node between
+/// the two waits is short), equal shares where none are given, and the partner's nodes run while a
 /// half's communication is in flight (NOTE [An overlapped pair in the simulator] in
 /// simulate.cpp). Measured: the `waits` and `waited` of a runtime's events
 /// (costs_from_timeline).

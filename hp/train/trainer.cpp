@@ -90,10 +90,12 @@ RankGroups make_groups(const TrainConfig& config, std::shared_ptr<distributed::C
   }
   // --pair-turns ready: the groups whose posts a pair's halves and its W's
   // make, in lanes (NOTE [Turns as messages arrive] in
-  // hp/pipeline/overlap.cpp). The pipeline's own group needs none (NOTE [A
-  // half's sends leave when it ends]), nor the expert copies' (reduced at
-  // the step's end).
-  if (config.pairs_take_ready_turns() && g.dp) {
+  // hp/pipeline/overlap.cpp). With --ep always: an expert dispatch sends
+  // its counts at the head of its rows on a group in lanes only (NOTE
+  // [Counts at the head of the rows] in hp/moe/all_to_all.cpp). The
+  // pipeline's own group needs none (NOTE [A half's sends leave when it
+  // ends]), nor the expert copies' (reduced at the step's end).
+  if ((config.pairs_take_ready_turns() || config.ep > 1) && g.dp) {
     const bool shared = g.ep == g.dp;
     g.dp = distributed::with_lanes(g.dp, distributed::kPairLanes);
     g.ep = shared ? g.dp : distributed::with_lanes(g.ep, distributed::kPairLanes);

@@ -16,6 +16,7 @@
 #include "hp/autograd/grad_function.h"
 #include "hp/core/compat.h"
 #include "hp/distributed/comm.h"
+#include "hp/distributed/lanes.h"
 #include "hp/moe/all_to_all.h"
 #include "hp/moe/dispatch.h"
 #include "hp/moe/moe_layer.h"
@@ -128,22 +129,72 @@ TEST(Dispatch, CapacityDropsTheLatestTokensAndCountsThem) {
 // rank 1 every token to experts 2 and 3 (its own too), so no row crosses;
 // then the crossing case. The round trip through doubling experts gives
 // each token 2 x its weight sum either way.
+// Over a plain group (the counts, then the rows) and over one in lanes (the
+// counts at the head of the rows: NOTE [Counts at the head of the rows]).
 TEST(Dispatch, TwoRanksRoundTripIncludingEmptyExchanges) {
-  auto errors = on_ranks(2, [](int r, std::shared_ptr<Comm> g) {
-    TokenDispatcher d(g, 4);
-    auto x = torch::randn({4, 3}, torch::kDouble) + r;
-    for (int crossing = 0; crossing < 2; ++crossing) {
-      torch::Tensor experts = r == 0 ? torch::zeros({4, 1}, torch::kLong)
-                                     : torch::full({4, 1}, 2 + crossing, torch::kLong);
-      if (crossing) experts = torch::full({4, 1}, r == 0 ? 3 : 0, torch::kLong);
-      auto w = torch::rand({4, 1}, torch::kDouble);
-      auto out = d.dispatch(x, experts);
-      auto back = d.combine(out.tokens * 2.0, out, w);
-      TORCH_CHECK(close(back, x * 2.0 * w), "round trip, crossing=", crossing);
+  for (int lanes : {1, int(hp::distributed::kPairLanes)}) {
+    auto errors = on_ranks(2, [lanes](int r, std::shared_ptr<Comm> plain) {
+      auto g = hp::distributed::with_lanes(plain, lanes);
+      TokenDispatcher d(g, 4);
+      auto x = torch::randn({4, 3}, torch::kDouble) + r;
+      for (int crossing = 0; crossing < 2; ++crossing) {
+        torch::Tensor experts = r == 0 ? torch::zeros({4, 1}, torch::kLong)
+                                       : torch::full({4, 1}, 2 + crossing, torch::kLong);
+        if (crossing) experts = torch::full({4, 1}, r == 0 ? 3 : 0, torch::kLong);
+        auto w = torch::rand({4, 1}, torch::kDouble);
+        auto out = d.dispatch(x, experts);
+        auto back = d.combine(out.tokens * 2.0, out, w);
+        TORCH_CHECK(close(back, x * 2.0 * w), "round trip, crossing=", crossing);
+      }
+    });
+    EXPECT_EQ(errors[0], "") << lanes << " lanes";
+    EXPECT_EQ(errors[1], "") << lanes << " lanes";
+  }
+}
+
+// all_to_all_sized over 3 ranks: rank r sends rank q (r + q) % 3 rows (none
+// to itself from rank 0), row values naming sender, receiver and row, with
+// counts [2] per rank; the receiver gets them in rank order with the
+// counts, and the backward sends each row's gradient back to its sender.
+TEST(Dispatch, CountsAtTheHeadOfTheRowsOverThreeRanks) {
+  auto errors = on_ranks(3, [](int r, std::shared_ptr<Comm> g) {
+    auto rows_to = [](int from, int to) { return int64_t((from + to) % 3); };
+    auto counts = torch::zeros({3, 2}, torch::kLong);
+    std::vector<torch::Tensor> parts;
+    for (int q = 0; q < 3; ++q) {
+      const int64_t n = rows_to(r, q);
+      counts[q][0] = n / 2, counts[q][1] = n - n / 2;
+      parts.push_back(torch::arange(n, torch::kDouble).unsqueeze(1).repeat({1, 2}) + 100.0 * r +
+                      10.0 * q);
+    }
+    auto x = torch::cat(parts).requires_grad_(true);
+    SizedRows got = all_to_all_sized(g, x, counts);
+    std::vector<torch::Tensor> want;
+    for (int q = 0; q < 3; ++q) {
+      const int64_t n = rows_to(q, r);
+      TORCH_CHECK(got.counts[q][0].item<int64_t>() == n / 2 &&
+                      got.counts[q][1].item<int64_t>() == n - n / 2,
+                  "counts from ", q);
+      want.push_back(torch::arange(n, torch::kDouble).unsqueeze(1).repeat({1, 2}) + 100.0 * q +
+                     10.0 * r);
+    }
+    TORCH_CHECK(close(got.rows, torch::cat(want)), "rows");
+    // Each received row's gradient is its value times 3: x's gradient is 3x.
+    torch::autograd::backward({(got.rows.detach() * 3.0 * got.rows).sum()});
+    TORCH_CHECK(close(x.grad(), x.detach() * 3.0), "gradient");
+    auto bad = torch::zeros({3, 2}, torch::kLong);
+    bad[0][0] = 1;
+    try {
+      all_to_all_sized(g, torch::zeros({3, 2}, torch::kDouble), bad);
+      TORCH_CHECK(false, "counts that miss the rows were taken");
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(
+          std::string(e.what()).find("add up to 1 rows but there are 3") != std::string::npos,
+          e.what());
     }
   });
-  EXPECT_EQ(errors[0], "");
-  EXPECT_EQ(errors[1], "");
+  for (int r = 0; r < 3; ++r)
+    EXPECT_EQ(errors[r], "") << "rank " << r;
 }
 
 MoELayerOptions layer_options() {
@@ -212,26 +263,28 @@ torch::Tensor backward(const torch::Tensor& loss, const torch::Tensor& x, MoELay
 TEST(MoELayer, TwoRanksEqualEveryExpertLocalFusedAndSplit) {
   const auto o = layer_options();
   const Reference ref = reference(o, 2);
-  for (bool split : {false, true}) {
-    auto errors = on_ranks(2, [&](int r, std::shared_ptr<Comm> g) {
-      MoELayer mine(o, g, 7, 0.3, 0.2);
-      mine->to(torch::kDouble);
-      TORCH_CHECK(mine->placement().local() == 2 && mine->expert_parameters().size() == 4);
-      auto x = ref.x[r].clone().requires_grad_(true);
-      auto out = mine->forward(x);
-      TORCH_CHECK(close(out, ref.out[r]), "forward");
-      auto dx = backward((out * out).sum() + mine->last_balance_loss(), x, *mine, split);
-      TORCH_CHECK(close(dx, ref.dx[r]), "input gradient");
-      for (const auto& p : mine->named_parameters()) {
-        const bool expert = p.key().rfind("expert", 0) == 0;
-        const auto& want = expert ? ref.grads.at(p.key()) : ref.grads_of.at(p.key())[r];
-        TORCH_CHECK(p.value().grad().defined() && close(p.value().grad(), want), "gradient of ",
-                    p.key());
-      }
-    });
-    EXPECT_EQ(errors[0], "") << (split ? "split" : "fused");
-    EXPECT_EQ(errors[1], "") << (split ? "split" : "fused");
-  }
+  for (int lanes : {1, int(hp::distributed::kPairLanes)})
+    for (bool split : {false, true}) {
+      auto errors = on_ranks(2, [&](int r, std::shared_ptr<Comm> plain) {
+        auto g = hp::distributed::with_lanes(plain, lanes);
+        MoELayer mine(o, g, 7, 0.3, 0.2);
+        mine->to(torch::kDouble);
+        TORCH_CHECK(mine->placement().local() == 2 && mine->expert_parameters().size() == 4);
+        auto x = ref.x[r].clone().requires_grad_(true);
+        auto out = mine->forward(x);
+        TORCH_CHECK(close(out, ref.out[r]), "forward");
+        auto dx = backward((out * out).sum() + mine->last_balance_loss(), x, *mine, split);
+        TORCH_CHECK(close(dx, ref.dx[r]), "input gradient");
+        for (const auto& p : mine->named_parameters()) {
+          const bool expert = p.key().rfind("expert", 0) == 0;
+          const auto& want = expert ? ref.grads.at(p.key()) : ref.grads_of.at(p.key())[r];
+          TORCH_CHECK(p.value().grad().defined() && close(p.value().grad(), want), "gradient of ",
+                      p.key());
+        }
+      });
+      EXPECT_EQ(errors[0], "") << (split ? "split" : "fused") << ", " << lanes << " lanes";
+      EXPECT_EQ(errors[1], "") << (split ? "split" : "fused") << ", " << lanes << " lanes";
+    }
 }
 
 // NOTE [Grouped expert products] in hp/moe/moe_layer.cpp: in float32 the

@@ -147,7 +147,9 @@ TEST(Lanes, EachLaneKeepsItsOwnOrder) {
     EXPECT_THROW(hp::distributed::with_lanes(g, 0), c10::Error);
     auto laned = hp::distributed::with_lanes(g, hp::distributed::kPairLanes);
     const int peer = 1 - r;
+    EXPECT_EQ(hp::distributed::lane_count(*g), 1);
     for (auto comm : {laned, laned->split({0, 1})}) {
+      EXPECT_EQ(hp::distributed::lane_count(*comm), hp::distributed::kPairLanes);
       EXPECT_EQ(comm->rank(), r);
       EXPECT_EQ(comm->world_size(), 2);
       // Lane L sends L*100 + k, k = 0..2; rank 0 runs lane 1 before lane 0,
