@@ -86,6 +86,7 @@ void Executor::State::run_pair(const Action& a) {
     ++stats.pairs;
     stats.pair_hidden += ps.hidden;
     stats.pair_exposed += ps.exposed;
+    stats.pair_exposed_alone += ps.exposed_alone;
     stats.deferred_w_in_waits += ps.filled;
   };
   if (opts.pair_function) {

@@ -162,6 +162,8 @@ struct PairRunner::State {
   double busy_before = 0.0;  // seconds, up to busy_since
   Clock::time_point busy_since;
   double busy_at_wait[2] = {0.0, 0.0};  // busy_until(wait_start[half])
+  Clock::time_point ended_at[2];        // when the half ended (done)
+  double busy_at_end[2] = {0.0, 0.0};   // busy_until(ended_at[half])
   PairStats stats;
   // The runner's thread and its job.
   std::thread thread;
@@ -214,6 +216,8 @@ struct PairRunner::State {
     stop_running(half);
     end_node(half);
     done[half] = true;
+    ended_at[half] = Clock::now();
+    busy_at_end[half] = busy_until(ended_at[half]);
     if (e) {
       error[half] = e;
       if (failed_first < 0) failed_first = half;
@@ -277,6 +281,17 @@ class Switcher : public distributed::WaitObserver {
                                      std::max(0.0, waited));
     s_.stats.hidden += hidden;
     s_.stats.exposed += std::max(0.0, waited - hidden);
+    // The part of it after the partner ended: that stretch less what a W
+    // computed in it.
+    const int other = 1 - half_;
+    if (s_.done[other] && s_.ended_at[other] < ended) {
+      const bool before = s_.ended_at[other] <= s_.wait_start[half_];
+      const auto from = before ? s_.wait_start[half_] : s_.ended_at[other];
+      const double alone = std::chrono::duration<double>(ended - from).count();
+      const double computed =
+          s_.busy_until(Clock::now()) - (before ? s_.busy_at_wait[half_] : s_.busy_at_end[other]);
+      s_.stats.exposed_alone += std::clamp(alone - computed, 0.0, std::max(0.0, waited - hidden));
+    }
     s_.cv.wait(lock, [&] { return s_.may_run(half_) || s_.done[1 - half_]; });
     if (s_.released == half_ && s_.started[1 - half_] && !s_.done[1 - half_]) ++s_.stats.reordered;
     s_.start_running(half_);

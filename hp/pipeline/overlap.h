@@ -29,6 +29,10 @@ struct PairStats {
   /// other half done, or waiting too): what it exposed. A time both halves
   /// wait counts for each.
   double exposed = 0.0;
+  /// Of `exposed`, the seconds after the other half had ended: no compute
+  /// of the pair was left to hide them (only a deferred W could), as
+  /// against a time both halves waited.
+  double exposed_alone = 0.0;
   /// Times `idle` ran a piece of work during a wait.
   int filled = 0;
   /// Seconds each half (run()'s first, second) held the CPU: its compute,

@@ -131,6 +131,9 @@ struct TrainResult {
   /// Per rank, the last step's overlapped pairs (StepStats::pair_hidden and
   /// pair_exposed): communication hidden and exposed, in seconds.
   std::vector<double> rank_pair_hidden, rank_pair_exposed;
+  /// Of rank_pair_exposed, the seconds after the pair's other half ended
+  /// (PairStats::exposed_alone).
+  std::vector<double> rank_pair_exposed_alone;
   /// Per rank, with defer_wgrad: the last step's W's that ran in a pair's
   /// waits, and those left for the step's end (StepStats).
   std::vector<int> rank_deferred_w_in_waits, rank_deferred_w_at_end;

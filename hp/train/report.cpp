@@ -89,7 +89,7 @@ void gather_and_report(const TrainConfig& config, const schedule::Schedule& sche
                        distributed::Comm& comm, bool reporter, TrainResult& result) {
   auto mine = torch::tensor(
       {last.compute, last.comm_wait, last.overhead, peak_bytes, last.pair_hidden, last.pair_exposed,
-       double(last.deferred_w_in_waits), double(last.deferred_w_at_end)},
+       double(last.deferred_w_in_waits), double(last.deferred_w_at_end), last.pair_exposed_alone},
       torch::kFloat64);
   std::vector<torch::Tensor> all(comm.world_size());
   for (auto& t : all)
@@ -107,6 +107,7 @@ void gather_and_report(const TrainConfig& config, const schedule::Schedule& sche
     result.rank_pair_exposed.push_back(t[5].item<double>());
     result.rank_deferred_w_in_waits.push_back(static_cast<int>(t[6].item<double>()));
     result.rank_deferred_w_at_end.push_back(static_cast<int>(t[7].item<double>()));
+    result.rank_pair_exposed_alone.push_back(t[8].item<double>());
   }
   result.timeline.num_ranks = config.nproc;
   result.timeline.title = config.schedule + " (measured, last step)";
@@ -241,6 +242,7 @@ std::string report_json(const TrainConfig& c, const TrainResult& r) {
       // NOTE [Overlapped pairs] in hp/pipeline/overlap.cpp
       one["pair_hidden_comm_seconds"] = r.rank_pair_hidden[k];
       one["pair_exposed_comm_seconds"] = r.rank_pair_exposed[k];
+      one["pair_exposed_alone_comm_seconds"] = r.rank_pair_exposed_alone.at(k);
     }
     if (c.defer_wgrad && k < r.rank_deferred_w_in_waits.size()) {
       // NOTE [Weight gradients in the waits] in hp/pipeline/overlap.cpp

@@ -401,6 +401,7 @@ class Runtime {
     d["pairs"] = out.stats.pairs;  // fb_overlap: NOTE [Overlapped pairs]
     d["pair_hidden"] = out.stats.pair_hidden;
     d["pair_exposed"] = out.stats.pair_exposed;
+    d["pair_exposed_alone"] = out.stats.pair_exposed_alone;
     d["deferred_w_in_waits"] = out.stats.deferred_w_in_waits;  // defer_wgrad
     d["deferred_w_at_end"] = out.stats.deferred_w_at_end;
     py::list events;

@@ -126,15 +126,21 @@ TEST(PairRunner, FirstReadyGivesTheCpuToTheHalfWhoseWaitEnded) {
       EXPECT_EQ(log, (std::vector<std::string>{"F1", "B1", "F2", "B2", "B3"}));
       EXPECT_GT(took, 0.155) << "the backward's second wait comes after the forward's";
       EXPECT_EQ(stats.reordered, 0);
+      // Only the backward's second wait (5 ms) comes after the forward ended.
+      EXPECT_GT(stats.exposed_alone, 0.003);
+      EXPECT_LT(stats.exposed_alone, 0.08);
     } else {
       EXPECT_EQ(log, (std::vector<std::string>{"F1", "B1", "B2", "B3", "F2"}));
       EXPECT_LT(took, 0.155 + 0.1);
       EXPECT_EQ(stats.reordered, 2) << "B2 and B3 came before F2";
+      // The forward's wait outlasts the backward by about 140 ms.
+      EXPECT_GT(stats.exposed_alone, 0.12);
     }
     // Nothing computes while they wait: the time both halves wait counts as
     // exposed for each, and no compute hid it.
     EXPECT_LT(stats.hidden, 0.02);
     EXPECT_GT(stats.exposed, 0.15);
+    EXPECT_LE(stats.exposed_alone, stats.exposed);
   }
 }
 
@@ -431,6 +437,8 @@ TEST_P(OverlappedPipelines, EqualOneProcess) {
   double hidden = 0.0;
   for (int r = 0; r < c.nproc; ++r) {
     EXPECT_GT(ranks[0].rank_pair_hidden[r] + ranks[0].rank_pair_exposed[r], 0.0) << "rank " << r;
+    EXPECT_GE(ranks[0].rank_pair_exposed_alone[r], 0.0) << "rank " << r;
+    EXPECT_LE(ranks[0].rank_pair_exposed_alone[r], ranks[0].rank_pair_exposed[r]) << "rank " << r;
     hidden += ranks[0].rank_pair_hidden[r];
     // With defer_wgrad some W's filled waits (and none without).
     EXPECT_EQ(ranks[0].rank_deferred_w_in_waits[r] > 0, k.defer_wgrad) << "rank " << r;

@@ -274,6 +274,8 @@ def main():
             losses.append(pipe.step(x[rows], y[rows], **kw))
             aux.append(pipe.last_stats["aux_loss"])
             hidden += pipe.last_stats["pair_hidden"]
+            # Of the exposed seconds, those after the other half ended.
+            assert 0 <= pipe.last_stats["pair_exposed_alone"] <= pipe.last_stats["pair_exposed"]
             deferred += (pipe.last_stats["deferred_w_in_waits"]
                          + pipe.last_stats["deferred_w_at_end"])
             opt.step()

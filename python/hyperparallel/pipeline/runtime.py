@@ -591,8 +591,9 @@ class Pipeline:
         ``position_ids``), anything else is handed on unchanged. Returns the
         mean loss over the microbatches, on every rank; ``last_stats`` has
         the step's timings, ``aux_loss`` (NOTE [Auxiliary losses]) and, with
-        ``fb_overlap``, ``pairs``, ``pair_hidden`` and ``pair_exposed`` (the
-        overlapped pairs and their waits' seconds hidden and exposed)."""
+        ``fb_overlap``, ``pairs``, ``pair_hidden``, ``pair_exposed`` and
+        ``pair_exposed_alone`` (the overlapped pairs and their waits' seconds
+        hidden, exposed, and exposed after the other half ended)."""
         if self._broken is not None:
             raise RuntimeError(
                 f"a previous step failed on this rank ({self._broken}); its peers' steps "
