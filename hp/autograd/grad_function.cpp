@@ -222,8 +222,9 @@ struct GradFunction::Impl {
 
   SplitPlan plan;
   SplitStats stats;
-  TensorList sens;                                       // per output, kept for dw roots on outputs
-  TensorList dx;                                         // per input, kept for dw roots on inputs
+  TensorList sens;       // per output, kept for dw roots on outputs
+  TensorList dx;         // per input, kept for dw roots on inputs
+  TensorList anchor_dx;  // per plan.anchor_edges, kept for dw roots on anchors (NOTE [Anchors])
   std::shared_ptr<std::vector<variable_list>> captured;  // per join node
 
   TensorList resolve_sens(const TensorList& given) const {
@@ -272,6 +273,7 @@ struct GradFunction::Impl {
     plan = SplitPlan();
     sens.clear();
     dx.clear();
+    anchor_dx.clear();
     captured.reset();
   }
 };
@@ -348,12 +350,17 @@ TensorList GradFunction::compute_input_grad(const TensorList& sens) {
 
   variable_list grads;
   std::vector<Edge> wanted = m.valid_input_edges();
+  const size_t num_wanted_inputs = wanted.size();
+  wanted.insert(wanted.end(), m.plan.anchor_edges.begin(), m.plan.anchor_edges.end());
   if (!wanted.empty()) {
     CaptureHooks hooks(m.plan.join_nodes, m.captured);
     grads = Engine::get_default_engine().execute(m.output_edges, m.sens, /*keep_graph=*/true,
                                                  /*create_graph=*/false,
                                                  /*accumulate_grad=*/false, wanted);
   }
+  // The anchors' gradients, after the inputs' (NOTE [Anchors] in split_plan.h).
+  m.anchor_dx.assign(grads.begin() + static_cast<std::ptrdiff_t>(num_wanted_inputs), grads.end());
+  grads.resize(num_wanted_inputs);
   // What only dx needed is not needed any more: free it now, not after dw.
   for (const auto& node : m.plan.dx_only_nodes)
     node->release_variables();
@@ -417,6 +424,9 @@ TensorList GradFunction::run_weight_grad(bool keep_graph, bool into_grad) {
             break;
           case DwRoot::Source::Input:
             g = m.dx[root.index];
+            break;
+          case DwRoot::Source::Anchor:
+            g = keep_graph ? m.anchor_dx[root.index] : std::move(m.anchor_dx[root.index]);
             break;
           case DwRoot::Source::Captured: {
             auto& slots = (*m.captured)[root.index];

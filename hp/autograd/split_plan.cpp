@@ -90,6 +90,16 @@ SplitPlan plan_split(const std::vector<Edge>& output_edges, const std::vector<Ed
   std::unordered_set<EdgeKey, EdgeKeyHash> input_keys;
   for (const Edge& e : input_edges)
     if (e.is_valid()) input_keys.insert(key_of(e));
+  // Anchors' next edges count as inputs (NOTE [Anchors] in split_plan.h).
+  std::unordered_set<EdgeKey, EdgeKeyHash> dx_keys = input_keys;
+  for (size_t v = 0; v < n; ++v) {
+    Node* node = g.nodes[v].get();
+    if (!dynamic_cast<const AnchorNode*>(node)) continue;
+    for (size_t s = 0; s < node->num_outputs(); ++s) {
+      const Edge& e = node->next_edge(s);
+      if (e.is_valid() && dx_keys.insert(key_of(e)).second) plan.anchor_edges.push_back(e);
+    }
+  }
   std::vector<char> is_weight_node(n, 0);
   for (const Edge& e : weight_edges) {
     if (!e.is_valid()) continue;
@@ -106,7 +116,7 @@ SplitPlan plan_split(const std::vector<Edge>& output_edges, const std::vector<Ed
       const Edge& e = node->next_edge(s);
       if (!e.is_valid()) continue;
       size_t c = g.index.at(e.function.get());
-      if (input_keys.count(key_of(e)) || in_c[c]) in_c[v] = 1;
+      if (dx_keys.count(key_of(e)) || in_c[c]) in_c[v] = 1;
       if (leads_w[c]) leads_w[v] = 1;
     }
   }
@@ -124,7 +134,7 @@ SplitPlan plan_split(const std::vector<Edge>& output_edges, const std::vector<Ed
         const Edge& e = node->next_edge(s);
         if (!e.is_valid()) continue;
         size_t c = g.index.at(e.function.get());
-        if (!input_keys.count(key_of(e)) && !in_c[c] && leads_w[c]) {
+        if (!dx_keys.count(key_of(e)) && !in_c[c] && leads_w[c]) {
           joins = true;
           uf.unite(v, c);
         } else {
@@ -157,7 +167,7 @@ SplitPlan plan_split(const std::vector<Edge>& output_edges, const std::vector<Ed
   };
   std::vector<size_t> root_node;  // union-find representative per root
   for (size_t i = 0; i < output_edges.size(); ++i) {
-    if (input_keys.count(key_of(output_edges[i]))) continue;  // its gradient is that input's dx
+    if (dx_keys.count(key_of(output_edges[i]))) continue;  // its gradient is that input's dx
     int64_t t = outside_root(output_edges[i]);
     if (t < 0) continue;
     plan.roots.push_back({DwRoot::Source::Output, output_edges[i], i});
@@ -168,6 +178,12 @@ SplitPlan plan_split(const std::vector<Edge>& output_edges, const std::vector<Ed
     int64_t t = outside_root(input_edges[i]);
     if (t < 0) continue;
     plan.roots.push_back({DwRoot::Source::Input, input_edges[i], i});
+    root_node.push_back(static_cast<size_t>(t));
+  }
+  for (size_t i = 0; i < plan.anchor_edges.size(); ++i) {
+    int64_t t = outside_root(plan.anchor_edges[i]);
+    if (t < 0) continue;
+    plan.roots.push_back({DwRoot::Source::Anchor, plan.anchor_edges[i], i});
     root_node.push_back(static_cast<size_t>(t));
   }
   for (size_t j = 0; j < plan.join_nodes.size(); ++j) {

@@ -44,6 +44,29 @@ using torch::autograd::Node;
 // Nodes outside C never lead into C (such a node would reach an input, so it
 // would be in C), so masking the joining nodes' inner edges is all the
 // pruning there is.
+//
+// NOTE [Anchors]
+// Some backward nodes must run in dx: a collective such as an expert layer's
+// all-to-all, which every peer posts in the same order and whose wait the
+// pipeline wants to hide behind compute, not leave to a W that may be deferred
+// to any gap (hp/pipeline/overlap.cpp). Such a node derives from AnchorNode.
+// Its next edges count as inputs: C grows by the nodes that reach an anchor,
+// dx runs the anchor and returns the gradient it produces along each edge
+// (SplitPlan::anchor_edges), and dw starts from those gradients (DwRoot::
+// Source::Anchor) wherever the edge leads outside C to a weight. On a stage
+// whose input takes a gradient the anchors are in C already and nothing
+// changes; on a first stage (no input, C empty without anchors) the
+// exchanges move from W into I, so W is compute only. An edge into a node
+// with several input slots makes the engine run that node's other parents in
+// dx too (a captured node is one to execute), for nothing: W runs them again.
+// The gradients are those of plain autograd; in float32 the last bits may
+// differ where a node sums its incoming gradients in another order.
+
+/// A backward node that dx must run (NOTE [Anchors]): derive a node from it.
+class AnchorNode : public Node {
+ public:
+  using Node::Node;
+};
 
 /// A gradient dw starts from: a node's input slot and where its value comes from.
 struct DwRoot {
@@ -51,10 +74,13 @@ struct DwRoot {
     Output,    ///< an output edge: its gradient is the output's sens
     Input,     ///< an input edge: its gradient is that input's dx
     Captured,  ///< an input slot of a joining node, captured by a pre-hook during dx
+    Anchor,    ///< an anchor's next edge: its gradient is one dx returned (NOTE [Anchors])
   };
   Source source;
-  Edge edge;         ///< (node, input slot) the gradient is fed into
-  size_t index = 0;  ///< Output: output index; Input: input index; Captured: joining-node index
+  Edge edge;  ///< (node, input slot) the gradient is fed into
+  /// Output: output index; Input: input index; Captured: joining-node index;
+  /// Anchor: index into SplitPlan::anchor_edges
+  size_t index = 0;
 };
 
 /// One dw group: weights whose dw subgraphs touch, run by one engine call.
@@ -74,6 +100,9 @@ struct SplitPlan {
   std::vector<std::shared_ptr<Node>> dx_only_nodes;
   std::vector<DwRoot> roots;
   std::vector<DwGroup> groups;
+  /// The next edges of anchor nodes (NOTE [Anchors]) that are not input edges:
+  /// dx asks the engine for their gradients after the inputs'.
+  std::vector<Edge> anchor_edges;
   /// Per weight: its group, or -1 when it has no path to any output (its dw is zeros).
   std::vector<int64_t> weight_group;
   size_t num_nodes = 0;     ///< nodes reachable from the outputs

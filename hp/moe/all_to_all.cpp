@@ -6,6 +6,8 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 
+#include "hp/autograd/split_plan.h"
+
 #include <mutex>
 #include <numeric>
 
@@ -22,7 +24,9 @@ torch::Tensor exchange(distributed::Comm& group, const torch::Tensor& x,
   return out;
 }
 
-struct AllToAllBackward : torch::autograd::Node {
+// An anchor: with a split backward its exchange runs in I, never in a W that
+// may be deferred (NOTE [Anchors] in hp/autograd/split_plan.h).
+struct AllToAllBackward : hp::autograd::AnchorNode {
   std::shared_ptr<distributed::Comm> group;
   std::vector<int64_t> send_rows, recv_rows;  // the forward's
   std::vector<int64_t> input_shape;

@@ -406,7 +406,11 @@ void Executor::State::resolve(int last) {
   for (const auto& [c0, c1] : comm_spans)
     stats.comm_wait += sec(c1) - sec(c0);
   stats.wall = sec(last);
-  stats.overhead = std::max(0.0, stats.wall - stats.compute - stats.comm_wait);
+  // The chunks' own waits outside pairs (a pair's, in chunk_wait already,
+  // are its idle CPU, not the sum of its halves' waits).
+  for (const TimedSpan& sp : spans)
+    if (sp.compute < 0) stats.chunk_wait += sp.inner_waited;
+  stats.overhead = std::max(0.0, stats.wall - stats.compute - stats.comm_wait - stats.chunk_wait);
   stats.host_syncs += timer->host_syncs();
 }
 

@@ -84,7 +84,12 @@ struct StepStats {
   double comm_wait = 0.0;  ///< seconds in communication: posting sends and receives (on
                            ///< loopback the kernel copies a send in the posting call)
                            ///< and waiting for them
-  double overhead = 0.0;   ///< wall - compute - comm_wait: the executor's own time
+  /// Seconds computing actions waited inside their chunks (an expert
+  /// layer's all-to-alls: NOTE [A chunk's own waits] in step_timer.h) with
+  /// nothing else to compute: outside pairs their waits, in an overlapped
+  /// pair the time neither half computed (PairStats::chunk_idle).
+  double chunk_wait = 0.0;
+  double overhead = 0.0;  ///< wall - compute - comm_wait - chunk_wait: the executor's own time
   /// Points where this rank's executor thread waited for the device or for a
   /// peer: waits on host-blocking receives, the end-of-step wait for
   /// host-blocking sends, the timer's read-out and the loss read from a

@@ -87,6 +87,7 @@ void Executor::State::run_pair(const Action& a) {
     stats.pair_hidden += ps.hidden;
     stats.pair_exposed += ps.exposed;
     stats.pair_exposed_alone += ps.exposed_alone;
+    stats.chunk_wait += ps.chunk_idle;
     stats.deferred_w_in_waits += ps.filled;
   };
   if (opts.pair_function) {

@@ -35,6 +35,11 @@ struct PairStats {
   double exposed_alone = 0.0;
   /// Times `idle` ran a piece of work during a wait.
   int filled = 0;
+  /// Seconds of the pair in which the CPU computed nothing and no half
+  /// waited on a pipeline receive (whose wait the executor counts as
+  /// communication): both halves waited inside their chunks, or the one
+  /// left did.
+  double chunk_idle = 0.0;
   /// Seconds each half (run()'s first, second) held the CPU: its compute,
   /// without its waits and the work `idle` ran in them.
   double compute[2] = {0.0, 0.0};

@@ -128,6 +128,9 @@ struct TrainResult {
   double checksum = 0.0;  ///< sum over all parameters (each name once) of sum(p)
   /// Per-rank measurements gathered on rank 0 (empty elsewhere).
   std::vector<double> rank_compute, rank_comm_wait, rank_overhead, rank_peak_bytes;
+  /// Per rank, StepStats::chunk_wait: waits inside the chunks (expert
+  /// all-to-alls) with nothing else to compute.
+  std::vector<double> rank_chunk_wait;
   /// Per rank, the last step's overlapped pairs (StepStats::pair_hidden and
   /// pair_exposed): communication hidden and exposed, in seconds.
   std::vector<double> rank_pair_hidden, rank_pair_exposed;

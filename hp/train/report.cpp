@@ -87,10 +87,11 @@ void gather_and_report(const TrainConfig& config, const schedule::Schedule& sche
                        const pipeline::StepStats& last, double peak_bytes,
                        const std::vector<double>& stage_bytes, double comm_cost,
                        distributed::Comm& comm, bool reporter, TrainResult& result) {
-  auto mine = torch::tensor(
-      {last.compute, last.comm_wait, last.overhead, peak_bytes, last.pair_hidden, last.pair_exposed,
-       double(last.deferred_w_in_waits), double(last.deferred_w_at_end), last.pair_exposed_alone},
-      torch::kFloat64);
+  auto mine =
+      torch::tensor({last.compute, last.comm_wait, last.overhead, peak_bytes, last.pair_hidden,
+                     last.pair_exposed, double(last.deferred_w_in_waits),
+                     double(last.deferred_w_at_end), last.pair_exposed_alone, last.chunk_wait},
+                    torch::kFloat64);
   std::vector<torch::Tensor> all(comm.world_size());
   for (auto& t : all)
     t = torch::empty_like(mine);
@@ -108,6 +109,7 @@ void gather_and_report(const TrainConfig& config, const schedule::Schedule& sche
     result.rank_deferred_w_in_waits.push_back(static_cast<int>(t[6].item<double>()));
     result.rank_deferred_w_at_end.push_back(static_cast<int>(t[7].item<double>()));
     result.rank_pair_exposed_alone.push_back(t[8].item<double>());
+    result.rank_chunk_wait.push_back(t[9].item<double>());
   }
   result.timeline.num_ranks = config.nproc;
   result.timeline.title = config.schedule + " (measured, last step)";
@@ -234,10 +236,12 @@ std::string report_json(const TrainConfig& c, const TrainResult& r) {
   }
   nlohmann::json ranks = nlohmann::json::array();
   for (size_t k = 0; k < r.rank_compute.size(); ++k) {
-    nlohmann::json one = {{"rank", k},
-                          {"compute_seconds", r.rank_compute[k]},
-                          {"comm_wait_seconds", r.rank_comm_wait[k]},
-                          {"overhead_seconds", r.rank_overhead[k]}};
+    nlohmann::json one = {
+        {"rank", k},
+        {"compute_seconds", r.rank_compute[k]},
+        {"comm_wait_seconds", r.rank_comm_wait[k]},
+        {"chunk_wait_seconds", k < r.rank_chunk_wait.size() ? r.rank_chunk_wait[k] : 0.0},
+        {"overhead_seconds", r.rank_overhead[k]}};
     if (c.fb_overlap && k < r.rank_pair_hidden.size()) {
       // NOTE [Overlapped pairs] in hp/pipeline/overlap.cpp
       one["pair_hidden_comm_seconds"] = r.rank_pair_hidden[k];
@@ -348,11 +352,16 @@ std::string summary_text(const TrainConfig& c, const TrainResult& r) {
                 100 * r.simulated_bubble);
   s += buf;
   for (size_t k = 0; k < r.rank_compute.size(); ++k) {
-    std::snprintf(buf, sizeof buf,
-                  "  rank %zu: compute %.1f ms, waiting %.1f ms, executor overhead %.2f ms, peak "
-                  "activations %.1f MiB",
-                  k, r.rank_compute[k] * 1e3, r.rank_comm_wait[k] * 1e3, r.rank_overhead[k] * 1e3,
-                  r.rank_peak_bytes[k] / 1048576.0);
+    std::snprintf(buf, sizeof buf, "  rank %zu: compute %.1f ms, waiting %.1f ms", k,
+                  r.rank_compute[k] * 1e3, r.rank_comm_wait[k] * 1e3);
+    s += buf;
+    if (k < r.rank_chunk_wait.size() && r.rank_chunk_wait[k] > 0) {
+      // Expert all-to-alls: NOTE [A chunk's own waits] in hp/pipeline/step_timer.h
+      std::snprintf(buf, sizeof buf, " (and %.1f ms inside chunks)", r.rank_chunk_wait[k] * 1e3);
+      s += buf;
+    }
+    std::snprintf(buf, sizeof buf, ", executor overhead %.2f ms, peak activations %.1f MiB",
+                  r.rank_overhead[k] * 1e3, r.rank_peak_bytes[k] / 1048576.0);
     s += buf;
     if (k < r.rank_microbatch_bytes.size() && r.rank_microbatch_bytes[k] > 0) {
       const double unit = r.rank_microbatch_bytes[k];

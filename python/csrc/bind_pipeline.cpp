@@ -397,6 +397,7 @@ class Runtime {
     d["compute"] = out.stats.compute;
     d["comm_wait"] = out.stats.comm_wait;
     d["overhead"] = out.stats.overhead;
+    d["chunk_wait"] = out.stats.chunk_wait;  // NOTE [A chunk's own waits]
     d["dp_exposed"] = out.dp_exposed;
     d["pairs"] = out.stats.pairs;  // fb_overlap: NOTE [Overlapped pairs]
     d["pair_hidden"] = out.stats.pair_hidden;

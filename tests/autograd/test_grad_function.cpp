@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/torch.h>
 #include "tests/common/flop_counter.h"
@@ -15,6 +16,7 @@
 #include <string>
 
 #include "hp/autograd/grad_function.h"
+#include "hp/autograd/split_plan.h"
 
 using hp::autograd::forward_and_gradfn;
 using hp::autograd::ForwardAndGradOptions;
@@ -502,6 +504,70 @@ TEST_F(SplitTest, UndefinedInputsAreIgnored) {
   auto ref = torch::autograd::grad({x.matmul(w).sum()}, {x, w});
   expect_close(dx[1], ref[0], "dx");
   expect_close(gf.compute_weight_grad()[0], ref[1], "dw");
+}
+
+// NOTE [Anchors] in split_plan.h: a node that stands for a collective (here
+// y = 2 x, counting its backward calls) runs in dx, also on a first stage
+// whose input takes no gradient (C would be empty without it), and never in
+// dw; values equal plain autograd in both cases.
+int g_anchor_calls = 0;
+
+struct DoublingAnchor : hp::autograd::AnchorNode {
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    ++g_anchor_calls;
+    return {grads.at(0).defined() ? grads[0] * 2 : torch::Tensor()};
+  }
+};
+
+torch::Tensor anchored_double(const torch::Tensor& x) {
+  torch::Tensor out;
+  {
+    torch::NoGradGuard no_grad;
+    out = x * 2;
+  }
+  if (torch::GradMode::is_enabled() && x.requires_grad()) {
+    auto node = std::shared_ptr<DoublingAnchor>(new DoublingAnchor(), torch::autograd::deleteNode);
+    node->set_next_edges(torch::autograd::collect_next_edges(x));
+    torch::autograd::set_history(out, node);
+  }
+  return out;
+}
+
+TEST_F(SplitTest, AnchorsRunInDxAlsoWithoutAnInputAndNeverInDw) {
+  auto x = torch::randn({4, 3}, kF64);
+  TensorList weights = {param({3, 5}), param({5, 5}), param({5, 2})};
+  Fn fn = [&](const TensorList& in) {
+    auto h = torch::tanh(in[0].matmul(weights[0]));
+    auto z = torch::tanh(anchored_double(h).matmul(weights[1]));
+    // h also feeds the output past the anchors: its node gets gradient twice.
+    return TensorList{anchored_double(z).matmul(weights[2]) + h.narrow(1, 0, 2)};
+  };
+  Fn plain = [&](const TensorList& in) {
+    auto h = torch::tanh(in[0].matmul(weights[0]));
+    auto z = torch::tanh((h * 2).matmul(weights[1]));
+    return TensorList{(z * 2).matmul(weights[2]) + h.narrow(1, 0, 2)};
+  };
+  for (bool with_input : {false, true}) {
+    SCOPED_TRACE(with_input ? "with an input" : "a first stage");
+    const GradPosition position = with_input ? GradPosition::all() : GradPosition::none();
+    auto stats = check_split(fn, {x}, weights, position);
+    auto plain_stats = check_split(plain, {x}, weights, position);
+    if (with_input) {  // each anchor stands where the plain graph's doubling was
+      EXPECT_EQ(stats.num_dx_nodes, plain_stats.num_dx_nodes);
+    } else {  // without anchors a first stage's dx runs nothing
+      EXPECT_EQ(plain_stats.num_dx_nodes, 0u);
+      EXPECT_GT(stats.num_dx_nodes, 0u);
+    }
+    auto opts = ForwardAndGradOptions().weights(weights).grad_position(position);
+    auto [outs, split] = forward_and_gradfn(fn, {x}, opts);
+    g_anchor_calls = 0;
+    split.compute_input_grad({torch::randn_like(outs[0])});
+    EXPECT_EQ(g_anchor_calls, 2) << "dx runs both anchors";
+    split.weight_grad_into_grad();
+    EXPECT_EQ(g_anchor_calls, 2) << "dw runs no anchor";
+    for (auto& w : weights)
+      w.mutable_grad() = torch::Tensor();
+  }
 }
 
 using hp::testing::FlopCounter;

@@ -287,6 +287,48 @@ TEST(MoELayer, TwoRanksEqualEveryExpertLocalFusedAndSplit) {
     }
 }
 
+// Counts the waits of the thread that installs it.
+struct CountWaits : hp::distributed::WaitObserver {
+  int waits = 0;
+  void before_wait(const hp::distributed::Work&) override { ++waits; }
+  void after_wait() override {}
+};
+
+// The layer as a first stage (its input takes no gradient): with the dx/dw
+// split its exchanges still run in dx, as anchors (NOTE [Anchors] in
+// hp/autograd/split_plan.h), and dw waits on nothing, so a deferred W never
+// communicates. Gradients equal the reference.
+TEST(MoELayer, AFirstStagesSplitExchangesInDxAndNeverInDw) {
+  const auto o = layer_options();
+  const Reference ref = reference(o, 2);
+  auto errors = on_ranks(2, [&](int r, std::shared_ptr<Comm> g) {
+    MoELayer mine(o, g, 7, 0.3, 0.2);
+    mine->to(torch::kDouble);
+    auto out = mine->forward(ref.x[r]);
+    std::vector<torch::Tensor> params;
+    for (const auto& p : mine->parameters())
+      params.push_back(p);
+    hp::autograd::GradFunction fn({(out * out).sum() + mine->last_balance_loss()}, {}, params);
+    CountWaits counted;
+    {
+      hp::distributed::WaitObserverScope scope(&counted);
+      fn.compute_input_grad();
+      TORCH_CHECK(counted.waits > 0, "dx made no exchange");
+      const int in_dx = counted.waits;
+      fn.weight_grad_into_grad();
+      TORCH_CHECK(counted.waits == in_dx, "dw waited ", counted.waits - in_dx, " times");
+    }
+    for (const auto& p : mine->named_parameters()) {
+      const bool expert = p.key().rfind("expert", 0) == 0;
+      const auto& want = expert ? ref.grads.at(p.key()) : ref.grads_of.at(p.key())[r];
+      TORCH_CHECK(p.value().grad().defined() && close(p.value().grad(), want), "gradient of ",
+                  p.key());
+    }
+  });
+  EXPECT_EQ(errors[0], "");
+  EXPECT_EQ(errors[1], "");
+}
+
 // NOTE [Grouped expert products] in hp/moe/moe_layer.cpp: in float32 the
 // grouped product equals the loop over 2 expert-parallel ranks (outputs,
 // input gradient, every parameter's gradient, fused and split); float64

@@ -21,6 +21,7 @@
 #include "hp/distributed/comm.h"
 #include "hp/distributed/lanes.h"
 #include "hp/pipeline/overlap.h"
+#include "hp/pipeline/step_timer.h"
 #include "hp/schedule/fuse.h"
 #include "hp/train/trainer.h"
 #include "tests/common/threads_as_ranks.h"
@@ -141,6 +142,34 @@ TEST(PairRunner, FirstReadyGivesTheCpuToTheHalfWhoseWaitEnded) {
     EXPECT_LT(stats.hidden, 0.02);
     EXPECT_GT(stats.exposed, 0.15);
     EXPECT_LE(stats.exposed_alone, stats.exposed);
+    // Counted once, the pair's whole time went idle inside the chunks.
+    EXPECT_GT(stats.chunk_idle, took - 0.03);
+    EXPECT_LE(stats.chunk_idle, took);
+  }
+}
+
+// PairStats::chunk_idle counts the time nothing computed only while no half
+// waited on a pipeline receive (the executor counts that one as
+// communication): here the backward's own wait falls inside the forward's
+// receive. The same forward waiting inside its chunk leaves the CPU idle
+// for 80-90 ms (the backward computes 20 of its 100).
+TEST(PairRunner, ChunkIdleLeavesOutTheTimeAReceiveIsWaitedFor) {
+  auto second = [] {
+    busy(10);
+    sleep_work(30).wait();
+    busy(10);
+  };
+  for (bool first_ready : {false, true}) {
+    PairRunner runner(c10::Device(c10::kCPU), first_ready);
+    auto receive = [] {
+      hp::pipeline::ReceiveScope receiving;
+      sleep_work(100).wait();
+    };
+    EXPECT_LT(runner.run(receive, second).chunk_idle, 0.02) << first_ready;
+    auto own = [] { sleep_work(100).wait(); };
+    const double idle = runner.run(own, second).chunk_idle;
+    EXPECT_GT(idle, 0.07) << first_ready;
+    EXPECT_LT(idle, 0.2) << first_ready;
   }
 }
 
@@ -434,16 +463,22 @@ TEST_P(OverlappedPipelines, EqualOneProcess) {
   // as hidden only while the CPU computed, and on a loaded machine a rank
   // that lost its core finds every message of its last step already there.
   ASSERT_EQ(ranks[0].rank_pair_hidden.size(), size_t(c.nproc));
-  double hidden = 0.0;
+  double hidden = 0.0, chunk_wait = 0.0;
   for (int r = 0; r < c.nproc; ++r) {
     EXPECT_GT(ranks[0].rank_pair_hidden[r] + ranks[0].rank_pair_exposed[r], 0.0) << "rank " << r;
     EXPECT_GE(ranks[0].rank_pair_exposed_alone[r], 0.0) << "rank " << r;
     EXPECT_LE(ranks[0].rank_pair_exposed_alone[r], ranks[0].rank_pair_exposed[r]) << "rank " << r;
     hidden += ranks[0].rank_pair_hidden[r];
+    EXPECT_GE(ranks[0].rank_chunk_wait[r], 0.0) << "rank " << r;
+    chunk_wait += ranks[0].rank_chunk_wait[r];
     // With defer_wgrad some W's filled waits (and none without).
     EXPECT_EQ(ranks[0].rank_deferred_w_in_waits[r] > 0, k.defer_wgrad) << "rank " << r;
   }
   EXPECT_GT(hidden, 0.0);
+  // The expert exchanges left the CPU idle somewhere (StepStats::chunk_wait).
+  if (k.ep > 1) {
+    EXPECT_GT(chunk_wait, 0.0);
+  }
   // NOTE [A chunk's own waits] in step_timer.h: counted apart from the
   // receives, none on the dense GPT; on the expert stages each F makes as
   // many as every other F of its stage, in a pair or alone, and each I (B)

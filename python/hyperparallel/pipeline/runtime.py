@@ -590,7 +590,9 @@ class Pipeline:
         into the microbatches along dim 0 (``attention_mask``,
         ``position_ids``), anything else is handed on unchanged. Returns the
         mean loss over the microbatches, on every rank; ``last_stats`` has
-        the step's timings, ``aux_loss`` (NOTE [Auxiliary losses]) and, with
+        the step's timings (``compute``, ``comm_wait``, ``chunk_wait``: waits
+        inside the stages, as an expert layer's all-to-alls, with nothing
+        else to compute, ``overhead``), ``aux_loss`` (NOTE [Auxiliary losses]) and, with
         ``fb_overlap``, ``pairs``, ``pair_hidden``, ``pair_exposed`` and
         ``pair_exposed_alone`` (the overlapped pairs and their waits' seconds
         hidden, exposed, and exposed after the other half ended)."""
