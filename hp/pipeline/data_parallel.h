@@ -24,6 +24,20 @@ namespace hp::pipeline {
 // A tensor held by several of the rank's stages (a chunk computed twice) is
 // reduced once, when the last of them is done. The average is the same on
 // every replica: every rank sums the same parts in rank order.
+//
+// NOTE [Reductions in a fixed order]
+// The reductions are point-to-point exchanges without tags, so every rank
+// of the group must post them in one order, on one lane. Which action ends
+// a stage, and so which thread posts its reduction and when, may depend on
+// timing: with overlapped pairs taking turns as messages arrive and
+// deferred W's, a stage's last microbatch may end in a W run in some wait
+// on one rank and in a B of the schedule on its peer, and two stages of a
+// rank may end in either order. ready turns with --defer-wgrad hung so
+// (both ranks waiting on a reduction of the other's). So the stages' reductions
+// are posted in an order fixed by the schedule (`order`: the rank's stages
+// by their last backward in its action list), each once it and every
+// stage before it are done, and always on the deferred W's lane
+// (distributed::kDeferredLane; a group without lanes has one).
 
 /// Averages gradients over `dp` as the stages finish (see the NOTE).
 class GradientReducer {
@@ -31,10 +45,13 @@ class GradientReducer {
   /// `stage_parameters[s]`: the tensors whose .grad stage s accumulates;
   /// `stage_microbatches[s]`: how many microbatches stage s runs per step
   /// (all of them, except where a schedule splits them between mirrored
-  /// copies of a stage, as DualPipe does; `microbatches_per_stage`).
+  /// copies of a stage, as DualPipe does; `microbatches_per_stage`);
+  /// `order`: the stages in the order their reductions are posted (NOTE
+  /// [Reductions in a fixed order]; `stages_by_last_backward`), by default
+  /// ascending.
   GradientReducer(std::shared_ptr<distributed::Comm> dp,
                   const std::map<int, std::vector<torch::Tensor>>& stage_parameters,
-                  std::map<int, int> stage_microbatches);
+                  std::map<int, int> stage_microbatches, std::vector<int> order = {});
   /// Starts a step (checks the previous one finished).
   void begin_step();
   /// The StageHooks::on_done of (stage, mb): counts, and starts the stage's
@@ -49,6 +66,7 @@ class GradientReducer {
 
  private:
   void start(size_t tensor);
+  void post_ready();  // the done stages at the head of order_, in order
 
   std::shared_ptr<distributed::Comm> dp_;
   std::map<int, int> microbatches_;                   // stage -> microbatches per step
@@ -57,6 +75,8 @@ class GradientReducer {
   std::vector<int> holders_;                          // per tensor: stages holding it
   std::vector<int> remaining_;                        // per tensor, this step
   std::map<int, int> done_;                           // stage -> microbatches done
+  std::vector<int> order_;                            // NOTE [Reductions in a fixed order]
+  size_t posted_ = 0;                                 // stages of order_ posted this step
   std::vector<distributed::Work> pending_;
   double exposed_ = 0;
 };
@@ -64,5 +84,9 @@ class GradientReducer {
 /// How many microbatches each of `rank`'s stages runs per step: its F actions
 /// in the rank's list.
 std::map<int, int> microbatches_per_stage(const schedule::Schedule& schedule, int rank);
+
+/// `rank`'s stages in the order of their last backward (B, W, or an FB's
+/// backward half) in its action list (NOTE [Reductions in a fixed order]).
+std::vector<int> stages_by_last_backward(const schedule::Schedule& schedule, int rank);
 
 }  // namespace hp::pipeline

@@ -84,18 +84,24 @@ namespace hp::pipeline {
 // on with --fb-overlap. The pipeline's sends that a half posts as it ends
 // keep their order by themselves (NOTE [A half's sends leave when it
 // ends] in executor_pairs.cpp); the receives are posted before the pair.
-// Not with deferred W's: `hp train --defer-wgrad` keeps the fixed order.
-// Their posts have a lane of their own (kDeferredLane, which the executor
-// keeps), but where a W runs would then depend on timing, and a W that
-// waits on its peers (the gradient reduction, a recompute's all-to-all)
-// while they wait on this rank's half for an exchange that this rank posts
-// only after the W hangs the group: dualpipe pp 2 x ep 2 with recompute
-// sessions and --defer-wgrad did so once in a full test run. Since the
-// expert all-to-all is an anchor (NOTE [Anchors] in hp/autograd/
-// split_plan.h) a W without recompute exchanges nothing, yet ready turns
-// with deferred W's still hung once in 9 runs of pp 1 x ep 2 dualpipev
-// without recompute (both ranks blocked on an exchange's sends); the cause
-// is not found, so the rule stays.
+// With deferred W's their posts have a lane of their own (kDeferredLane,
+// which the executor keeps), but where a W runs then depends on timing.
+// Two things follow. (1) A W must not wait on its peers: one that does
+// (a recompute's all-to-all) while they wait on this rank's half for an
+// exchange that this rank posts only after the W hangs the group
+// (dualpipe pp 2 x ep 2 with recompute sessions and --defer-wgrad did so
+// once in a full test run). Without recompute a W exchanges nothing: the
+// expert all-to-all is an anchor of the split and runs in I (NOTE
+// [Anchors] in hp/autograd/split_plan.h). With recompute sessions `hp
+// train` refuses --pair-turns ready with --defer-wgrad. (2) Which action ends a
+// stage, and so when and on which lane its gradient reduction is posted,
+// may differ between ranks: the reductions go in the schedule's order on
+// one lane (NOTE [Reductions in a fixed order] in data_parallel.h); before
+// that, pp 1 x ep 2 dualpipev with ready turns and deferred W's hung once
+// in 9 runs, both ranks waiting on a reduction. And the order in which the
+// microbatches' W's add into .grad then follows the messages, so float32
+// results change in their last bits from run to run: `--pair-turns auto`
+// (the default) takes fixed turns with --defer-wgrad.
 
 // NOTE [An overlapped pair on a device]
 // On a GPU the CPU's baton is not enough: with NCCL a wait only makes the

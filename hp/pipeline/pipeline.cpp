@@ -328,7 +328,8 @@ Pipeline::Pipeline(schedule::Schedule schedule, std::shared_ptr<distributed::Com
       stage_params[st] = plain;
     }
     reducer_ =
-        std::make_unique<GradientReducer>(dp, stage_params, microbatches_per_stage(sched_, rank_));
+        std::make_unique<GradientReducer>(dp, stage_params, microbatches_per_stage(sched_, rank_),
+                                          stages_by_last_backward(sched_, rank_));
     StageHooks reduce;
     reduce.on_done = [r = reducer_.get()](int st, int mb) { r->on_done(st, mb); };
     hooks = nest(reduce, hooks);  // the reduction starts after the caller's on_done

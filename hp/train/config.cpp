@@ -129,8 +129,13 @@ void TrainConfig::validate() const {
          "--link delays the group's point-to-point; --p2p shm would bypass it "
          "(use --p2p auto or group)");
   }
-  need(pair_turns == "ready" || pair_turns == "fixed",
-       "--pair-turns '" + pair_turns + "' is not one of: ready, fixed");
+  need(pair_turns == "auto" || pair_turns == "ready" || pair_turns == "fixed",
+       "--pair-turns '" + pair_turns + "' is not one of: auto, ready, fixed");
+  // NOTE [Turns as messages arrive] in hp/pipeline/overlap.cpp
+  need(!(pair_turns == "ready" && defer_wgrad && recompute),
+       "--pair-turns ready with --defer-wgrad and --recompute: a first stage's deferred W "
+       "recomputes its forward, expert exchanges included, wherever it runs, and could wait "
+       "on peers that wait on this rank; use --pair-turns auto or fixed");
   need(!defer_wgrad || fb_overlap,
        "--defer-wgrad defers the W of overlapped pairs: give --fb-overlap too");
   need(receive_lookahead >= 0, "--receive-lookahead " + std::to_string(receive_lookahead) +
@@ -247,8 +252,11 @@ torch::Device TrainConfig::resolve_device(int local_rank) const {
 
 bool TrainConfig::pairs_take_ready_turns() const {
   // On a device the halves' waits only order their streams: the fixed order.
-  // With defer_wgrad: NOTE [Turns as messages arrive] in hp/pipeline/overlap.cpp.
-  return fb_overlap && !defer_wgrad && pair_turns == "ready" && resolve_device(0).is_cpu();
+  // auto: ready without deferred W's; with them fixed, whose W's run at
+  // points the code fixes, so float32 sums keep their bits from run to run
+  // (NOTE [Turns as messages arrive] in hp/pipeline/overlap.cpp).
+  return fb_overlap && resolve_device(0).is_cpu() &&
+         (pair_turns == "ready" || (pair_turns == "auto" && !defer_wgrad));
 }
 
 schedule::Schedule TrainConfig::build_schedule() const {

@@ -80,10 +80,11 @@ struct TrainConfig {
   /// With fb_overlap: each pair's W waits for a wait to fill (PipelineOptions::defer_wgrad).
   bool defer_wgrad = false;
   /// With fb_overlap: "ready" (a half takes the CPU as its message arrives;
-  /// the expert- and data-parallel groups in lanes; on CPU ranks without
-  /// defer_wgrad, else fixed) or "fixed" (the code's order). NOTE [Turns as
+  /// the expert- and data-parallel groups in lanes; CPU ranks; not with
+  /// defer_wgrad and recompute together), "fixed" (the code's order) or
+  /// "auto" (ready without defer_wgrad, else fixed). NOTE [Turns as
   /// messages arrive] in hp/pipeline/overlap.cpp.
-  std::string pair_turns = "ready";
+  std::string pair_turns = "auto";
   /// "LATENCY_US,GBPS": the cost every pipeline transfer and expert all-to-all
   /// pays (NOTE [The link model] in hp/distributed/link_model.cpp); empty: none.
   std::string link;
@@ -113,8 +114,8 @@ struct TrainConfig {
   /// there is no CUDA device.
   torch::Device resolve_device(int local_rank) const;
   /// With fb_overlap: whether the pairs take their turns as messages arrive
-  /// (pair_turns "ready" on CPU ranks, without defer_wgrad; NOTE [Turns as
-  /// messages arrive]).
+  /// (CPU ranks, pair_turns "ready", or "auto" without defer_wgrad; NOTE
+  /// [Turns as messages arrive]).
   bool pairs_take_ready_turns() const;
 };
 

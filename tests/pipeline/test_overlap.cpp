@@ -20,6 +20,7 @@
 
 #include "hp/distributed/comm.h"
 #include "hp/distributed/lanes.h"
+#include "hp/pipeline/data_parallel.h"
 #include "hp/pipeline/overlap.h"
 #include "hp/pipeline/step_timer.h"
 #include "hp/schedule/fuse.h"
@@ -411,13 +412,60 @@ TEST(LinkModel, MessagesArriveLateExactAndInOrderOverGloo) {
   });
 }
 
+// NOTE [Reductions in a fixed order] in data_parallel.h: two ranks whose
+// stages end in opposite orders (and on other threads' lanes) still post
+// their reductions in one order, so each gradient is the average of its
+// own copies; the stage order comes from the schedule's last backwards.
+TEST(GradientReducer, StagesThatEndInEitherOrderReduceInTheScheduleOrder) {
+  hp::testing::run_ranks_as_threads(
+      2,
+      [](int r, std::shared_ptr<hp::distributed::Comm> plain) {
+        auto g = hp::distributed::with_lanes(plain, hp::distributed::kPairLanes);
+        auto a = torch::zeros({3}, torch::kDouble), b = torch::zeros({5}, torch::kDouble);
+        a.mutable_grad() = torch::full({3}, 1.0 + r, torch::kDouble);
+        b.mutable_grad() = torch::full({5}, 10.0 * (1 + r), torch::kDouble);
+        hp::pipeline::GradientReducer reducer(g, {{0, {a}}, {1, {b}}}, {{0, 2}, {1, 1}}, {1, 0});
+        reducer.begin_step();
+        // Rank 0 ends stage 0 first, on the main lane; rank 1 stage 1, on the
+        // partner's. Neither posts before stage 1 (first in the order) is done.
+        for (int k = 0; k < 3; ++k) {
+          const int st = r == 0 ? (k < 2 ? 0 : 1) : (k == 0 ? 1 : 0);
+          hp::distributed::LaneScope lane(r == 0 ? hp::distributed::kMainLane
+                                                 : hp::distributed::kPartnerLane);
+          reducer.on_done(st, k);
+        }
+        reducer.finish_step();
+        EXPECT_TRUE(torch::equal(a.grad(), torch::full({3}, 1.5, torch::kDouble))) << a.grad();
+        EXPECT_TRUE(torch::equal(b.grad(), torch::full({5}, 15.0, torch::kDouble))) << b.grad();
+      },
+      std::chrono::seconds(10));
+}
+
+TEST(GradientReducer, StagesByLastBackwardFollowTheActionList) {
+  const auto s = hp::train::TrainConfig{}.build_schedule();  // 1F1B, 2 ranks
+  EXPECT_EQ(hp::pipeline::stages_by_last_backward(s, 0), std::vector<int>{0});
+  auto v = hp::testing::tiny("dualpipev", 2, 6, "gpt").build_schedule();
+  for (int r = 0; r < 2; ++r) {
+    const auto order = hp::pipeline::stages_by_last_backward(v, r);
+    ASSERT_EQ(order.size(), 2u) << "rank " << r;
+    // The last action that is a backward names the last stage of the order.
+    int last = -1;
+    for (const auto& a : v.actions[r])
+      if (a.op == hp::schedule::Op::B || a.op == hp::schedule::Op::W)
+        last = a.stage;
+      else if (a.op == hp::schedule::Op::FB)
+        last = a.stage2;
+    EXPECT_EQ(order.back(), last) << "rank " << r;
+  }
+}
+
 struct OverlapCase {
   std::string schedule;
   int m;
   int ep;
   bool recompute;
   bool defer_wgrad = false;
-  std::string pair_turns = "ready";  // NOTE [Turns as messages arrive]
+  std::string pair_turns = "auto";  // NOTE [Turns as messages arrive]
 };
 
 class OverlappedPipelines : public ::testing::TestWithParam<OverlapCase> {};
@@ -439,8 +487,15 @@ TEST_P(OverlappedPipelines, EqualOneProcess) {
   c.fb_overlap = true;
   c.defer_wgrad = k.defer_wgrad;
   c.pair_turns = k.pair_turns;
-  // Deferred W's keep the fixed order (NOTE [Turns as messages arrive]).
-  EXPECT_EQ(c.pairs_take_ready_turns(), k.pair_turns == "ready" && !k.defer_wgrad);
+  // auto: ready turns, fixed with deferred W's (NOTE [Turns as messages
+  // arrive]); ready with deferred W's is refused with recompute sessions.
+  EXPECT_EQ(c.pairs_take_ready_turns(),
+            k.pair_turns == "ready" || (k.pair_turns == "auto" && !k.defer_wgrad));
+  if (k.defer_wgrad && k.recompute) {
+    TrainConfig ready = c;
+    ready.pair_turns = "ready";
+    EXPECT_THROW(ready.validate(), std::invalid_argument);
+  }
   c.link = "2000,0.05";  // 2 ms, 50 MB/s
   if (hp::schedule::is_fb_variant(k.schedule)) {
     // Some of their pairs lead with the B (NOTE [The half that leads] in
@@ -542,24 +597,24 @@ TEST_P(OverlappedPipelines, EqualOneProcess) {
   EXPECT_GT(early, 0) << "no forward half's output left before its pair's end";
 }
 
-INSTANTIATE_TEST_SUITE_P(Pairs, OverlappedPipelines,
-                         ::testing::Values(OverlapCase{"dualpipev", 6, 1, false},
-                                           OverlapCase{"dualpipev", 6, 2, false, false, "fixed"},
-                                           OverlapCase{"dualpipe", 4, 2, false},
-                                           OverlapCase{"dualpipev", 6, 2, true},
-                                           OverlapCase{"dualpipev", 6, 1, false, true},
-                                           OverlapCase{"dualpipev", 6, 2, false, true},
-                                           OverlapCase{"dualpipe", 4, 2, true, true},
-                                           OverlapCase{"interleaved-1f1b-fb", 8, 2, false},
-                                           OverlapCase{"zbv-fb", 8, 1, false, true}),
-                         [](const ::testing::TestParamInfo<OverlapCase>& info) {
-                           std::string n = info.param.schedule;
-                           std::replace(n.begin(), n.end(), '-', '_');
-                           n += std::string(info.param.ep > 1 ? "_ep2" : "_dense") +
-                                (info.param.recompute ? "_recompute" : "") +
-                                (info.param.defer_wgrad ? "_defer_wgrad" : "") +
-                                (info.param.pair_turns == "fixed" ? "_fixed_turns" : "");
-                           return n;
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Pairs, OverlappedPipelines,
+    ::testing::Values(OverlapCase{"dualpipev", 6, 1, false},
+                      OverlapCase{"dualpipev", 6, 2, false, false, "fixed"},
+                      OverlapCase{"dualpipe", 4, 2, false}, OverlapCase{"dualpipev", 6, 2, true},
+                      OverlapCase{"dualpipev", 6, 1, false, true},
+                      OverlapCase{"dualpipev", 6, 2, false, true, "ready"},
+                      OverlapCase{"dualpipe", 4, 2, true, true},
+                      OverlapCase{"interleaved-1f1b-fb", 8, 2, false},
+                      OverlapCase{"zbv-fb", 8, 1, false, true, "ready"}),
+    [](const ::testing::TestParamInfo<OverlapCase>& info) {
+      std::string n = info.param.schedule;
+      std::replace(n.begin(), n.end(), '-', '_');
+      n += std::string(info.param.ep > 1 ? "_ep2" : "_dense") +
+           (info.param.recompute ? "_recompute" : "") +
+           (info.param.defer_wgrad ? "_defer_wgrad" : "") +
+           (info.param.pair_turns == "auto" ? "" : "_" + info.param.pair_turns + "_turns");
+      return n;
+    });
 
 }  // namespace

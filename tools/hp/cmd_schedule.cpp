@@ -135,7 +135,7 @@ struct ShowArgs {
   Common c;
   std::string name, from, svg, trace, csv, costs;
   bool json = false, lowered = false, no_color = false, fb_overlap = false, defer_wgrad = false;
-  std::string pair_turns = "ready";  // NOTE [Turns as messages arrive]
+  std::string pair_turns = "auto";  // NOTE [Turns as messages arrive]
   int width = 160;
 };
 
@@ -166,7 +166,8 @@ void run_show(const ShowArgs& a) {
   hs::SimOptions so;
   so.overlap_pairs = a.fb_overlap;  // NOTE [An overlapped pair in the simulator]
   so.defer_wgrad = a.defer_wgrad;   // NOTE [Deferred W's in the simulator]
-  so.pair_first_ready = a.pair_turns == "ready" && !a.defer_wgrad;  // as hp train's
+  so.pair_first_ready =
+      a.pair_turns == "ready" || (a.pair_turns == "auto" && !a.defer_wgrad);  // as hp train's
   hs::SimResult r = hs::simulate(shown, costs, so);
   std::string title =
       s.name + "  p=" + std::to_string(s.num_ranks) + " m=" + std::to_string(s.num_microbatches);
@@ -336,10 +337,10 @@ void add_schedule_command(CLI::App& app) {
                  "--defer-wgrad does")
       ->needs("--fb-overlap");
   show->add_option("--pair-turns", show_args->pair_turns,
-                   "with --fb-overlap: ready (default, as hp train on CPU ranks: at each wait "
-                   "the half whose wait ends first runs; fixed with --defer-wgrad) or fixed "
-                   "(the other half)")
-      ->check(CLI::IsMember({"ready", "fixed"}))
+                   "with --fb-overlap: ready (at each wait the half whose wait ends first "
+                   "runs), fixed (the other half) or auto (default, as hp train's: ready, "
+                   "fixed with --defer-wgrad)")
+      ->check(CLI::IsMember({"auto", "ready", "fixed"}))
       ->needs("--fb-overlap");
   show->add_option("--costs", show_args->costs,
                    "simulate under the per-stage costs of FILE (a stage cost file or a report "

@@ -310,10 +310,11 @@ void add_train_command(CLI::App& app) {
               "with --fb-overlap: each pair's backward runs its input gradient only and queues "
               "its weight gradient, which fills a later wait or runs at the step's end");
   t->add_option("--pair-turns", c.pair_turns,
-                "with --fb-overlap: ready (default: a half takes the CPU as soon as its message "
-                "arrived; CPU ranks, not with --defer-wgrad) or fixed (the halves alternate in "
-                "the code's order)")
-      ->check(CLI::IsMember({"ready", "fixed"}));
+                "with --fb-overlap: ready (a half takes the CPU as soon as its message arrived; "
+                "CPU ranks), fixed (the halves alternate in the code's order) or auto (default: "
+                "ready, fixed with --defer-wgrad, whose W's then keep their order and the sums "
+                "their bits)")
+      ->check(CLI::IsMember({"auto", "ready", "fixed"}));
   t->add_option("--link", c.link,
                 "LATENCY_US,GBPS: give every transfer and expert all-to-all a network link's "
                 "cost (CPU; for measuring overlap on one host)");
