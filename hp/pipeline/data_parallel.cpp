@@ -101,11 +101,13 @@ std::vector<int> stages_by_last_backward(const schedule::Schedule& schedule, int
     if (a.op == schedule::Op::B || a.op == schedule::Op::W) last[a.stage] = k;
     if (a.op == schedule::Op::FB) last[a.stage2] = k;  // its backward half
   }
-  std::vector<int> order;
+  std::vector<std::pair<size_t, int>> by_position;  // (position, stage)
   for (const auto& [st, k] : last)
+    by_position.emplace_back(k, st);
+  std::sort(by_position.begin(), by_position.end());
+  std::vector<int> order;
+  for (const auto& [k, st] : by_position)
     order.push_back(st);
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int x, int y) { return last.at(x) < last.at(y); });
   return order;
 }
 

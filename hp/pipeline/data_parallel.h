@@ -32,11 +32,11 @@ namespace hp::pipeline {
 // timing: with overlapped pairs taking turns as messages arrive and
 // deferred W's, a stage's last microbatch may end in a W run in some wait
 // on one rank and in a B of the schedule on its peer, and two stages of a
-// rank may end in either order. ready turns with --defer-wgrad hung so
-// (both ranks waiting on a reduction of the other's). So the stages' reductions
-// are posted in an order fixed by the schedule (`order`: the rank's stages
-// by their last backward in its action list), each once it and every
-// stage before it are done, and always on the deferred W's lane
+// rank may end in either order. Ready turns with --defer-wgrad hung so
+// (both ranks waiting on a reduction). So the stages' reductions are
+// posted in an order fixed by the schedule (`order`: the rank's stages by
+// their last backward in its action list), each once it and every stage
+// before it are done, and always on the deferred W's lane
 // (distributed::kDeferredLane; a group without lanes has one).
 
 /// Averages gradients over `dp` as the stages finish (see the NOTE).
