@@ -296,6 +296,7 @@ def main():
     results["titan"] = {"out": out, "dx": dx, "grads": grads,
                         "experts": sorted(k for k, q in layer.named_parameters()
                                           if hp.moe.is_expert_parameter(q))}
+    results["titan-first-stage"] = titan_first_stage(hp, copy, ep_group)
     results["failure"] = fail_in_a_step(hp, copy, stage_rank, pp_group, ep_group)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     # The groups saw a failure: leave without tearing them down.
@@ -304,6 +305,28 @@ def main():
 
 
 hook_calls = [0]
+
+
+def titan_first_stage(hp, copy, ep_group):
+    """torchtitan's layer as a first stage (its input takes no gradient)
+    through GradFunction: dx has no input to give back but runs the expert
+    exchanges (anchors: NOTE [Anchors] in hp/autograd/split_plan.h), and dw
+    only computes. Copy 0 runs its dw while copy 1 waits in a barrier and
+    runs its own after: a dw that exchanged would wait for copy 1 and fail
+    after the layer's 20 s timeout. Returns the parameters' dw by name."""
+    import torch.distributed as dist
+
+    layer = hp.moe.expert_parallel(titan_layer(), ep_group, timeout=20.0)
+    x = titan_input(copy)
+    out, gf = hp.forward_and_gradfn(layer, x, grad_position=None)
+    assert gf.compute_input_grad(2 * out.detach()) is None
+    grads = {}
+    for turn in range(2):
+        if turn == copy:
+            names = [k for k, q in layer.named_parameters() if q.requires_grad]
+            grads = dict(zip(names, (g.clone() for g in gf.compute_weight_grad())))
+        dist.barrier(group=ep_group)
+    return grads
 
 
 def dualpipe_hook(cls, module0, inputs0, criterion0, labels0, module1, loss1, outputs1,

@@ -5,7 +5,8 @@ for transformers' Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3 on fused, split,
 DualPipe schedules, with a sequence length that changes and padding,
 pp 2 x ep 2 x FSDP2 (also inside overlapped pairs), and pp 1 x dp 4 with
 the experts over EP groups of 2; in the same launch, torchtitan's MoE layer over each EP
-group and a rank that fails inside an overlapped pair of a step."""
+group (also as a first stage through GradFunction: its exchanges run in dx,
+its dw only computes) and a rank that fails inside an overlapped pair of a step."""
 
 import os
 
@@ -107,7 +108,14 @@ def test_pp2_ep2_equals_one_process(tmp_path):
                 local = want.shape[0] // w.EP
                 want = sum(ref[2][k] for ref in refs)[copy * local:(copy + 1) * local]
             assert torch.allclose(g, want, rtol=0, atol=1e-12), (r, k)
-
+        # The same layer as a first stage through GradFunction: its expert
+        # exchanges ran in dx (the peers' dw's ran one after the other, so
+        # a dw that exchanged would have failed), and its dw equals plain
+        # autograd's parameter gradients.
+        first = res["titan-first-stage"]
+        assert set(first) == set(got["grads"]), (r, sorted(first))
+        for k, g in first.items():
+            assert torch.allclose(g, got["grads"][k], rtol=0, atol=1e-12), (r, k)
 
     # Rank 3 raised inside a step (in an overlapped FB pair of dualpipev) and lived on: every rank's step failed
     # within seconds (the timeout is 60 s), its EP peer and its pipeline
