@@ -5,7 +5,13 @@ hp/distributed/link_model.cpp) and over plain loopback. The variants
 alternate within each round; each row gives the medians over rounds of the
 runs' median step time, their ratios to the plain one, and, from the overlapped run's report,
 the share of its pairs' waits on communication that the partner's compute
-hid (hidden / (hidden + exposed), summed over ranks).
+hid (hidden / (hidden + exposed), summed over ranks; lowest-highest over the
+rounds): copy 0's, the simulator's for copy 0's fitted costs (NOTE
+[What a pair hides, predicted] in hp/schedule/simulate.cpp), and with
+experts the busiest copy's, whose compute sets the step (the other copies
+also wait for its experts: NOTE [The copies' compute] in
+hp/train/report.cpp), beside the copies' compute spread (most / least, the
+overlapped run's last step).
 
     .venv/bin/python bench/python/bench_overlap.py --links loopback,1000,1,3000,0.2
 
@@ -41,11 +47,12 @@ def parse_links(text):
 
 
 def run_once(args, link, overlap, report, defer=False):
-    cmd = [args.hp, "train", "--model", args.model, "--nproc", "2", "--schedule", args.schedule,
+    cmd = [args.hp, "train", "--model", args.model, "--nproc", str(args.nproc),
+           "--schedule", args.schedule,
            "--microbatches", str(args.microbatches), "--steps", str(args.steps),
            "--pin", "--no-progress", "--report", report]
     if args.model == "moe":
-        cmd += ["--ep", str(args.ep)]
+        cmd += ["--ep", str(args.ep), "--capacity-factor", str(args.capacity_factor)]
     if link:
         cmd += ["--link", link]
     if overlap:
@@ -59,7 +66,22 @@ def run_once(args, link, overlap, report, defer=False):
         j = json.load(f)
     hidden = sum(r.get("pair_hidden_comm_seconds", 0.0) for r in j["ranks"])
     exposed = sum(r.get("pair_exposed_comm_seconds", 0.0) for r in j["ranks"])
-    return j["median_step_seconds"], hidden, exposed
+    # The busiest copy of each stage rank (NOTE [The copies' compute]).
+    busy_hidden = busy_exposed = 0.0
+    spread = 1.0
+    for r in j["ranks"]:
+        compute = r.get("copies_compute_seconds")
+        if not compute or "copies_pair_hidden_comm_seconds" not in r:
+            continue
+        d = max(range(len(compute)), key=compute.__getitem__)
+        busy_hidden += r["copies_pair_hidden_comm_seconds"][d]
+        busy_exposed += r["copies_pair_exposed_comm_seconds"][d]
+        spread = max(spread, max(compute) / max(min(compute), 1e-12))
+    busiest = busy_hidden / (busy_hidden + busy_exposed) if busy_hidden + busy_exposed > 0 else None
+    ph = sum(r.get("predicted_pair_hidden_comm_seconds", 0.0) for r in j["ranks"])
+    pe = sum(r.get("predicted_pair_exposed_comm_seconds", 0.0) for r in j["ranks"])
+    predicted = ph / (ph + pe) if ph + pe > 0 else None
+    return j["median_step_seconds"], hidden, exposed, busiest, spread, predicted
 
 
 def main():
@@ -68,6 +90,10 @@ def main():
     ap.add_argument("--hp", default=os.path.join(root, "build", "tools", "hp", "hp"))
     ap.add_argument("--model", choices=["moe", "gpt"], default="moe")
     ap.add_argument("--ep", type=int, default=2, help="--model moe: expert-parallel copies")
+    ap.add_argument("--nproc", type=int, default=2, help="pipeline ranks (each copy's)")
+    ap.add_argument("--capacity-factor", type=float, default=0.0,
+                    help="--model moe: hp train's (0: dropless; 1: no expert takes more than an "
+                         "even share from a rank, which bounds the copies' load spread)")
     ap.add_argument("--schedule", default="dualpipev")
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--steps", type=int, default=6)
@@ -80,25 +106,36 @@ def main():
         sys.exit("bench_overlap: --rounds >= 1, --steps >= 2 and --microbatches >= 1")
     links = parse_links(args.links)
     print("| link | off: step | --fb-overlap: step | on / off | pairs' waits hidden "
+          "| predicted | on the busiest copy | copies' compute, most / least "
           "| + --defer-wgrad: step | / off |")
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "report.json")
         for link in links:
-            off, on, deferred, share = [], [], [], []
+            off, on, deferred, share, busiest, spread, predicted = [], [], [], [], [], [], []
             variants = [(False, False), (True, False), (True, True)]
             for r in range(args.rounds):
                 for overlap, defer in (variants if r % 2 == 0 else variants[::-1]):
-                    step, hidden, exposed = run_once(args, link, overlap, report, defer)
+                    step, hidden, exposed, busy, sp, pred = run_once(args, link, overlap, report,
+                                                                     defer)
                     (deferred if defer else on if overlap else off).append(step)
                     if overlap and not defer and hidden + exposed > 0:
                         share.append(hidden / (hidden + exposed))
+                        spread.append(sp)
+                        if pred is not None:
+                            predicted.append(pred)
+                        if busy is not None:
+                            busiest.append(busy)
                 print(f"  {link or 'loopback'}: round {r + 1}/{args.rounds}", file=sys.stderr)
             a, b, c = statistics.median(off), statistics.median(on), statistics.median(deferred)
-            hid = f"{100 * statistics.median(share):.0f} %" if share else "-"
+            def pct(xs):
+                return f"{100 * min(xs):.0f}-{100 * max(xs):.0f} %" if xs else "-"
+
+            hid, pred, busy = pct(share), pct(predicted), pct(busiest)
+            sp = f"{min(spread):.2f}-{max(spread):.2f}" if busiest else "-"
             name = "loopback" if link is None else link.replace(",", " us, ") + " GB/s"
             print(f"| {name} | {1e3 * a:.1f} ms | {1e3 * b:.1f} ms | {b / a:.2f} | {hid} "
-                  f"| {1e3 * c:.1f} ms | {c / a:.2f} |", flush=True)
+                  f"| {pred} | {busy} | {sp} | {1e3 * c:.1f} ms | {c / a:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -259,6 +259,12 @@ std::string summary_text(const SimResult& r) {
   os << "bubble rate    " << fmt(100 * r.bubble_rate) << " %  (Zero Bubble paper: longest rank's "
      << "(span - work) / span; span " << fmt(r.span) << ", work " << fmt(r.work) << ")\n";
   os << "comm volume    " << r.comm_volume << " transfers\n";
+  double hidden = 0.0, exposed = 0.0;  // NOTE [What a pair hides, predicted] in simulate.cpp
+  for (size_t i = 0; i < r.rank_pair_hidden.size(); ++i)
+    hidden += r.rank_pair_hidden[i], exposed += r.rank_pair_exposed.at(i);
+  if (hidden + exposed > 0)
+    os << "pairs' waits   " << fmt(100 * hidden / (hidden + exposed)) << " % hidden (hidden "
+       << fmt(hidden) << ", exposed " << fmt(exposed) << ": the overlapped pairs' waits)\n";
   os << "peak memory    " << fmt(r.max_peak_memory) << " (max over ranks)\n";
   os << "rank   busy      idle      peak-mem\n";
   for (size_t i = 0; i < r.rank_busy.size(); ++i) {
@@ -282,6 +288,10 @@ std::string summary_json(const SimResult& r, const std::string& name) {
                       {"peak_memory", r.peak_memory},
                       {"max_peak_memory", r.max_peak_memory},
                       {"comm_volume", r.comm_volume}};
+  if (!r.rank_pair_hidden.empty()) {  // NOTE [What a pair hides, predicted] in simulate.cpp
+    j["rank_pair_hidden"] = r.rank_pair_hidden;
+    j["rank_pair_exposed"] = r.rank_pair_exposed;
+  }
   if (!name.empty()) j["name"] = name;
   return j.dump(2);
 }

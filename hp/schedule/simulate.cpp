@@ -219,8 +219,32 @@ struct PairRun {
   std::vector<std::pair<std::pair<int, int>, double>> w_runs;  // queued W's run in it: W, start
   WQueue queue;                                                // what stays queued after it
   std::vector<std::tuple<int, double, double>> nodes;          // half, start, end: as they ran
+  double hidden = 0.0, exposed = 0.0;  // NOTE [What a pair hides, predicted]
   double finish() const { return std::max(end[0], end[1]); }
 };
+
+// NOTE [What a pair hides, predicted]
+// As the executor's PairStats (NOTE [Overlapped pairs] in
+// hp/pipeline/overlap.cpp): each wait of a half, from where the half
+// reaches it (its input's: when the half first holds the CPU; an all-to-all's:
+// as its node ends) to where its message is there, is hidden while the CPU
+// computes (a node of the other half, or a queued W) and exposed
+// otherwise. The CPU runs one thing at a time, so the busy stretches do not
+// overlap and each wait's hidden part is the sum of its overlaps with them.
+// An in-flight time read from a measured run holds the wait for a slower
+// expert-parallel peer too (NOTE [Waits inside a chunk] in simulate.h), so
+// the prediction counts that part of the exposure as the measurement does.
+void account_waits(PairRun& run, const std::vector<std::pair<double, double>>& waits,
+                   const std::vector<std::pair<double, double>>& busy) {
+  for (const auto& [a, b] : waits) {
+    double hidden = 0.0;
+    for (const auto& [s, e] : busy)
+      hidden += std::max(0.0, std::min(b, e) - std::max(a, s));
+    hidden = std::min(hidden, b - a);
+    run.hidden += hidden;
+    run.exposed += (b - a) - hidden;
+  }
+}
 
 // The runner's turns (NOTE [Overlapped pairs] in hp/pipeline/overlap.cpp):
 // the half that holds the CPU runs its next node once the wait in front of
@@ -238,15 +262,18 @@ PairRun run_pair(double t0, const Half (&h)[2], WQueue queue, bool defer, bool f
   auto has_wait = [&](int x) { return node[x] > 0 || h[x].receives; };
   double t = t0;
   auto can_run_at = [&](int x) { return has_wait(x) ? std::max(t, wait_until[x]) : t; };
+  std::vector<std::pair<double, double>> waits, busy;  // NOTE [What a pair hides, predicted]
   int cur = 0;
   while (!done[0] || !done[1]) {
     const int x = cur, y = 1 - cur;
     started[x] = true;
     if (has_wait(x) && !entered[x]) {
       entered[x] = true;
+      if (node[x] == 0) waits.emplace_back(t, std::max(t, wait_until[x]));  // its input's
       if (defer && started[y] && !queue.empty()) {
         run.w_runs.push_back({queue.front(), t});
-        t += w_cost(queue.front().first);
+        busy.emplace_back(t, t + w_cost(queue.front().first));
+        t = busy.back().second;
         queue.pop_front();
       }
       if (!done[y] && (!first_ready || can_run_at(y) <= can_run_at(x))) {
@@ -261,6 +288,7 @@ PairRun run_pair(double t0, const Half (&h)[2], WQueue queue, bool defer, bool f
     t += sh != nullptr && sh->size() == size_t(h[x].waits + 1) ? h[x].compute * (*sh)[node[x]]
                                                                : h[x].compute / (h[x].waits + 1);
     run.nodes.emplace_back(x, node_start, t);
+    busy.emplace_back(node_start, t);
     entered[x] = false;
     if (++node[x] == h[x].waits + 1) {
       done[x] = true;
@@ -269,8 +297,10 @@ PairRun run_pair(double t0, const Half (&h)[2], WQueue queue, bool defer, bool f
       if (!done[y]) cur = y;
     } else {
       wait_until[x] = t + h[x].inflight;
+      waits.emplace_back(t, wait_until[x]);
     }
   }
+  account_waits(run, waits, busy);
   run.queue = std::move(queue);
   return run;
 }
@@ -289,6 +319,10 @@ SimResult simulate(const Schedule& s, const CostModel& costs, const SimOptions& 
   res.rank_idle.assign(p, 0.0);
   res.rank_span.assign(p, 0.0);
   res.peak_memory.assign(p, 0.0);
+  if (opts.overlap_pairs) {
+    res.rank_pair_hidden.assign(p, 0.0);
+    res.rank_pair_exposed.assign(p, 0.0);
+  }
   std::vector<double> first_f(p, -1.0), last_end(p, 0.0), free_at(p, 0.0), mem(p, 0.0);
   std::vector<size_t> pc(p, 0);
   if (opts.record_timeline) {
@@ -432,6 +466,8 @@ SimResult simulate(const Schedule& s, const CostModel& costs, const SimOptions& 
               if (b_leads) res.backward_leads.emplace_back(r, pc[r]);
             }
             const PairRun run = order(b_leads);
+            res.rank_pair_hidden[r] += run.hidden;  // NOTE [What a pair hides, predicted]
+            res.rank_pair_exposed[r] += run.exposed;
             const int fi = b_leads ? 1 : 0, gi = 1 - fi;  // run's index of each half
             start = std::min(run.start[0], run.start[1]);
             end = run.finish();

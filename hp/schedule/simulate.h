@@ -167,6 +167,11 @@ struct SimResult {
   /// ran, each an event of its half's action (`hp schedule show` draws them
   /// in place of the halves: pair_nodes_drawn).
   std::vector<Event> pair_nodes;
+  /// [p] with overlap_pairs: the overlapped pairs' waits on communication
+  /// (inputs and chunks' own), the part during which the rank computed (the
+  /// other half, or a queued W) and the rest, as the executor's PairStats
+  /// counts them (NOTE [What a pair hides, predicted] in simulate.cpp).
+  std::vector<double> rank_pair_hidden, rank_pair_exposed;
   double max_peak_memory = 0.0;  ///< max over ranks of peak_memory
   int comm_volume = 0;           ///< cross-rank transfers (activations + gradients)
   Timeline timeline;             ///< compute events (when recorded)

@@ -132,12 +132,20 @@ struct TrainResult {
   /// Per rank, StepStats::chunk_wait: waits inside the chunks (expert
   /// all-to-alls) with nothing else to compute.
   std::vector<double> rank_chunk_wait;
+  /// Per rank with --dp: its last step's compute, and its pairs' hidden and
+  /// exposed communication, on each copy in the copies' order (NOTE [The
+  /// copies' compute] in report.cpp).
+  std::vector<std::vector<double>> rank_copies_compute, rank_copies_pair_hidden,
+      rank_copies_pair_exposed;
   /// Per rank, the last step's overlapped pairs (StepStats::pair_hidden and
   /// pair_exposed): communication hidden and exposed, in seconds.
   std::vector<double> rank_pair_hidden, rank_pair_exposed;
   /// Of rank_pair_exposed, the seconds after the pair's other half ended
   /// (PairStats::exposed_alone).
   std::vector<double> rank_pair_exposed_alone;
+  /// Per rank, the simulator's hidden and exposed seconds of those pairs
+  /// under the fitted costs (NOTE [What a pair hides, predicted]).
+  std::vector<double> rank_predicted_pair_hidden, rank_predicted_pair_exposed;
   /// Per rank, with defer_wgrad: the last step's W's that ran in a pair's
   /// waits, and those left for the step's end (StepStats).
   std::vector<int> rank_deferred_w_in_waits, rank_deferred_w_at_end;

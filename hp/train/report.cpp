@@ -12,6 +12,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -86,12 +87,34 @@ void unpack_events(const torch::Tensor& t, int rank, std::vector<schedule::Event
 void gather_and_report(const TrainConfig& config, const schedule::Schedule& sched,
                        const pipeline::StepStats& last, double peak_bytes,
                        const std::vector<double>& stage_bytes, double comm_cost,
-                       distributed::Comm& comm, bool reporter, TrainResult& result) {
+                       distributed::Comm& comm, distributed::Comm* copies, bool reporter,
+                       TrainResult& result) {
+  constexpr int64_t kFixed = 10;  // the figures below; then the copies' (kPerCopy each)
+  constexpr int64_t kPerCopy = 3;
   auto mine =
       torch::tensor({last.compute, last.comm_wait, last.overhead, peak_bytes, last.pair_hidden,
                      last.pair_exposed, double(last.deferred_w_in_waits),
                      double(last.deferred_w_at_end), last.pair_exposed_alone, last.chunk_wait},
                     torch::kFloat64);
+  // NOTE [The copies' compute]
+  // With expert parallelism the copies of a stage exchange tokens in every
+  // MoE layer, so a copy whose experts got fewer tokens waits, inside its
+  // chunks, for the one whose experts got more: that wait is the routing's
+  // load spread, which no overlap can hide (the lighter copy has nothing
+  // left to compute), and it counts as exposed communication in the pairs.
+  // Each rank's compute over its copies shows how much of a rank's waiting
+  // is that spread, and the pairs' hidden and exposed seconds on the copy
+  // with the most compute (the one that sets the step) are the
+  // communication's own. (Without experts the copies only meet in the
+  // gradient reduction, and the spread is noise.)
+  if (copies != nullptr) {
+    std::vector<torch::Tensor> each(copies->world_size());
+    for (auto& t : each)
+      t = torch::empty({kPerCopy}, torch::kFloat64);
+    copies->all_gather(
+        each, torch::tensor({last.compute, last.pair_hidden, last.pair_exposed}, torch::kFloat64));
+    mine = torch::cat({mine, torch::cat(each)});
+  }
   std::vector<torch::Tensor> all(comm.world_size());
   for (auto& t : all)
     t = torch::empty_like(mine);
@@ -110,6 +133,16 @@ void gather_and_report(const TrainConfig& config, const schedule::Schedule& sche
     result.rank_deferred_w_at_end.push_back(static_cast<int>(t[7].item<double>()));
     result.rank_pair_exposed_alone.push_back(t[8].item<double>());
     result.rank_chunk_wait.push_back(t[9].item<double>());
+    if (t.numel() > kFixed) {
+      auto per = t.slice(0, kFixed).reshape({-1, kPerCopy}).t().contiguous();
+      auto column = [&](int64_t i) {
+        const double* d = per[i].data_ptr<double>();
+        return std::vector<double>(d, d + per.size(1));
+      };
+      result.rank_copies_compute.push_back(column(0));
+      result.rank_copies_pair_hidden.push_back(column(1));
+      result.rank_copies_pair_exposed.push_back(column(2));
+    }
   }
   result.timeline.num_ranks = config.nproc;
   result.timeline.title = config.schedule + " (measured, last step)";
@@ -133,6 +166,8 @@ void gather_and_report(const TrainConfig& config, const schedule::Schedule& sche
   auto sim = schedule::simulate(sched, result.stage_costs, so);
   result.simulated_bubble = sim.bubble_rate;
   result.simulated_makespan = sim.makespan;
+  result.rank_predicted_pair_hidden = sim.rank_pair_hidden;
+  result.rank_predicted_pair_exposed = sim.rank_pair_exposed;
   if (!stage_bytes.empty()) predict_rank_memory(sched, stage_bytes, sim, result);
   if (!config.trace.empty()) {
     // The renderers read one time unit as one millisecond.
@@ -242,11 +277,21 @@ std::string report_json(const TrainConfig& c, const TrainResult& r) {
         {"comm_wait_seconds", r.rank_comm_wait[k]},
         {"chunk_wait_seconds", k < r.rank_chunk_wait.size() ? r.rank_chunk_wait[k] : 0.0},
         {"overhead_seconds", r.rank_overhead[k]}};
+    if (k < r.rank_copies_compute.size())  // NOTE [The copies' compute]
+      one["copies_compute_seconds"] = r.rank_copies_compute[k];
     if (c.fb_overlap && k < r.rank_pair_hidden.size()) {
       // NOTE [Overlapped pairs] in hp/pipeline/overlap.cpp
       one["pair_hidden_comm_seconds"] = r.rank_pair_hidden[k];
       one["pair_exposed_comm_seconds"] = r.rank_pair_exposed[k];
       one["pair_exposed_alone_comm_seconds"] = r.rank_pair_exposed_alone.at(k);
+      if (k < r.rank_predicted_pair_hidden.size()) {  // NOTE [What a pair hides, predicted]
+        one["predicted_pair_hidden_comm_seconds"] = r.rank_predicted_pair_hidden[k];
+        one["predicted_pair_exposed_comm_seconds"] = r.rank_predicted_pair_exposed[k];
+      }
+      if (k < r.rank_copies_pair_hidden.size()) {  // NOTE [The copies' compute]
+        one["copies_pair_hidden_comm_seconds"] = r.rank_copies_pair_hidden[k];
+        one["copies_pair_exposed_comm_seconds"] = r.rank_copies_pair_exposed[k];
+      }
     }
     if (c.defer_wgrad && k < r.rank_deferred_w_in_waits.size()) {
       // NOTE [Weight gradients in the waits] in hp/pipeline/overlap.cpp
@@ -352,8 +397,16 @@ std::string summary_text(const TrainConfig& c, const TrainResult& r) {
                 100 * r.simulated_bubble);
   s += buf;
   for (size_t k = 0; k < r.rank_compute.size(); ++k) {
-    std::snprintf(buf, sizeof buf, "  rank %zu: compute %.1f ms, waiting %.1f ms", k,
-                  r.rank_compute[k] * 1e3, r.rank_comm_wait[k] * 1e3);
+    std::snprintf(buf, sizeof buf, "  rank %zu: compute %.1f ms", k, r.rank_compute[k] * 1e3);
+    s += buf;
+    if (k < r.rank_copies_compute.size() && c.ep > 1) {  // NOTE [The copies' compute]
+      const auto [lo, hi] =
+          std::minmax_element(r.rank_copies_compute[k].begin(), r.rank_copies_compute[k].end());
+      std::snprintf(buf, sizeof buf, " (its expert-parallel copies %.1f-%.1f ms)", *lo * 1e3,
+                    *hi * 1e3);
+      s += buf;
+    }
+    std::snprintf(buf, sizeof buf, ", waiting %.1f ms", r.rank_comm_wait[k] * 1e3);
     s += buf;
     if (k < r.rank_chunk_wait.size() && r.rank_chunk_wait[k] > 0) {
       // Expert all-to-alls: NOTE [A chunk's own waits] in hp/pipeline/step_timer.h

@@ -19,11 +19,14 @@ namespace hp::train {
 /// per-rank figures, the measured timeline, the stage costs fitted to it
 /// (`comm_cost`: one transfer's seconds), the simulation under them and the
 /// memory prediction (`stage_bytes`, stage_memory.h) go into `result`, and
-/// --trace and --report are written.
+/// --trace and --report are written. `copies` (the data-parallel copies'
+/// group, null without --dp) also gathers each rank's compute over its
+/// copies, collective over it too (NOTE [The copies' compute]).
 void gather_and_report(const TrainConfig& config, const schedule::Schedule& sched,
                        const pipeline::StepStats& last, double peak_bytes,
                        const std::vector<double>& stage_bytes, double comm_cost,
-                       distributed::Comm& comm, bool reporter, TrainResult& result);
+                       distributed::Comm& comm, distributed::Comm* copies, bool reporter,
+                       TrainResult& result);
 /// The report as JSON text: config, per-step loss and time, throughput,
 /// measured and simulated bubble, per-rank compute/wait/overhead/peak memory,
 /// parameter checksum.

@@ -361,7 +361,7 @@ TrainResult run_rank(const TrainConfig& config, std::shared_ptr<distributed::Com
   if (fsdp) fsdp->gather();  // the final parameters, whole
   final_parameters(config, model, pipe, groups, comm, result);
   gather_and_report(config, sched, last.stats, double(peak_bytes), stage_bytes, comm_cost, comm,
-                    reporter, result);
+                    groups.dp.get(), reporter, result);
   return result;
 }
 

@@ -24,6 +24,7 @@
 #include "hp/pipeline/overlap.h"
 #include "hp/pipeline/step_timer.h"
 #include "hp/schedule/fuse.h"
+#include "hp/train/report.h"
 #include "hp/train/trainer.h"
 #include "tests/common/threads_as_ranks.h"
 #include "tests/pipeline/tiny_train.h"
@@ -524,6 +525,12 @@ TEST_P(OverlappedPipelines, EqualOneProcess) {
     EXPECT_GE(ranks[0].rank_pair_exposed_alone[r], 0.0) << "rank " << r;
     EXPECT_LE(ranks[0].rank_pair_exposed_alone[r], ranks[0].rank_pair_exposed[r]) << "rank " << r;
     hidden += ranks[0].rank_pair_hidden[r];
+    // The simulator's count of the same pairs under the fitted costs
+    // (NOTE [What a pair hides, predicted]): every rank's pairs wait.
+    EXPECT_GE(ranks[0].rank_predicted_pair_hidden.at(r), 0.0) << "rank " << r;
+    EXPECT_GT(
+        ranks[0].rank_predicted_pair_hidden.at(r) + ranks[0].rank_predicted_pair_exposed.at(r), 0.0)
+        << "rank " << r;
     EXPECT_GE(ranks[0].rank_chunk_wait[r], 0.0) << "rank " << r;
     chunk_wait += ranks[0].rank_chunk_wait[r];
     // With defer_wgrad some W's filled waits (and none without).
@@ -534,6 +541,25 @@ TEST_P(OverlappedPipelines, EqualOneProcess) {
   if (k.ep > 1) {
     EXPECT_GT(chunk_wait, 0.0);
   }
+  // NOTE [The copies' compute] in hp/train/report.cpp: each rank's compute
+  // on every copy, copy 0's its own; the summary shows their spread.
+  ASSERT_EQ(ranks[0].rank_copies_compute.size(), k.ep > 1 ? size_t(c.nproc) : 0u);
+  for (int r = 0; r < int(ranks[0].rank_copies_compute.size()); ++r) {
+    const auto& copies = ranks[0].rank_copies_compute[r];
+    ASSERT_EQ(copies.size(), size_t(c.dp)) << "rank " << r;
+    EXPECT_EQ(copies[0], ranks[0].rank_compute[r]) << "rank " << r;
+    EXPECT_EQ(ranks[0].rank_copies_pair_hidden[r][0], ranks[0].rank_pair_hidden[r]);
+    EXPECT_EQ(ranks[0].rank_copies_pair_exposed[r][0], ranks[0].rank_pair_exposed[r]);
+    for (int d = 0; d < c.dp; ++d) {
+      EXPECT_GT(copies[d], 0.0) << "rank " << r << " copy " << d;
+      EXPECT_GT(ranks[0].rank_copies_pair_hidden[r][d] + ranks[0].rank_copies_pair_exposed[r][d],
+                0.0)
+          << "rank " << r << " copy " << d;
+    }
+  }
+  EXPECT_EQ(
+      hp::train::summary_text(c, ranks[0]).find("expert-parallel copies") != std::string::npos,
+      k.ep > 1);
   // NOTE [A chunk's own waits] in step_timer.h: counted apart from the
   // receives, none on the dense GPT; on the expert stages each F makes as
   // many as every other F of its stage, in a pair or alone, and each I (B)

@@ -2,6 +2,7 @@
 // (seed 004, Zero Bubble paper), memory claims, communication, per-stage
 // costs, and zb-auto against its baselines.
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <ctime>
@@ -11,6 +12,7 @@
 #include "hp/schedule/fuse.h"
 #include "hp/schedule/generators.h"
 #include "hp/schedule/lower.h"
+#include "hp/schedule/render.h"
 #include "hp/schedule/simulate.h"
 
 namespace hs = hp::schedule;
@@ -600,6 +602,19 @@ TEST(Simulate, APairTakesTurnsAtTheWaitsInsideItsChunks) {
   EXPECT_EQ(std::make_pair(e.start, e.end), std::make_pair(9.5, 10.5));
   EXPECT_EQ(e.waits, 1);
   EXPECT_NEAR(pair.rank_busy[1], plain.rank_busy[1], 1e-12);  // waits are not compute
+  // NOTE [What a pair hides, predicted]: the F's input [6.5, 7) under the
+  // B's first node, the B's all-to-all [7.5, 9) under the F's [7.5, 8), the
+  // F's [8, 9.5) under the B's second [9, 10): 1.5 hidden, 2 exposed.
+  // Rank 0 has no pair, and without overlap no pair is counted.
+  EXPECT_EQ(pair.rank_pair_hidden, (std::vector<double>{0.0, 1.5}));
+  EXPECT_EQ(pair.rank_pair_exposed, (std::vector<double>{0.0, 2.0}));
+  EXPECT_TRUE(plain.rank_pair_hidden.empty());
+  EXPECT_NE(hs::summary_text(pair).find("pairs' waits   42.86 % hidden (hidden 1.5, exposed 2:"),
+            std::string::npos)
+      << hs::summary_text(pair);
+  EXPECT_EQ(hs::summary_text(plain).find("pairs' waits"), std::string::npos);
+  const auto j = nlohmann::json::parse(hs::summary_json(pair));
+  EXPECT_EQ(j.at("rank_pair_exposed").get<std::vector<double>>(), (std::vector<double>{0.0, 2.0}));
   // Without the waits the same pair is a dense one: the B whole, then the F.
   hs::CostModel dense = c;
   dense.stage_inner.clear();
@@ -666,6 +681,14 @@ TEST(Simulate, ReadyTurnsGiveTheCpuToTheHalfWhoseWaitEndsFirst) {
   EXPECT_EQ(std::make_pair(at(ready, b).start, at(ready, b).end), std::make_pair(9.0, 11.0));
   EXPECT_NEAR(fixed.makespan, 19, 1e-12);
   EXPECT_NEAR(ready.makespan, 18.5, 1e-12);
+  // NOTE [What a pair hides, predicted]: both hide the F's input [6.5, 7)
+  // under the B's first node and nothing of the F's all-to-all [8, 9.5);
+  // of the B's [7.5, 10) fixed turns hide the F's first node (0.5), ready
+  // ones its second too (1).
+  EXPECT_NEAR(fixed.rank_pair_hidden[1], 1.0, 1e-12);
+  EXPECT_NEAR(fixed.rank_pair_exposed[1], 3.5, 1e-12);
+  EXPECT_NEAR(ready.rank_pair_hidden[1], 1.5, 1e-12);
+  EXPECT_NEAR(ready.rank_pair_exposed[1], 3.0, 1e-12);
   // With the B's all-to-all back first (1.5 in flight: at 9, before the F's
   // at 9.5) both orders are the same.
   c.stage_inner[1].i = 1.5;
