@@ -519,24 +519,25 @@ TEST_P(OverlappedPipelines, EqualOneProcess) {
   // as hidden only while the CPU computed, and on a loaded machine a rank
   // that lost its core finds every message of its last step already there.
   ASSERT_EQ(ranks[0].rank_pair_hidden.size(), size_t(c.nproc));
-  double hidden = 0.0, chunk_wait = 0.0;
+  double hidden = 0.0, chunk_wait = 0.0, predicted = 0.0;
   for (int r = 0; r < c.nproc; ++r) {
     EXPECT_GT(ranks[0].rank_pair_hidden[r] + ranks[0].rank_pair_exposed[r], 0.0) << "rank " << r;
     EXPECT_GE(ranks[0].rank_pair_exposed_alone[r], 0.0) << "rank " << r;
     EXPECT_LE(ranks[0].rank_pair_exposed_alone[r], ranks[0].rank_pair_exposed[r]) << "rank " << r;
     hidden += ranks[0].rank_pair_hidden[r];
     // The simulator's count of the same pairs under the fitted costs
-    // (NOTE [What a pair hides, predicted]): every rank's pairs wait.
+    // (NOTE [What a pair hides, predicted]); a dense rank whose inputs the
+    // model has there in time has none.
     EXPECT_GE(ranks[0].rank_predicted_pair_hidden.at(r), 0.0) << "rank " << r;
-    EXPECT_GT(
-        ranks[0].rank_predicted_pair_hidden.at(r) + ranks[0].rank_predicted_pair_exposed.at(r), 0.0)
-        << "rank " << r;
+    EXPECT_GE(ranks[0].rank_predicted_pair_exposed.at(r), 0.0) << "rank " << r;
+    predicted += ranks[0].rank_predicted_pair_hidden[r] + ranks[0].rank_predicted_pair_exposed[r];
     EXPECT_GE(ranks[0].rank_chunk_wait[r], 0.0) << "rank " << r;
     chunk_wait += ranks[0].rank_chunk_wait[r];
     // With defer_wgrad some W's filled waits (and none without).
     EXPECT_EQ(ranks[0].rank_deferred_w_in_waits[r] > 0, k.defer_wgrad) << "rank " << r;
   }
   EXPECT_GT(hidden, 0.0);
+  EXPECT_GT(predicted, 0.0);  // under the 2 ms link some pair waits for its input
   // The expert exchanges left the CPU idle somewhere (StepStats::chunk_wait).
   if (k.ep > 1) {
     EXPECT_GT(chunk_wait, 0.0);
