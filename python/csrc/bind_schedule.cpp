@@ -736,6 +736,10 @@ void bind_schedule(py::module_& m) {
       .def_readonly("peak_memory", &hs::SimResult::peak_memory, "[p] peak activation memory")
       .def_readonly("max_peak_memory", &hs::SimResult::max_peak_memory)
       .def_readonly("comm_volume", &hs::SimResult::comm_volume, "cross-rank transfers")
+      .def_readonly("rank_pair_hidden", &hs::SimResult::rank_pair_hidden,
+                    "[p] with fb_overlap: the pairs' waits while the rank computed")
+      .def_readonly("rank_pair_exposed", &hs::SimResult::rank_pair_exposed,
+                    "[p] with fb_overlap: the pairs' waits while it did not")
       .def_readonly("timeline", &hs::SimResult::timeline)
       .def("summary", &summary_text_of, "The statistics as aligned text.")
       .def("to_json", &summary_json_of, py::arg("name") = "", "The statistics as JSON text.")
@@ -857,17 +861,30 @@ void bind_schedule(py::module_& m) {
       "A copy with SEND/RECV added (the schedule must be compute-only and valid).");
   sub.def(
       "simulate",
-      [](hs::Schedule s, hs::CostModel costs, bool record_timeline) {
+      [](hs::Schedule s, hs::CostModel costs, bool record_timeline, bool fb_overlap,
+         bool defer_wgrad, const std::string& pair_turns) {
+        if (pair_turns != "auto" && pair_turns != "ready" && pair_turns != "fixed")
+          throw py::value_error("pair_turns must be 'auto', 'ready' or 'fixed', not '" +
+                                pair_turns + "'");
+        if ((defer_wgrad || pair_turns != "auto") && !fb_overlap)
+          throw py::value_error(
+              "defer_wgrad and pair_turns describe overlapped pairs: pass fb_overlap=True too");
         GilRelease nogil;
         hs::validate(s);
         hs::SimOptions o;
         o.record_timeline = record_timeline;
+        // As hp schedule show's --fb-overlap, --defer-wgrad and --pair-turns.
+        o.overlap_pairs = fb_overlap;
+        o.defer_wgrad = defer_wgrad;
+        o.pair_first_ready = pair_turns == "ready" || (pair_turns == "auto" && !defer_wgrad);
         return hs::simulate(s, costs, o);
       },
       py::arg("schedule"), py::arg("costs") = hs::CostModel{}, py::kw_only(),
-      py::arg("record_timeline") = true,
+      py::arg("record_timeline") = true, py::arg("fb_overlap") = false,
+      py::arg("defer_wgrad") = false, py::arg("pair_turns") = "auto",
       "Runs the schedule (validated first) under the cost model: timings, bubble rate, idle "
-      "fraction, peak memory, communication volume and the timeline.");
+      "fraction, peak memory, communication volume and the timeline. fb_overlap runs each FB "
+      "pair as hp train --fb-overlap does (defer_wgrad, pair_turns as its flags).");
   sub.def(
       "timeline_stats",
       [](hs::Timeline t) {

@@ -207,10 +207,24 @@ def recommend(
 
 
 def simulate(
-    schedule: Schedule, costs: CostModel | None = None, *, record_timeline: bool = True
+    schedule: Schedule,
+    costs: CostModel | None = None,
+    *,
+    record_timeline: bool = True,
+    fb_overlap: bool = False,
+    defer_wgrad: bool = False,
+    pair_turns: str = "auto",
 ) -> SimResult:
-    """Runs the schedule (validated first) under ``costs`` (unit costs by default)."""
-    return _C.simulate(schedule, costs if costs is not None else CostModel(), record_timeline=record_timeline)
+    """Runs the schedule (validated first) under ``costs`` (unit costs by default).
+
+    ``fb_overlap`` runs each FB pair as ``hp train --fb-overlap`` does, its
+    halves taking turns at their waits; ``defer_wgrad`` and ``pair_turns``
+    ("auto", "ready", "fixed") as that command's flags. The result's
+    ``rank_pair_hidden`` / ``rank_pair_exposed`` then count the pairs' waits
+    (NOTE [What a pair hides, predicted] in hp/schedule/simulate.cpp)."""
+    return _C.simulate(schedule, costs if costs is not None else CostModel(),
+                       record_timeline=record_timeline, fb_overlap=fb_overlap,
+                       defer_wgrad=defer_wgrad, pair_turns=pair_turns)
 
 
 Drawable = Union[Timeline, SimResult, Schedule]

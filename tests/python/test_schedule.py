@@ -277,6 +277,36 @@ def test_waits_inside_a_chunk():
         hs.simulate(sched, costs)
 
 
+def test_overlapped_pairs_and_what_they_hide():
+    # The C++ Simulate.APairTakesTurnsAtTheWaitsInsideItsChunks and
+    # ReadyTurnsGiveTheCpuToTheHalfWhoseWaitEndsFirst from Python: rank 1
+    # pairs F(1, 1) with B(1, 0), each with one all-to-all of its own.
+    sched = hs.Schedule(2, 2, ["0F0 0F1 0B0 0B1", "1F0 1F1+1B0 1B1"])
+    costs = hs.CostModel(f=1, b=1, w=1, comm=1, stage_f=[3, 1])
+    costs.stage_inner = [hs.InnerComm(), hs.InnerComm(f_waits=1, f=1.5, i_waits=1, i=1.5)]
+    plain = hs.simulate(sched, costs)
+    assert plain.makespan == pytest.approx(19.5) and plain.rank_pair_hidden == []
+    pair = hs.simulate(sched, costs, fb_overlap=True)
+    assert pair.makespan == pytest.approx(17)
+    # NOTE [What a pair hides, predicted]: 1.5 of rank 1's pair's waits
+    # under the other half's nodes, 2 not.
+    assert pair.rank_pair_hidden == pytest.approx([0, 1.5])
+    assert pair.rank_pair_exposed == pytest.approx([0, 2])
+    assert "pairs' waits   42.86 % hidden" in pair.summary()
+    costs.stage_inner[1].i = 2.5  # the B's all-to-all back last
+    fixed = hs.simulate(sched, costs, fb_overlap=True, pair_turns="fixed")
+    ready = hs.simulate(sched, costs, fb_overlap=True)  # auto: ready turns
+    assert (fixed.makespan, ready.makespan) == (pytest.approx(19), pytest.approx(18.5))
+    assert (fixed.rank_pair_hidden[1], ready.rank_pair_hidden[1]) == (pytest.approx(1),
+                                                                      pytest.approx(1.5))
+    deferred = hs.simulate(sched, costs, fb_overlap=True, defer_wgrad=True)
+    assert deferred.rank_pair_hidden[1] + deferred.rank_pair_exposed[1] > 0
+    with pytest.raises(ValueError, match="fb_overlap=True"):
+        hs.simulate(sched, costs, defer_wgrad=True)
+    with pytest.raises(ValueError, match="'auto', 'ready' or 'fixed'"):
+        hs.simulate(sched, costs, fb_overlap=True, pair_turns="soon")
+
+
 def test_stage_cost_file(tmp_path):
     doc = {"stages": [
         {"f": 1.4, "i": 1.4, "w": 0.7, "comm": 0.3},
