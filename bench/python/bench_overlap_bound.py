@@ -58,9 +58,9 @@ def main():
         stages = j["stage_costs"]["stages"]
         compute = sum(s["f"] + s["i"] + s["w"] for s in stages)
 
-        def ratio():
+        def ratio(costs):  # the stages' waits times their in-flight time, over the compute
             return sum(s["f_waits"] * s["f_wait"] + s["i_waits"] * s["i_wait"]
-                       for s in stages) / compute
+                       for s in costs) / compute
 
         print("| in flight per exchange | comm : compute | pairs' waits hidden, predicted "
               "| step, predicted |")
@@ -76,9 +76,9 @@ def main():
             rows.append((f"{1e3 * v:.2f} ms", edited))
         for name, path in rows:
             with open(path) as f:
-                stages = json.load(f)["stage_costs"]["stages"]
+                costs = json.load(f)["stage_costs"]["stages"]
             share, step = show(args, path, [])
-            print(f"| {name} | {ratio():.2f} | {share:.0f} % | {1e3 * step:.1f} ms |", flush=True)
+            print(f"| {name} | {ratio(costs):.2f} | {share:.0f} % | {1e3 * step:.1f} ms |", flush=True)
 
 
 if __name__ == "__main__":

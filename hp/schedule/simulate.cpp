@@ -307,6 +307,13 @@ PairRun run_pair(double t0, const Half (&h)[2], WQueue queue, bool defer, bool f
 
 }  // namespace
 
+bool pair_turns_ready(const std::string& pair_turns, bool defer_wgrad) {
+  if (pair_turns != "auto" && pair_turns != "ready" && pair_turns != "fixed")
+    throw std::invalid_argument("pair turns must be 'auto', 'ready' or 'fixed', not '" +
+                                pair_turns + "'");
+  return pair_turns == "ready" || (pair_turns == "auto" && !defer_wgrad);
+}
+
 SimResult simulate(const Schedule& s, const CostModel& costs, const SimOptions& opts) {
   costs.check(s.num_stages);
   const int p = s.num_ranks;

@@ -141,6 +141,13 @@ struct SimOptions {
   bool pair_first_ready = false;
 };
 
+/// SimOptions::pair_first_ready for a `--pair-turns` word, as hp train
+/// takes its turns on CPU ranks (NOTE [Turns as messages arrive] in
+/// hp/pipeline/overlap.cpp): "ready", or "auto" without deferred W's (with
+/// them "auto" is fixed, whose W's keep float32 bits from run to run);
+/// "fixed" never. Throws std::invalid_argument for any other word.
+bool pair_turns_ready(const std::string& pair_turns, bool defer_wgrad);
+
 /// What simulate() reports.
 ///
 /// NOTE [Bubble rate]

@@ -14,6 +14,7 @@
 #include "hp/schedule/cost_file.h"
 #include "hp/schedule/generators.h"
 #include "hp/schedule/lower.h"
+#include "hp/schedule/simulate.h"
 #include "hp/train/checkpoint.h"
 
 namespace hp::train {
@@ -252,11 +253,8 @@ torch::Device TrainConfig::resolve_device(int local_rank) const {
 
 bool TrainConfig::pairs_take_ready_turns() const {
   // On a device the halves' waits only order their streams: the fixed order.
-  // auto: ready without deferred W's; with them fixed, whose W's run at
-  // points the code fixes, so float32 sums keep their bits from run to run
-  // (NOTE [Turns as messages arrive] in hp/pipeline/overlap.cpp).
   return fb_overlap && resolve_device(0).is_cpu() &&
-         (pair_turns == "ready" || (pair_turns == "auto" && !defer_wgrad));
+         schedule::pair_turns_ready(pair_turns, defer_wgrad);
 }
 
 schedule::Schedule TrainConfig::build_schedule() const {

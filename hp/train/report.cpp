@@ -98,10 +98,13 @@ void gather_and_report(const TrainConfig& config, const schedule::Schedule& sche
                     torch::kFloat64);
   // NOTE [The copies' compute]
   // With expert parallelism the copies of a stage exchange tokens in every
-  // MoE layer, so a copy whose experts got fewer tokens waits, inside its
-  // chunks, for the one whose experts got more: that wait is the routing's
-  // load spread, which no overlap can hide (the lighter copy has nothing
-  // left to compute), and it counts as exposed communication in the pairs.
+  // MoE layer, so a copy whose experts got fewer tokens, or whose core ran
+  // slower for a while, waits inside its chunks for the busier one: no
+  // overlap can hide that wait (the lighter copy has nothing left to
+  // compute), and it counts as exposed communication in the pairs. On a
+  // shared 2-core machine the dense GPT's copies, doing the same work,
+  // differ by up to 1.6x (docs/benchmarks.md, "The busiest copy and the
+  // predicted share").
   // Each rank's compute over its copies shows how much of a rank's waiting
   // is that spread, and the pairs' hidden and exposed seconds on the copy
   // with the most compute (the one that sets the step) are the

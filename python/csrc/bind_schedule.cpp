@@ -863,9 +863,7 @@ void bind_schedule(py::module_& m) {
       "simulate",
       [](hs::Schedule s, hs::CostModel costs, bool record_timeline, bool fb_overlap,
          bool defer_wgrad, const std::string& pair_turns) {
-        if (pair_turns != "auto" && pair_turns != "ready" && pair_turns != "fixed")
-          throw py::value_error("pair_turns must be 'auto', 'ready' or 'fixed', not '" +
-                                pair_turns + "'");
+        const bool first_ready = hs::pair_turns_ready(pair_turns, defer_wgrad);
         if ((defer_wgrad || pair_turns != "auto") && !fb_overlap)
           throw py::value_error(
               "defer_wgrad and pair_turns describe overlapped pairs: pass fb_overlap=True too");
@@ -876,7 +874,7 @@ void bind_schedule(py::module_& m) {
         // As hp schedule show's --fb-overlap, --defer-wgrad and --pair-turns.
         o.overlap_pairs = fb_overlap;
         o.defer_wgrad = defer_wgrad;
-        o.pair_first_ready = pair_turns == "ready" || (pair_turns == "auto" && !defer_wgrad);
+        o.pair_first_ready = first_ready;
         return hs::simulate(s, costs, o);
       },
       py::arg("schedule"), py::arg("costs") = hs::CostModel{}, py::kw_only(),

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <ctime>
+#include <stdexcept>
 #include <string>
 
 #include "hp/schedule/formulas.h"
@@ -689,6 +690,12 @@ TEST(Simulate, ReadyTurnsGiveTheCpuToTheHalfWhoseWaitEndsFirst) {
   EXPECT_NEAR(fixed.rank_pair_exposed[1], 3.5, 1e-12);
   EXPECT_NEAR(ready.rank_pair_hidden[1], 1.5, 1e-12);
   EXPECT_NEAR(ready.rank_pair_exposed[1], 3.0, 1e-12);
+  // The --pair-turns words: ready, or auto without deferred W's.
+  EXPECT_TRUE(hs::pair_turns_ready("ready", true));
+  EXPECT_TRUE(hs::pair_turns_ready("auto", false));
+  EXPECT_FALSE(hs::pair_turns_ready("auto", true));
+  EXPECT_FALSE(hs::pair_turns_ready("fixed", false));
+  EXPECT_THROW(hs::pair_turns_ready("soon", false), std::invalid_argument);
   // With the B's all-to-all back first (1.5 in flight: at 9, before the F's
   // at 9.5) both orders are the same.
   c.stage_inner[1].i = 1.5;

@@ -166,8 +166,7 @@ void run_show(const ShowArgs& a) {
   hs::SimOptions so;
   so.overlap_pairs = a.fb_overlap;  // NOTE [An overlapped pair in the simulator]
   so.defer_wgrad = a.defer_wgrad;   // NOTE [Deferred W's in the simulator]
-  so.pair_first_ready =
-      a.pair_turns == "ready" || (a.pair_turns == "auto" && !a.defer_wgrad);  // as hp train's
+  so.pair_first_ready = hs::pair_turns_ready(a.pair_turns, a.defer_wgrad);  // as hp train's
   hs::SimResult r = hs::simulate(shown, costs, so);
   std::string title =
       s.name + "  p=" + std::to_string(s.num_ranks) + " m=" + std::to_string(s.num_microbatches);
