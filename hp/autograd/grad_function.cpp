@@ -219,6 +219,7 @@ struct GradFunction::Impl {
   std::vector<Edge> output_edges, input_edges, weight_edges;
   State state = State::Fresh;
   bool separate_dw_calls = false;
+  size_t next_group = 0;  // the first weight group dw has not run (NOTE [dw in parts])
 
   SplitPlan plan;
   SplitStats stats;
@@ -397,7 +398,34 @@ void GradFunction::weight_grad_into_grad(bool keep_graph) {
   run_weight_grad(keep_graph, /*into_grad=*/leaves);
 }
 
-TensorList GradFunction::run_weight_grad(bool keep_graph, bool into_grad) {
+// NOTE [dw in parts]
+// An overlapped pair fills the waits of its halves with queued W's (NOTE
+// [Weight gradients until the message is there] in
+// hp/pipeline/overlap.cpp), and a whole W is often longer than the wait it
+// fills: the half whose message came meanwhile waits for the W to end. So
+// dw can also run in parts: each call runs the next share of the weight
+// groups (about 1/parts of them, in the plan's order) in one engine call,
+// and the last one gives the zeros and frees the graph as a whole dw does.
+// Groups share no node (NOTE [One engine call for dw]), so a part frees
+// what its groups alone held and the values are a whole dw's, bit for bit.
+// Weights that are not leaves take the whole dw at the first call.
+bool GradFunction::weight_grad_part_into_grad(int parts) {
+  auto& m = *impl_;
+  bool leaves = true;
+  for (const auto& w : m.weights)
+    leaves = leaves && w.is_leaf();
+  if (!leaves && m.next_group == 0) {
+    run_weight_grad(false, /*into_grad=*/false);
+    return true;
+  }
+  const size_t n = m.state == Impl::State::InputDone ? m.plan.groups.size() : 0;
+  const size_t per = (n + size_t(std::max(parts, 1)) - 1) / size_t(std::max(parts, 1));
+  run_weight_grad(false, /*into_grad=*/true, m.next_group, std::min(n, m.next_group + per));
+  return m.state == Impl::State::Done;
+}
+
+TensorList GradFunction::run_weight_grad(bool keep_graph, bool into_grad, size_t first_group,
+                                         size_t end_group) {
   auto& m = *impl_;
   TORCH_CHECK(m.state != Impl::State::Fresh,
               "compute_weight_grad called before compute_input_grad: dw starts from gradients "
@@ -465,15 +493,19 @@ TensorList GradFunction::run_weight_grad(bool keep_graph, bool into_grad) {
   // frees nothing earlier (the engine drops each captured gradient once its
   // node ran either way) but pays the engine's per-call setup once per group,
   // which on a GPT stage (tens of groups) cost more than the split saved.
+  const size_t end = std::min(end_group, m.plan.groups.size());
   if (m.separate_dw_calls) {
-    for (const DwGroup& group : m.plan.groups)
-      run_groups({&group});
+    for (size_t k = first_group; k < end; ++k)
+      run_groups({&m.plan.groups[k]});
   } else {
-    std::vector<const DwGroup*> all;
-    for (const DwGroup& group : m.plan.groups)
-      all.push_back(&group);
-    run_groups(all);
+    std::vector<const DwGroup*> some;
+    for (size_t k = first_group; k < end; ++k)
+      some.push_back(&m.plan.groups[k]);
+    if (!some.empty()) run_groups(some);
   }
+  m.next_group = end;
+  if (end < m.plan.groups.size()) return dw;  // a part (NOTE [dw in parts])
+  m.next_group = 0;
   for (size_t w = 0; w < dw.size(); ++w) {
     if (into_grad) {  // a weight no gradient reached gets zeros, as backward_into_grad gives
       if (!m.weights[w].grad().defined())

@@ -89,6 +89,11 @@ class GradFunction {
   /// returned (NOTE [dw into .grad]).
   void weight_grad_into_grad(bool keep_graph = false);
 
+  /// weight_grad_into_grad in parts (NOTE [dw in parts]): runs the next of
+  /// about `parts` equal shares of the weight groups; true once dw is
+  /// complete (the graph is then freed). Values equal a whole dw's.
+  bool weight_grad_part_into_grad(int parts);
+
   /// dx and dw in one fused backward (no split), for comparison and for stages
   /// that do not split. Accumulates dw into `.grad()` too.
   Grads operator()(const TensorList& sens = {}, bool keep_graph = false);
@@ -109,7 +114,8 @@ class GradFunction {
   SplitStats stats() const;
 
  private:
-  TensorList run_weight_grad(bool keep_graph, bool into_grad);
+  TensorList run_weight_grad(bool keep_graph, bool into_grad, size_t first_group = 0,
+                             size_t end_group = SIZE_MAX);
 
   struct Impl;
   std::shared_ptr<Impl> impl_;

@@ -107,6 +107,28 @@ hp::autograd::SplitStats check_split(const Fn& fn, const TensorList& inputs,
   into_w.weight_grad_into_grad();
   for (size_t i = 0; i < weights.size(); ++i)
     EXPECT_TRUE(torch::equal(weights[i].grad(), split_grad[i])) << "weight " << i;
+  // The same in parts (NOTE [dw in parts]): as many calls as parts (fewer
+  // where there are fewer groups), the same bits, and the graph freed after.
+  for (int parts : {2, 3, 64}) {
+    for (auto& w : weights)
+      w.mutable_grad() = torch::Tensor();
+    auto [outs_p, in_parts] = forward_and_gradfn(fn, inputs, opts);
+    in_parts.compute_input_grad(sens);
+    const int groups = int(in_parts.stats().num_groups);
+    int calls = 1;
+    while (!in_parts.weight_grad_part_into_grad(parts))
+      ++calls;
+    bool leaves = true;
+    for (const auto& w : weights)
+      leaves = leaves && w.is_leaf();
+    if (leaves) {
+      EXPECT_EQ(calls, std::max(1, std::min(parts, groups))) << parts << " parts of " << groups;
+    }
+    for (size_t i = 0; i < weights.size(); ++i)
+      EXPECT_TRUE(torch::equal(weights[i].grad(), split_grad[i]))
+          << "weight " << i << " in " << parts << " parts";
+    EXPECT_THROW(in_parts.weight_grad_part_into_grad(parts), c10::Error);
+  }
   // The same with one engine call per weight group.
   for (auto& w : weights)
     w.mutable_grad() = torch::Tensor();
