@@ -1,5 +1,8 @@
 """DualPipe's F&B overlap, side by side in one run: `hp train` on the same
-schedule without `--fb-overlap`, with it, and with it and `--defer-wgrad`, under modelled network links
+schedule without `--fb-overlap`, with it, with it and `--defer-wgrad` (fixed turns: one whole W per
+wait), and with `--defer-wgrad --pair-turns ready --w-parts N` (W's in parts until a message is
+there: NOTE [Weight gradients until the message is there] in hp/pipeline/overlap.cpp), under
+modelled network links
 (`--link LATENCY_US,GBPS`: NOTE [The link model] in
 hp/distributed/link_model.cpp) and over plain loopback. The variants
 alternate within each round; each row gives the medians over rounds of the
@@ -46,7 +49,7 @@ def parse_links(text):
     return links
 
 
-def run_once(args, link, overlap, report, defer=False):
+def run_once(args, link, overlap, report, defer=False, ready=False):
     cmd = [args.hp, "train", "--model", args.model, "--nproc", str(args.nproc),
            "--schedule", args.schedule,
            "--microbatches", str(args.microbatches), "--steps", str(args.steps),
@@ -59,6 +62,8 @@ def run_once(args, link, overlap, report, defer=False):
         cmd += ["--fb-overlap"]
     if defer:
         cmd += ["--defer-wgrad"]
+    if ready:
+        cmd += ["--pair-turns", "ready", "--w-parts", str(args.w_parts)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"bench_overlap: {' '.join(cmd)} failed:\n{done.stdout}\n{done.stderr}")
@@ -99,6 +104,8 @@ def main():
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--links", default="loopback,1000,1,3000,0.2")
+    ap.add_argument("--w-parts", type=int, default=4,
+                    help="the last variant's --w-parts (each deferred W in N parts)")
     args = ap.parse_args()
     if not os.access(args.hp, os.X_OK):
         sys.exit(f"bench_overlap: no hp tool at {args.hp} (bash scripts/build.sh, or --hp)")
@@ -107,17 +114,28 @@ def main():
     links = parse_links(args.links)
     print("| link | off: step | --fb-overlap: step | on / off | pairs' waits hidden "
           "| predicted | on the busiest copy | copies' compute, most / least "
-          "| + --defer-wgrad: step | / off |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| + --defer-wgrad: step | / off "
+          f"| + --defer-wgrad --pair-turns ready --w-parts {args.w_parts}: step | / off | hidden "
+          "| on the busiest copy |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "report.json")
         for link in links:
             off, on, deferred, share, busiest, spread, predicted = [], [], [], [], [], [], []
-            variants = [(False, False), (True, False), (True, True)]
+            parts, parts_share, parts_busiest = [], [], []
+            variants = [(False, False, False), (True, False, False), (True, True, False),
+                        (True, True, True)]
             for r in range(args.rounds):
-                for overlap, defer in (variants if r % 2 == 0 else variants[::-1]):
+                for overlap, defer, ready in (variants if r % 2 == 0 else variants[::-1]):
                     step, hidden, exposed, busy, sp, pred = run_once(args, link, overlap, report,
-                                                                     defer)
+                                                                     defer, ready)
+                    if ready:
+                        parts.append(step)
+                        if hidden + exposed > 0:
+                            parts_share.append(hidden / (hidden + exposed))
+                        if busy is not None:
+                            parts_busiest.append(busy)
+                        continue
                     (deferred if defer else on if overlap else off).append(step)
                     if overlap and not defer and hidden + exposed > 0:
                         share.append(hidden / (hidden + exposed))
@@ -128,6 +146,7 @@ def main():
                             busiest.append(busy)
                 print(f"  {link or 'loopback'}: round {r + 1}/{args.rounds}", file=sys.stderr)
             a, b, c = statistics.median(off), statistics.median(on), statistics.median(deferred)
+            d = statistics.median(parts)
             def pct(xs):
                 return f"{100 * min(xs):.0f}-{100 * max(xs):.0f} %" if xs else "-"
 
@@ -135,7 +154,9 @@ def main():
             sp = f"{min(spread):.2f}-{max(spread):.2f}" if busiest else "-"
             name = "loopback" if link is None else link.replace(",", " us, ") + " GB/s"
             print(f"| {name} | {1e3 * a:.1f} ms | {1e3 * b:.1f} ms | {b / a:.2f} | {hid} "
-                  f"| {pred} | {busy} | {sp} | {1e3 * c:.1f} ms | {c / a:.2f} |", flush=True)
+                  f"| {pred} | {busy} | {sp} | {1e3 * c:.1f} ms | {c / a:.2f} "
+                  f"| {1e3 * d:.1f} ms | {d / a:.2f} | {pct(parts_share)} | {pct(parts_busiest)} |",
+                  flush=True)
 
 
 if __name__ == "__main__":

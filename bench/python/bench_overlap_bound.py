@@ -6,7 +6,9 @@ with every chunk's in-flight time set to each given value. Each row gives
 the communication:compute ratio that makes (the stages' waits times their
 in-flight time, over F + I + W), the predicted share of the pairs' waits
 hidden (NOTE [What a pair hides, predicted] in hp/schedule/simulate.cpp)
-and the predicted step; the first row is the run's own costs.
+and the predicted step, then both with `--defer-wgrad --pair-turns ready
+--w-parts N` (NOTE [Weight gradients until the message is there] in
+hp/pipeline/overlap.cpp); the first row is the run's own costs.
 
     .venv/bin/python bench/python/bench_overlap_bound.py --link 1000,1 --inflight 1.2,0.7,0.5
 
@@ -42,6 +44,7 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--link", default="1000,1", help="LATENCY_US,GBPS of the run")
     ap.add_argument("--inflight", default="1.2,0.7,0.5", help="milliseconds, comma-separated")
+    ap.add_argument("--w-parts", type=int, default=4, help="the deferred W's parts (last columns)")
     args = ap.parse_args()
     if not os.access(args.hp, os.X_OK):
         sys.exit(f"bench_overlap_bound: no hp tool at {args.hp} (bash scripts/build.sh, or --hp)")
@@ -63,8 +66,8 @@ def main():
                        for s in costs) / compute
 
         print("| in flight per exchange | comm : compute | pairs' waits hidden, predicted "
-              "| step, predicted |")
-        print("|---|---|---|---|")
+              f"| step, predicted | W's in {args.w_parts} parts: hidden | step |")
+        print("|---|---|---|---|---|---|")
         measured = ", ".join(f"{1e3 * s['f_wait']:.2f} / {1e3 * s['i_wait']:.2f} ms" for s in stages)
         rows = [(f"the run's (F / I: {measured})", report)]
         for v in values:
@@ -78,7 +81,10 @@ def main():
             with open(path) as f:
                 costs = json.load(f)["stage_costs"]["stages"]
             share, step = show(args, path, [])
-            print(f"| {name} | {ratio(costs):.2f} | {share:.0f} % | {1e3 * step:.1f} ms |", flush=True)
+            p_share, p_step = show(args, path, ["--defer-wgrad", "--pair-turns", "ready",
+                                                "--w-parts", str(args.w_parts)])
+            print(f"| {name} | {ratio(costs):.2f} | {share:.0f} % | {1e3 * step:.1f} ms "
+                  f"| {p_share:.0f} % | {1e3 * p_step:.1f} ms |", flush=True)
 
 
 if __name__ == "__main__":

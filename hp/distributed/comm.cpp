@@ -23,20 +23,22 @@ thread_local WaitObserver* t_wait_observer = nullptr;
 void Work::wait() {
   TORCH_CHECK(impl_ != nullptr, "Work::wait() on an empty Work (default-constructed)");
   if (done_) return;
-  done_ = true;  // a second wait after an error must not block again
   WaitObserver* observer = t_wait_observer;
   if (observer == nullptr) {
+    done_ = true;  // a second wait after an error must not block again
     impl_->wait();
     return;
   }
   // NOTE [A wait that lets a partner compute] in comm.h
   t_wait_observer = nullptr;  // the parts of this wait, and what before_wait runs, are not seen
   try {
-    observer->before_wait(*this);
+    observer->before_wait(*this);  // sees it not yet waited (its test() asks the backend)
   } catch (...) {
+    done_ = true;
     t_wait_observer = observer;
     throw;
   }
+  done_ = true;
   try {
     impl_->wait();
   } catch (...) {
@@ -81,12 +83,33 @@ namespace {
 struct DoneWork : Work::Impl {
   void wait() override {}
   bool completed() const override { return true; }
+  std::optional<bool> test() const override { return true; }
 };
 }  // namespace
 
 Work Work::done() {
   static const auto impl = std::make_shared<DoneWork>();
   return Work(impl);
+}
+
+std::optional<bool> test_all(const std::vector<Work>& works) {
+  bool unknown = false;
+  for (const auto& w : works) {
+    const auto t = w.test();
+    if (t.has_value() && !*t) return false;
+    unknown = unknown || !t.has_value();
+  }
+  if (unknown) return std::nullopt;
+  return true;
+}
+
+std::optional<bool> test_arrived(const std::vector<Work>& receives,
+                                 const std::vector<Work>& sends) {
+  const std::optional<bool> in = test_all(receives);
+  if (in != true) return in;
+  for (const auto& s : sends)
+    if (s.test() == false) return false;
+  return true;
 }
 
 void wait_all(std::vector<Work>& works) {
@@ -259,6 +282,13 @@ struct ExchangeWork : Work::Impl {
     if (finish) finish();
     finish = nullptr;
   }
+  std::vector<bool> is_send;  // per work
+  std::optional<bool> test() const override {
+    std::vector<Work> sends, receives;
+    for (size_t k = 0; k < works.size(); ++k)
+      (k < is_send.size() && is_send[k] ? sends : receives).push_back(works[k]);
+    return test_arrived(receives, sends);
+  }
 };
 
 // Posts one batch: `send_to(q)` to every peer q, a receive into `recv_from(q)`
@@ -273,6 +303,7 @@ std::shared_ptr<ExchangeWork> exchange(Comm& comm, SendTo send_to, RecvInto recv
     w->keep.push_back(s);
     ops.push_back(P2POp::send(s, q));
     ops.push_back(P2POp::recv(recv_into(q), q));
+    w->is_send.insert(w->is_send.end(), {true, false});
   }
   w->works = comm.batch(ops);
   return w;
@@ -378,9 +409,11 @@ Work Comm::all_to_all_async(const at::Tensor& out, const std::vector<int64_t>& o
     work->keep.push_back(s);
     ops.push_back(P2POp::send(s, q));
   }
+  work->is_send.assign(ops.size(), true);
   for (int q = 0; q < w; ++q)
     if (q != me && out_rows[q] > 0)
       ops.push_back(P2POp::recv(out.narrow(0, out_at[q], out_rows[q]), q));
+  work->is_send.resize(ops.size(), false);
   if (!ops.empty()) work->works = batch(ops);
   return Work(work);
 }

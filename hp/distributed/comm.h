@@ -11,6 +11,7 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -90,6 +91,9 @@ class Work {
     virtual bool blocks_host() const { return true; }
     /// True when the operation completed when it was posted (wait() is free).
     virtual bool completed() const { return false; }
+    /// Whether the operation has completed by now, asked without blocking
+    /// (Work::test); nullopt where the backend cannot tell.
+    virtual std::optional<bool> test() const { return std::nullopt; }
     /// Wakes a wait() in progress (or the next one), which then throws;
     /// from any thread. Where the backend cannot, does nothing.
     virtual void abort() {}
@@ -108,6 +112,16 @@ class Work {
   /// Whether the operation is known to be complete: waited, or complete when
   /// posted (Work::done(), e.g. a send copied into a shared-memory ring).
   bool completed() const { return done_ || (impl_ != nullptr && impl_->completed()); }
+  /// Whether a wait() now would return without waiting for the operation:
+  /// asked without blocking, for an overlapped pair's deferred W's (NOTE
+  /// [Weight gradients until the message is there] in
+  /// hp/pipeline/overlap.cpp). nullopt where the backend cannot tell
+  /// (Gloo's point-to-point before its wait); a Work that only orders a
+  /// device stream answers for the transfer itself.
+  std::optional<bool> test() const {
+    if (completed()) return true;
+    return impl_ != nullptr ? impl_->test() : std::nullopt;
+  }
   /// Ends a wait() in progress on another thread (it throws CommError)
   /// where the backend can: Gloo's point-to-point (NOTE [A failed step
   /// reaches the peers]). Elsewhere does nothing.
@@ -162,6 +176,18 @@ class WaitObserverScope {
 /// Waits for every Work in order (all of them, even after one throws; the
 /// first error is rethrown at the end).
 void wait_all(std::vector<Work>& works);
+
+/// Work::test of them all: false when one is not complete, nullopt when
+/// none is known incomplete but one cannot tell, true when all are.
+std::optional<bool> test_all(const std::vector<Work>& works);
+
+/// Work::test of an exchange as "its data is there": test_all of the
+/// receives, and false while one of the sends is known not to have left (a
+/// link model holds it); a send that cannot tell (Gloo's) counts as gone.
+/// An exchange's wait also waits for its sends, so without this a held send
+/// of this rank's read as "there" too late, and one that Gloo cannot report
+/// kept the answer unknown.
+std::optional<bool> test_arrived(const std::vector<Work>& receives, const std::vector<Work>& sends);
 
 /// One point-to-point operation of a batch (`Comm::batch`).
 struct P2POp {

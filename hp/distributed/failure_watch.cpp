@@ -189,6 +189,7 @@ struct WatchedWork : Work::Impl {
   }
   bool blocks_host() const override { return inner.blocks_host(); }
   bool completed() const override { return inner.completed(); }
+  std::optional<bool> test() const override { return inner.test(); }
   void abort() override { inner.abort(); }
 
   std::shared_ptr<Watch> watch;

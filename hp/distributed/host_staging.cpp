@@ -136,6 +136,7 @@ class HostStagingComm : public Comm {
       device = at::Tensor();
       host = at::Tensor();
     }
+    std::optional<bool> test() const override { return inner.test(); }
   };
 
   bool stages(const at::Tensor& t) const {

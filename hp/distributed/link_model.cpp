@@ -108,6 +108,12 @@ struct HeldSendWork : Work::Impl {
     std::lock_guard<std::mutex> lock(send->mutex);
     if (send->posted) send->inner.abort();
   }
+  std::optional<bool> test() const override {
+    std::lock_guard<std::mutex> lock(send->mutex);
+    if (!send->posted) return false;  // not yet due
+    if (send->error) return true;     // the wait throws at once
+    return send->inner.test();
+  }
 };
 
 // The process's one link: every LinkComm's sends leave through it, one after

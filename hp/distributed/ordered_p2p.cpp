@@ -88,6 +88,10 @@ class OrderedComm : public Comm, public std::enable_shared_from_this<OrderedComm
       comm->done_cv_.wait(lock, [&] { return batch->done; });
       if (batch->error) std::rethrow_exception(batch->error);
     }
+    std::optional<bool> test() const override {
+      std::lock_guard<std::mutex> lock(comm->mu_);
+      return batch->done;
+    }
     std::shared_ptr<OrderedComm> comm;
     std::shared_ptr<Batch> batch;
   };

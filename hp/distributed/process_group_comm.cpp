@@ -63,6 +63,13 @@ struct PgWork : Work::Impl {
   bool stream_ordered = false;  // NCCL over CUDA tensors
   void wait() override;
   bool blocks_host() const override { return !stream_ordered; }
+  // c10d's isCompleted: NCCL's answers from its events; Gloo's point-to-point
+  // completes only in its wait, so false there means "cannot tell".
+  std::optional<bool> test() const override {
+    if (work->isCompleted()) return true;
+    if (stream_ordered) return false;
+    return std::nullopt;
+  }
   void abort() override;
 };
 

@@ -364,6 +364,7 @@ class ShmComm : public Comm, public std::enable_shared_from_this<ShmComm> {
     RecvWork(std::shared_ptr<ShmComm> c, std::shared_ptr<PendingRecv> p, int s)
         : comm(std::move(c)), pending(std::move(p)), src(s) {}
     void wait() override { comm->wait_for(*pending, src); }
+    std::optional<bool> test() const override { return comm->arrived(*pending); }
     std::shared_ptr<ShmComm> comm;
     std::shared_ptr<PendingRecv> pending;
     int src;
@@ -505,6 +506,16 @@ class ShmComm : public Comm, public std::enable_shared_from_this<ShmComm> {
     const auto now = std::chrono::steady_clock::now();
     if (since == std::chrono::steady_clock::time_point{}) since = now;
     return std::chrono::duration<double>(now - since).count() >= after;
+  }
+
+  // Whether the receive's message is there, without waiting (Work::test).
+  // A redirected one counts once its header is: the sender posted its data
+  // over the wrapped Comm with it, and that Comm (Gloo) cannot tell before
+  // its wait; an early yes only ends a wait's fill a little early.
+  std::optional<bool> arrived(PendingRecv& p) {
+    std::lock_guard<std::mutex> lock(mu_);
+    drain_locked();
+    return p.done;
   }
 
   void wait_for(PendingRecv& p, int src) {

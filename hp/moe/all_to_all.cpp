@@ -97,9 +97,21 @@ struct SizedWork : distributed::Work::Impl {
   std::vector<int64_t> trailing;          // the rows' shape past dim 0
   c10::TensorOptions options;
   torch::Tensor out;
-  std::mutex m;
+  mutable std::mutex m;
   bool aborted = false;
+  bool rows_posted = false;
 
+  // The counts are there and this rank's sends left (distributed::
+  // test_arrived), and the rows' receives, which the wait posts once it has
+  // read the counts, have completed: the rows come after the counts by
+  // their own transfer time, which a link model makes a millisecond.
+  std::optional<bool> test() const override {
+    const auto c = distributed::test_arrived(counts, sends);
+    if (c != true) return c;
+    std::lock_guard<std::mutex> lock(m);
+    if (!rows_posted) return false;
+    return distributed::test_all(rows);
+  }
   void abort() override {
     std::lock_guard<std::mutex> lock(m);
     aborted = true;
@@ -131,6 +143,7 @@ struct SizedWork : distributed::Work::Impl {
     {
       std::lock_guard<std::mutex> lock(m);
       if (!ops.empty()) rows = group->batch(ops);
+      rows_posted = true;
       if (aborted)
         for (auto& w : rows)
           w.abort();

@@ -424,6 +424,7 @@ StepStats Executor::State::run() {
   stats = StepStats{};
   recvs.clear();
   deferred_w.clear();
+  w_parts = WParts{};
   local_grad.clear();
   pending_dx.clear();
   spans.clear();

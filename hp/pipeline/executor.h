@@ -71,6 +71,11 @@ struct ExecutorOptions {
   /// post on is in lanes (distributed::with_lanes): else ranks would post
   /// in different orders.
   bool pair_first_ready = false;
+  /// With defer_wgrad and pair_first_ready, > 1: each deferred W runs in
+  /// this many parts, which fill a wait until its message or the partner's
+  /// is there (NOTE [Weight gradients until the message is there] in
+  /// overlap.cpp); 1: one whole W per wait.
+  int deferred_w_parts = 1;
   /// Runs each FB pair in place of the built-in order (torch's
   /// register_custom_function(OVERLAP_F_B, fn)); unset: fb_overlap decides.
   std::function<void(PairCall&)> pair_function;

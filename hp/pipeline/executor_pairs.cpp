@@ -1,6 +1,7 @@
 // Executor: FB pairs (overlapped, through a pair function, or one half
 // after the other), the W's deferred into their waits, and the sends a half
 // posts as it ends. The rest of the walk is executor.cpp's.
+#include <algorithm>
 #include <chrono>
 #include <functional>
 #include <set>
@@ -33,10 +34,14 @@ void Executor::State::run_pair(const Action& a) {
   auto overlapped = [&] {
     if (!pairs) pairs = std::make_unique<PairRunner>(opts.device, opts.pair_first_ready);
     std::function<bool()> idle;
-    if (defer)  // each W its own event, while the partner waits
-      idle = [this] {
+    // Each W its own event, while the partner waits: whole, or with ready
+    // turns in parts (NOTE [Weight gradients until the message is there] in
+    // overlap.cpp).
+    const int parts = opts.pair_first_ready ? std::max(1, opts.deferred_w_parts) : 1;
+    if (defer)
+      idle = [this, parts] {
         if (deferred_w.empty()) return false;
-        run_deferred_w_span();
+        run_deferred_w_span(parts);
         return true;
       };
     in_pair = true;
@@ -56,8 +61,8 @@ void Executor::State::run_pair(const Action& a) {
     };
     try {
       // NOTE [The half that leads] in hp/schedule/fuse.cpp
-      ps = a.backward_first ? pairs->run(b_then_send, f_then_send, idle)
-                            : pairs->run(f_then_send, b_then_send, idle);
+      ps = a.backward_first ? pairs->run(b_then_send, f_then_send, idle, parts > 1)
+                            : pairs->run(f_then_send, b_then_send, idle, parts > 1);
     } catch (...) {
       in_pair = false;
       throw;
@@ -171,41 +176,56 @@ void Executor::State::computed_pair(const Action& a, const Action& b,
   store_dx(b.stage, b.microbatch, stage.backward_computed(b.stage, b.microbatch));
 }
 
-// Runs the oldest deferred W, if any (NOTE [Weight gradients in the waits]).
-bool Executor::State::run_deferred_w() {
-  if (deferred_w.empty()) return false;
+// Runs the next of `parts` parts of the oldest deferred W (there is one),
+// or the rest of it with parts 1; true once it is done (NOTE [Weight
+// gradients in the waits]).
+bool Executor::State::run_deferred_w(int parts) {
   const auto [s, mb] = deferred_w.front();
-  deferred_w.pop_front();
   // Its posts (the last W's gradient reduction) on a lane of their own,
   // wherever it runs (NOTE [Lanes] in hp/distributed/lanes.cpp).
   distributed::LaneScope lane(distributed::kDeferredLane);
-  stage.backward_weight(s, mb);
+  if (!stage.backward_weight_part(s, mb, parts)) return false;
+  deferred_w.pop_front();
   return true;
 }
 
-// Runs the oldest deferred W (there is one) as an action of its own: its
-// event, its profiler range, its place in `executed`; errors name it.
-void Executor::State::run_deferred_w_span() {
+// Runs the oldest deferred W (there is one), or the next of `parts` parts
+// of it (NOTE [dw in parts] in hp/autograd/grad_function.cpp), as an action
+// of its own: its event once done (one for its parts together, as long as
+// their compute), its profiler range, its place in `executed`; errors name it.
+void Executor::State::run_deferred_w_span(int parts) {
   const Action w = Action::make(Op::W, deferred_w.front().first, deferred_w.front().second);
-  const int start = timer->mark();
+  if (w_parts.start < 0) w_parts.start = timer->mark();
   const auto began = std::chrono::steady_clock::now();
   ChunkWaits own;  // its own, not the action's it runs in (NOTE [A chunk's own waits])
+  bool done = false;
   try {
     ProfiledAction range(w);
     distributed::WaitObserverScope observe(&own);
     ReceiveScope not_a_receive(false);  // it may run in one's wait
-    run_deferred_w();
+    done = run_deferred_w(parts);
   } catch (const distributed::CommError& e) {
     throw e.with_context(where(w) + " (deferred): ");
   } catch (const std::exception& e) {
     throw std::runtime_error(where(w) + " (deferred): " + e.what());
   }
   own.finish();
+  const double ran =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
   if (own_waits_of_running != nullptr)  // not a node of the action it ran in
-    own_waits_of_running->exclude(
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count());
-  spans.push_back({w, start, timer->mark(), {}, -1, own.count, own.seconds, own.nodes});
+    own_waits_of_running->exclude(ran);
+  WParts& wp = w_parts;
+  ++wp.calls;
+  wp.compute += ran - own.seconds;
+  wp.waits += own.count;
+  wp.waited += own.seconds;
+  if (!done) return;
+  if (wp.calls == 1)  // whole: its marks time it (on a device, its events)
+    spans.push_back({w, wp.start, timer->mark(), {}, -1, own.count, own.seconds, own.nodes});
+  else
+    spans.push_back({w, wp.start, timer->mark(), {}, wp.compute, wp.waits, wp.waited, {}});
   stats.executed.push_back(w);
+  wp = WParts{};
 }
 
 }  // namespace hp::pipeline

@@ -58,8 +58,17 @@ struct Executor::State {
   ChunkWaits* own_waits_of_running = nullptr;  // NOTE [A chunk's own waits] in step_timer.h
   std::unique_ptr<PairRunner> pairs;           // made by the first overlapped FB
   std::deque<std::pair<int, int>> deferred_w;  // (stage, mb): NOTE [Weight gradients in the waits]
-  bool in_pair = false;                        // an overlapped pair runs (its idle runs the W's)
-  std::vector<TimedSpan> pair_halves;          // the last overlapped pair's halves, as they ended
+  // The oldest deferred W's parts run so far (NOTE [dw in parts]): its first
+  // part's mark (-1: none ran), their compute and their own waits.
+  struct WParts {
+    int start = -1;
+    int calls = 0;
+    double compute = 0.0;
+    int waits = 0;
+    double waited = 0.0;
+  } w_parts;
+  bool in_pair = false;                // an overlapped pair runs (its idle runs the W's)
+  std::vector<TimedSpan> pair_halves;  // the last overlapped pair's halves, as they ended
   // The action list's batches (runs of SEND/RECV actions) as [first, last),
   // the batch starting at each index, and the receives posted ahead this step
   // (NOTE [Receives posted ahead]).
@@ -111,8 +120,8 @@ struct Executor::State {
   void post_ready_sends();  // NOTE [A half's sends leave when it ends]
   void computed_pair(const Action& a, const Action& b,
                      const std::function<Message(const PairInputs&)>& fn);
-  bool run_deferred_w();
-  void run_deferred_w_span();
+  bool run_deferred_w(int parts);
+  void run_deferred_w_span(int parts = 1);
 };
 
 }  // namespace hp::pipeline

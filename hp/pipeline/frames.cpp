@@ -48,6 +48,10 @@ struct FiledWait : distributed::Work::Impl {
     std::unique_lock<std::mutex> lock(mutex);
     cv.wait(lock, [&] { return filed != seen; });
   }
+  std::optional<bool> test() const override {
+    std::lock_guard<std::mutex> lock(mutex);
+    return filed != seen;
+  }
 };
 
 }  // namespace

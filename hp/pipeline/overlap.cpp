@@ -144,6 +144,29 @@ namespace hp::pipeline {
 // A queued W holds its microbatch's activations until it runs: the price
 // is memory, as with any W that a schedule places late.
 
+// NOTE [Weight gradients until the message is there]
+// A whole W is often longer than the wait it fills (a stage's W is a few
+// milliseconds, an all-to-all's wait one or two), so the half whose message
+// came meanwhile waits for the W to end. With first-ready turns (NOTE
+// [Turns as messages arrive]), where a W's place depends on timing anyway,
+// `hp train --w-parts N` (ExecutorOptions::deferred_w_parts) runs each W in
+// N parts (about 1/N of its weight groups each: NOTE [dw in parts] in
+// hp/autograd/grad_function.cpp), and a wait takes parts, the oldest W
+// first, for as long as neither its own communication nor the partner's
+// has completed, asked without blocking (distributed::Work::test). Where a
+// backend cannot tell, one part runs. The W's still add into .grad in the
+// queue's order, each whole once its last part ran; a W that a hook wraps
+// (a recompute session's) is not cut. The test must answer for the data,
+// not its first bytes: an exchange whose counts had come while its rows
+// were still on the link answered "there" a millisecond early, and the CPU
+// idled that long each time (distributed::test_arrived; SizedWork::test in
+// hp/moe/all_to_all.cpp). The simulator predicts parts hiding most of what
+// whole turns leave exposed (SimOptions::deferred_w_parts); measured on 2
+// cores they hide more than whole W's, but the step stays within the
+// rounds' spread of the pairs without deferred W's (benchmarks.md, "W's in
+// parts until the message is there"). So it is off (1: one whole W per
+// wait) unless asked for.
+
 using Clock = std::chrono::steady_clock;
 
 struct PairRunner::State {
@@ -157,6 +180,7 @@ struct PairRunner::State {
   bool done[2] = {false, false};
   bool started[2] = {false, false};
   const std::function<bool()>* idle = nullptr;
+  bool fill_until_there = false;  // NOTE [Weight gradients until the message is there]
   // NOTE [An overlapped pair on a device]: unset on the CPU.
   std::optional<c10::Device> device;
   std::optional<c10::Stream> streams[2];
@@ -249,6 +273,22 @@ struct PairRunner::State {
     give_turn(1 - half);
   }
 
+  // First-ready turns, the mutex held, at `half`'s wait on `work` after `n`
+  // parts of W's ran there: whether another runs (NOTE [Weight gradients
+  // until the message is there]). Not when its wait or the partner's has
+  // ended; where one cannot tell (Work::test), one part only.
+  bool fill_more(int half, const distributed::Work& work, int n) {
+    const int other = 1 - half;
+    std::optional<bool> theirs = false;  // an ended partner takes nothing
+    if (!done[other]) {
+      if (!in_flight[other].valid()) return false;  // its wait ended: it runs next
+      theirs = in_flight[other].test();
+    }
+    const std::optional<bool> mine = work.test();
+    if (mine == true || theirs == true) return false;
+    return n == 0 || (mine.has_value() && theirs.has_value());
+  }
+
   void check_partner(int half) {
     if (error[1 - half] && failed_first == 1 - half)
       throw std::runtime_error(
@@ -273,13 +313,19 @@ class Switcher : public distributed::WaitObserver {
     if (s_.idle != nullptr && *s_.idle && s_.started[1 - half_]) {
       // The partner has ended or is stopped at a wait: a deferred W runs
       // first, on this thread, which holds the CPU (NOTE [Weight gradients
-      // in the waits]).
+      // in the waits]); with first-ready turns, parts of W's until a wait
+      // ends (NOTE [Weight gradients until the message is there]).
       s_.set_busy(true, Clock::now());
-      lock.unlock();
-      const bool ran = (*s_.idle)();
-      lock.lock();
+      for (int n = 0;; ++n) {
+        if (s_.fill_until_there && !s_.fill_more(half_, work, n)) break;
+        lock.unlock();
+        const bool ran = (*s_.idle)();
+        lock.lock();
+        if (!ran) break;
+        ++s_.stats.filled;
+        if (!s_.fill_until_there) break;
+      }
       s_.set_busy(false, Clock::now());
-      if (ran) ++s_.stats.filled;
     }
     s_.in_flight[half_] = work;
     s_.wait_start[half_] = Clock::now();
@@ -385,7 +431,7 @@ PairRunner::~PairRunner() {
 }
 
 PairStats PairRunner::run(const std::function<void()>& first, const std::function<void()>& second,
-                          const std::function<bool()>& idle) {
+                          const std::function<bool()>& idle, bool fill_until_there) {
   State& s = *state_;
   {
     std::lock_guard<std::mutex> lock(s.mutex);
@@ -398,6 +444,7 @@ PairStats PairRunner::run(const std::function<void()>& first, const std::functio
     s.started[0] = true;
     s.started[1] = false;
     s.idle = &idle;
+    s.fill_until_there = fill_until_there && s.first_ready;
     s.error[0] = s.error[1] = nullptr;
     s.failed_first = -1;
     s.stats = PairStats{};
@@ -465,6 +512,7 @@ struct StreamOrderedWork : distributed::Work::Impl {
     done.block(c10::impl::VirtualGuardImpl(done.device_type()).getStream(done.device()));
   }
   bool blocks_host() const override { return false; }
+  std::optional<bool> test() const override { return done.query(); }
   c10::Event done;
 };
 

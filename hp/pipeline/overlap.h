@@ -81,9 +81,12 @@ class PairRunner {
   /// partner has ended or is stopped at a wait itself (every wait but the
   /// pair's first) calls it once first, on its own thread, before handing
   /// the CPU on (it runs one piece of work, a deferred W, and returns whether
-  /// there was one; NOTE [Weight gradients in the waits]).
+  /// there was one; NOTE [Weight gradients in the waits]). With
+  /// `fill_until_there` and first-ready turns it runs again and again while
+  /// neither that wait nor the partner's has ended (distributed::Work::test;
+  /// NOTE [Weight gradients until the message is there]).
   PairStats run(const std::function<void()>& first, const std::function<void()>& second,
-                const std::function<bool()>& idle = {});
+                const std::function<bool()>& idle = {}, bool fill_until_there = false);
 
   struct State;  // overlap.cpp's
 

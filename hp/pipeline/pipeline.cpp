@@ -230,6 +230,10 @@ Pipeline::Pipeline(schedule::Schedule schedule, std::shared_ptr<distributed::Com
           options_.device.str());
     if (options_.defer_wgrad && !options_.fb_overlap)
       invalid("defer_wgrad defers the W of overlapped pairs: set fb_overlap too");
+    if (options_.deferred_w_parts < 1 ||
+        (options_.deferred_w_parts > 1 && !(options_.defer_wgrad && options_.pair_first_ready)))
+      invalid("deferred_w_parts " + std::to_string(options_.deferred_w_parts) +
+              ": at least 1, and above 1 only with defer_wgrad and pair_first_ready");
     if (options_.link.active()) {
       if (!options_.device.is_cpu())
         invalid("a link model delays CPU transfers; this pipeline runs on " +
@@ -359,6 +363,7 @@ Pipeline::Pipeline(schedule::Schedule schedule, std::shared_ptr<distributed::Com
   eo.fb_overlap = options_.fb_overlap;
   eo.defer_wgrad = options_.defer_wgrad;
   eo.pair_first_ready = options_.pair_first_ready;
+  eo.deferred_w_parts = options_.deferred_w_parts;
   eo.pair_function = options_.pair_function;
   try {
     executor_ = std::make_unique<Executor>(sched_, rank_, *stage_, comm_, std::move(eo));

@@ -96,6 +96,7 @@ struct PipelineOptions {
   bool fb_overlap = false;                       ///< ExecutorOptions::fb_overlap
   bool defer_wgrad = false;                      ///< ExecutorOptions::defer_wgrad (with fb_overlap)
   bool pair_first_ready = false;                 ///< ExecutorOptions::pair_first_ready
+  int deferred_w_parts = 1;                      ///< ExecutorOptions::deferred_w_parts
   std::function<void(PairCall&)> pair_function;  ///< ExecutorOptions::pair_function
   /// The cost every pipeline transfer pays (distributed::with_link_model;
   /// CPU only). Where active, transfers take the group's own point-to-point

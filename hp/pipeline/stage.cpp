@@ -170,6 +170,20 @@ void PipelineStage::backward_weight(int stage, int mb) {
   finish(stage, mb);
 }
 
+bool PipelineStage::backward_weight_part(int stage, int mb, int parts) {
+  Slot& s = slot(stage, mb, "W");
+  TORCH_CHECK(s.input_done, "stage ", stage, " microbatch ", mb, ": W before I");
+  // A hook wraps the whole W (a recompute session runs the forward again
+  // around it): it is not cut.
+  if (hooks_.around_backward || parts <= 1) {
+    backward_weight(stage, mb);
+    return true;
+  }
+  if (!s.grad_fn->weight_grad_part_into_grad(parts)) return false;
+  finish(stage, mb);
+  return true;
+}
+
 Message PipelineStage::backward(int stage, int mb, const Message& grad_output) {
   Slot& s = slot(stage, mb, "B");
   TORCH_CHECK(!s.input_done, "stage ", stage, " microbatch ", mb, ": B after I");

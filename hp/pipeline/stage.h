@@ -87,6 +87,10 @@ class PipelineStage {
   Message backward_input(int stage, int mb, const Message& grad_output);
   /// W: dw of (stage, mb), accumulated into the parameters' .grad().
   void backward_weight(int stage, int mb);
+  /// W in parts (NOTE [dw in parts] in hp/autograd/grad_function.cpp): the
+  /// next of about `parts` shares of its dw; true once the W is done (then
+  /// as backward_weight). Whole where a hook wraps backwards, or parts <= 1.
+  bool backward_weight_part(int stage, int mb, int parts);
   /// B: I and W in one fused backward. Returns the input gradients like
   /// backward_input.
   Message backward(int stage, int mb, const Message& grad_output);

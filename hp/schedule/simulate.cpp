@@ -195,6 +195,13 @@ int comm_volume(const Schedule& s) {
 
 namespace {
 
+// A queued W and its parts left (NOTE [Weight gradients until the message is
+// there] in hp/pipeline/overlap.cpp).
+struct QueuedW {
+  int stage = 0, microbatch = 0;
+  int left = 1;  // of SimOptions::deferred_w_parts
+};
+
 // One half of an overlapped pair (NOTE [An overlapped pair in the
 // simulator]): `compute` seconds of CPU cut into waits + 1 equal nodes, a
 // wait of `inflight` seconds between two (NOTE [Waits inside a chunk]), and
@@ -207,19 +214,24 @@ struct Half {
   const std::vector<double>* shares = nullptr;  // each node's share, or equal ones
   int waits = 0;
   double inflight = 0.0;
-  bool queues_w = false;    // defer_wgrad: its W is queued as it ends
-  std::pair<int, int> w{};  // that W's (stage, microbatch)
+  bool queues_w = false;  // defer_wgrad: its W is queued as it ends
+  QueuedW w{};            // that W
 };
 
-using WQueue = std::deque<std::pair<int, int>>;  // queued W's: (stage, microbatch)
+using WQueue = std::deque<QueuedW>;
+struct WRun {  // parts of a queued W run in a pair: the W as it was, where, how many
+  QueuedW w;
+  double start = 0.0;
+  int parts = 0;
+};
 
 // The pair as the runner runs it; index 0 the lead, 1 the partner.
 struct PairRun {
-  double start[2] = {0, 0}, end[2] = {0, 0};  // first node's start, last node's end
-  std::vector<std::pair<std::pair<int, int>, double>> w_runs;  // queued W's run in it: W, start
-  WQueue queue;                                                // what stays queued after it
-  std::vector<std::tuple<int, double, double>> nodes;          // half, start, end: as they ran
-  double hidden = 0.0, exposed = 0.0;  // NOTE [What a pair hides, predicted]
+  double start[2] = {0, 0}, end[2] = {0, 0};           // first node's start, last node's end
+  std::vector<WRun> w_runs;                            // queued W's run in it
+  WQueue queue;                                        // what stays queued after it
+  std::vector<std::tuple<int, double, double>> nodes;  // half, start, end: as they ran
+  double hidden = 0.0, exposed = 0.0;                  // NOTE [What a pair hides, predicted]
   double finish() const { return std::max(end[0], end[1]); }
 };
 
@@ -250,11 +262,12 @@ void account_waits(PairRun& run, const std::vector<std::pair<double, double>>& w
 // the half that holds the CPU runs its next node once the wait in front of
 // it has ended; at each wait it enters it first runs the oldest queued W if
 // defer and the other half has started (NOTE [Weight gradients in the
-// waits]), then hands the CPU to the other half unless that one has ended,
-// or, with first_ready, to the half whose wait ends first (the other on a
-// tie: NOTE [Turns as messages arrive] in hp/pipeline/overlap.cpp).
+// waits]; with first_ready, parts of W's until its wait or the other's
+// ends: NOTE [Weight gradients until the message is there]), then hands the CPU to the other half
+// unless that one has ended, or, with first_ready, to the half whose wait ends first (the other on
+// a tie: NOTE [Turns as messages arrive] in hp/pipeline/overlap.cpp).
 PairRun run_pair(double t0, const Half (&h)[2], WQueue queue, bool defer, bool first_ready,
-                 const std::function<double(int)>& w_cost) {
+                 int w_parts, const std::function<double(int)>& w_cost) {
   PairRun run;
   bool started[2] = {true, false}, done[2] = {false, false}, entered[2] = {false, false};
   int node[2] = {0, 0};
@@ -270,11 +283,20 @@ PairRun run_pair(double t0, const Half (&h)[2], WQueue queue, bool defer, bool f
     if (has_wait(x) && !entered[x]) {
       entered[x] = true;
       if (node[x] == 0) waits.emplace_back(t, std::max(t, wait_until[x]));  // its input's
-      if (defer && started[y] && !queue.empty()) {
-        run.w_runs.push_back({queue.front(), t});
-        busy.emplace_back(t, t + w_cost(queue.front().first));
+      // A W's parts, or the rest of it whole.
+      auto run_parts = [&](int parts) {
+        QueuedW& q = queue.front();
+        run.w_runs.push_back({q, t, parts});
+        busy.emplace_back(t, t + w_cost(q.stage) * parts / w_parts);
         t = busy.back().second;
-        queue.pop_front();
+        if ((q.left -= parts) == 0) queue.pop_front();
+      };
+      const bool until_there = first_ready && w_parts > 1;
+      if (defer && started[y] && !until_there && !queue.empty()) run_parts(queue.front().left);
+      if (defer && started[y] && until_there) {
+        const double until = done[y] ? wait_until[x] : std::min(wait_until[x], can_run_at(y));
+        while (!queue.empty() && t < until)
+          run_parts(1);
       }
       if (!done[y] && (!first_ready || can_run_at(y) <= can_run_at(x))) {
         cur = y;
@@ -347,23 +369,43 @@ SimResult simulate(const Schedule& s, const CostModel& costs, const SimOptions& 
   // half is its I (an I event), its W is queued, holding the W's memory, and
   // a queued W runs, oldest first, where the executor runs one: inside a
   // pair, at the partner's first wait (where both halves wait, or after a
-  // lead that did not); outside, before each action whose input comes from
+  // lead that did not), or with pair_first_ready in parts at every wait
+  // until a half's wait ends (NOTE [Weight gradients until the message is
+  // there]); outside, the rest of it before each action whose input comes from
   // another rank, whether or not the message is there; the rest after the
   // rank's last action. A chunk's own waits in a pair (NOTE [Waits inside a
   // chunk] in simulate.h) take W's as its input's wait does.
   const bool defer = opts.overlap_pairs && opts.defer_wgrad;
-  std::vector<std::deque<std::pair<int, int>>> queued_w(p);  // (stage, mb)
-  auto run_w = [&](int r, double t) {                        // the oldest queued W at t; its end
-    const auto [st, mb] = queued_w[r].front();
-    queued_w[r].pop_front();
-    const Action w = Action::make(Op::W, st, mb);
-    const double d = costs.stage_cost(s, Op::W, st);
-    const auto [n, waited] = costs.inner_waits(w);  // waited whole: no partner runs
+  if (opts.deferred_w_parts < 1)
+    throw std::invalid_argument("simulate: deferred W parts must be at least 1, got " +
+                                std::to_string(opts.deferred_w_parts));
+  if (opts.deferred_w_parts > 1 && !(defer && opts.pair_first_ready))
+    throw std::invalid_argument(
+        "simulate: deferred W parts cut the deferred W's of overlapped pairs with ready turns: "
+        "give defer_wgrad and ready turns too");
+  const int w_parts = opts.deferred_w_parts;
+  std::vector<WQueue> queued_w(p);
+  // The oldest queued W at t, `parts` of its parts (0: the rest); its end. A
+  // W run in parts is one event once done, as long as its compute.
+  auto run_w = [&](int r, double t, int parts = 0) {
+    QueuedW& q = queued_w[r].front();
+    const int k = parts > 0 ? std::min(parts, q.left) : q.left;
+    const double share = double(k) / w_parts;
+    const Action w = Action::make(Op::W, q.stage, q.microbatch);
+    const double whole = costs.stage_cost(s, Op::W, q.stage);
+    const auto [n, waited_whole] = costs.inner_waits(w);  // waited whole: no partner runs
+    const double d = whole * share, waited = waited_whole * share;
     res.rank_busy[r] += d;
-    mem[r] -= costs.stage_mem_w_of(s, st);
     last_end[r] = std::max(last_end[r], t + d + waited);
-    if (opts.record_timeline)
-      res.timeline.events.push_back({r, w, t + waited, t + d + waited, n, waited});
+    const bool in_parts = q.left < w_parts || k < w_parts;
+    if ((q.left -= k) == 0) {
+      mem[r] -= costs.stage_mem_w_of(s, q.stage);
+      const double end = t + d + waited;
+      if (opts.record_timeline)
+        res.timeline.events.push_back(in_parts ? Event{r, w, end - whole, end, n, waited_whole}
+                                               : Event{r, w, t + waited, end, n, waited});
+      queued_w[r].pop_front();
+    }
     return t + d + waited;
   };
   auto receives = [&](const Action& a) {  // a waits for a message (F, I, B)
@@ -456,7 +498,7 @@ SimResult simulate(const Schedule& s, const CostModel& costs, const SimOptions& 
               if (g_ran.op == Op::I) hg.shares = &cg.i_nodes;  // a fused B's: equal
             }
             hg.queues_w = defer;
-            hg.w = {a.stage2, a.microbatch2};
+            hg.w = {a.stage2, a.microbatch2, w_parts};
             auto w_cost = [&](int st) {
               const Action w = Action::make(Op::W, st, 0);
               return costs.stage_cost(s, Op::W, st) + costs.inner_waits(w).second;
@@ -464,7 +506,7 @@ SimResult simulate(const Schedule& s, const CostModel& costs, const SimOptions& 
             auto order = [&](bool b_leads) {
               const Half halves[2] = {b_leads ? hg : hf, b_leads ? hf : hg};
               return run_pair(free_at[r], halves, queued_w[r], defer, opts.pair_first_ready,
-                              w_cost);
+                              w_parts, w_cost);
             };
             bool b_leads = a.backward_first;
             if (opts.choose_leads) {
@@ -495,10 +537,9 @@ SimResult simulate(const Schedule& s, const CostModel& costs, const SimOptions& 
             }
             // NOTE [Deferred W's in the simulator]: the W's that ran in it,
             // and what stays queued (the pair's own W among them).
-            queued_w[r].clear();
-            for (const auto& [wq, t] : run.w_runs) {
-              queued_w[r].push_front(wq);
-              run_w(r, t);
+            for (const WRun& wr : run.w_runs) {
+              queued_w[r] = WQueue{wr.w};
+              run_w(r, wr.start, wr.parts);
             }
             queued_w[r] = run.queue;
           } else {

@@ -139,6 +139,12 @@ struct SimOptions {
   /// ends first, as the executor's `--pair-turns ready` (NOTE [Turns as
   /// messages arrive] in hp/pipeline/overlap.cpp); false: to the other half.
   bool pair_first_ready = false;
+  /// With defer_wgrad and pair_first_ready, > 1: each queued W runs in this
+  /// many parts, and a wait takes parts for as long as neither its message
+  /// nor the other half's is there (`hp train --w-parts`: NOTE [Weight
+  /// gradients until the message is there] in hp/pipeline/overlap.cpp); 1:
+  /// one whole W per wait.
+  int deferred_w_parts = 1;
 };
 
 /// SimOptions::pair_first_ready for a `--pair-turns` word, as hp train

@@ -85,6 +85,9 @@ struct TrainConfig {
   /// "auto" (ready without defer_wgrad, else fixed). NOTE [Turns as
   /// messages arrive] in hp/pipeline/overlap.cpp.
   std::string pair_turns = "auto";
+  /// With defer_wgrad and ready turns, > 1: each deferred W in this many
+  /// parts (PipelineOptions::deferred_w_parts); 1: whole.
+  int w_parts = 1;
   /// "LATENCY_US,GBPS": the cost every pipeline transfer and expert all-to-all
   /// pays (NOTE [The link model] in hp/distributed/link_model.cpp); empty: none.
   std::string link;

@@ -165,6 +165,7 @@ void gather_and_report(const TrainConfig& config, const schedule::Schedule& sche
   schedule::SimOptions so;
   so.overlap_pairs = config.fb_overlap;  // NOTE [An overlapped pair in the simulator]
   so.defer_wgrad = config.defer_wgrad;   // NOTE [Deferred W's in the simulator]
+  so.deferred_w_parts = config.w_parts;
   so.pair_first_ready = config.pairs_take_ready_turns();
   auto sim = schedule::simulate(sched, result.stage_costs, so);
   result.simulated_bubble = sim.bubble_rate;
@@ -214,6 +215,7 @@ std::string report_json(const TrainConfig& c, const TrainResult& r) {
     j["config"]["p2p"] = c.p2p;
     j["config"]["fb_overlap"] = c.fb_overlap;
     j["config"]["defer_wgrad"] = c.defer_wgrad;
+    j["config"]["w_parts"] = c.w_parts;
     if (c.fb_overlap) j["config"]["pair_turns"] = c.pairs_take_ready_turns() ? "ready" : "fixed";
     if (!c.link.empty()) j["config"]["link"] = c.link;
     j["p2p_backend"] = r.p2p_backend;  // what rank 0's pipeline group used

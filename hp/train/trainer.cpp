@@ -192,6 +192,7 @@ pipeline::PipelineOptions pipeline_options(const TrainConfig& config, const Rank
   po.cache_cpu_memory = true;  // the CPU's caching allocator (CUDA has its own)
   po.fb_overlap = config.fb_overlap;
   po.defer_wgrad = config.defer_wgrad;
+  po.deferred_w_parts = config.w_parts;
   po.pair_first_ready = config.pairs_take_ready_turns();
   po.link = groups.link;
   return po;

@@ -862,7 +862,7 @@ void bind_schedule(py::module_& m) {
   sub.def(
       "simulate",
       [](hs::Schedule s, hs::CostModel costs, bool record_timeline, bool fb_overlap,
-         bool defer_wgrad, const std::string& pair_turns) {
+         bool defer_wgrad, const std::string& pair_turns, int w_parts) {
         const bool first_ready = hs::pair_turns_ready(pair_turns, defer_wgrad);
         if ((defer_wgrad || pair_turns != "auto") && !fb_overlap)
           throw py::value_error(
@@ -871,6 +871,7 @@ void bind_schedule(py::module_& m) {
         hs::validate(s);
         hs::SimOptions o;
         o.record_timeline = record_timeline;
+        o.deferred_w_parts = w_parts;
         // As hp schedule show's --fb-overlap, --defer-wgrad and --pair-turns.
         o.overlap_pairs = fb_overlap;
         o.defer_wgrad = defer_wgrad;
@@ -879,10 +880,10 @@ void bind_schedule(py::module_& m) {
       },
       py::arg("schedule"), py::arg("costs") = hs::CostModel{}, py::kw_only(),
       py::arg("record_timeline") = true, py::arg("fb_overlap") = false,
-      py::arg("defer_wgrad") = false, py::arg("pair_turns") = "auto",
+      py::arg("defer_wgrad") = false, py::arg("pair_turns") = "auto", py::arg("w_parts") = 1,
       "Runs the schedule (validated first) under the cost model: timings, bubble rate, idle "
       "fraction, peak memory, communication volume and the timeline. fb_overlap runs each FB "
-      "pair as hp train --fb-overlap does (defer_wgrad, pair_turns as its flags).");
+      "pair as hp train --fb-overlap does (defer_wgrad, pair_turns, w_parts as its flags).");
   sub.def(
       "timeline_stats",
       [](hs::Timeline t) {

@@ -214,17 +214,19 @@ def simulate(
     fb_overlap: bool = False,
     defer_wgrad: bool = False,
     pair_turns: str = "auto",
+    w_parts: int = 1,
 ) -> SimResult:
     """Runs the schedule (validated first) under ``costs`` (unit costs by default).
 
     ``fb_overlap`` runs each FB pair as ``hp train --fb-overlap`` does, its
-    halves taking turns at their waits; ``defer_wgrad`` and ``pair_turns``
-    ("auto", "ready", "fixed") as that command's flags. The result's
+    halves taking turns at their waits; ``defer_wgrad``, ``pair_turns``
+    ("auto", "ready", "fixed") and ``w_parts`` (each deferred W in that many
+    parts under ready turns) as that command's flags. The result's
     ``rank_pair_hidden`` / ``rank_pair_exposed`` then count the pairs' waits
     (NOTE [What a pair hides, predicted] in hp/schedule/simulate.cpp)."""
     return _C.simulate(schedule, costs if costs is not None else CostModel(),
                        record_timeline=record_timeline, fb_overlap=fb_overlap,
-                       defer_wgrad=defer_wgrad, pair_turns=pair_turns)
+                       defer_wgrad=defer_wgrad, pair_turns=pair_turns, w_parts=w_parts)
 
 
 Drawable = Union[Timeline, SimResult, Schedule]

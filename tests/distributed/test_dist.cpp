@@ -19,6 +19,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
+#include <optional>
 #include <sstream>
 #include <thread>
 #include <vector>
@@ -590,56 +592,61 @@ std::shared_ptr<Comm> shm_rank(const TempDir& dir, int r, int n,
                                                  shm);
 }
 
-void exchange_through_full_rings(bool overflow_on_inner) {
-  TempDir dir;
+// Runs body(r, errors[r]) for ranks 0 and 1 on threads of this process;
+// an exception becomes that rank's error, and each rank must end without one.
+void on_two_threads(const std::function<void(int, std::string&)>& body) {
   std::vector<std::string> errors(2);
   std::vector<std::thread> ts;
-  for (int r = 0; r < 2; ++r) {
+  for (int r = 0; r < 2; ++r)
     ts.emplace_back([&, r] {
       try {
-        hp::distributed::SharedMemoryOptions shm;
-        shm.overflow_on_inner = overflow_on_inner;
-        auto c = shm_rank(dir, r, 2, shm);
-        const int peer = 1 - r;
-        if (c->backend_name() != "gloo+shm") errors[r] += "backend " + c->backend_name() + "; ";
-        const int64_t n = (1 << 20) / 8;  // 1 MiB of doubles
-        auto message = [&](int k, int from) {
-          return at::arange(n, at::kDouble) + 1000 * k + from;
-        };
-        auto early = at::zeros({n}, at::kDouble);
-        auto early_work = c->irecv(early, peer);  // posted before anything is sent: message 0
-        std::vector<hp::distributed::Work> sends;
-        std::vector<at::Tensor> sent;  // kept until their sends complete
-        for (int k = 0; k < 48; ++k) {
-          sent.push_back(message(k, r));
-          sends.push_back(c->isend(sent.back(), peer));
-        }
-        auto big = at::arange(9 * n, at::kDouble) * (r + 1);  // 9 MiB: over the shm limit
-        sends.push_back(c->isend(big, peer));
-        early_work.wait();
-        if (!early.equal(message(0, peer))) errors[r] += "early receive; ";
-        for (int k = 1; k < 48; ++k) {
-          auto got = at::zeros({n}, at::kDouble);
-          c->recv(got, peer);
-          if (!got.equal(message(k, peer))) errors[r] += "message " + std::to_string(k) + "; ";
-        }
-        auto big_in = at::zeros_like(big);
-        c->recv(big_in, peer);
-        hp::distributed::wait_all(sends);
-        if (!big_in.equal(at::arange(9 * n, at::kDouble) * (peer + 1))) errors[r] += "large; ";
-        auto sum = at::full({3}, double(r + 1), at::kDouble);
-        c->all_reduce(sum);
-        if (!sum.eq(3.0).all().item<bool>()) errors[r] += "all_reduce; ";
-        c->barrier();
+        body(r, errors[r]);
       } catch (const std::exception& e) {
         errors[r] += e.what();
       }
     });
-  }
   for (auto& t : ts)
     t.join();
   for (int r = 0; r < 2; ++r)
     EXPECT_EQ(errors[r], "") << "rank " << r;
+}
+
+void exchange_through_full_rings(bool overflow_on_inner) {
+  TempDir dir;
+  on_two_threads([&](int r, std::string& error) {
+    hp::distributed::SharedMemoryOptions shm;
+    shm.overflow_on_inner = overflow_on_inner;
+    auto c = shm_rank(dir, r, 2, shm);
+    const int peer = 1 - r;
+    if (c->backend_name() != "gloo+shm") error += "backend " + c->backend_name() + "; ";
+    const int64_t n = (1 << 20) / 8;  // 1 MiB of doubles
+    auto message = [&](int k, int from) { return at::arange(n, at::kDouble) + 1000 * k + from; };
+    auto early = at::zeros({n}, at::kDouble);
+    auto early_work = c->irecv(early, peer);  // posted before anything is sent: message 0
+    std::vector<hp::distributed::Work> sends;
+    std::vector<at::Tensor> sent;  // kept until their sends complete
+    for (int k = 0; k < 48; ++k) {
+      sent.push_back(message(k, r));
+      sends.push_back(c->isend(sent.back(), peer));
+    }
+    auto big = at::arange(9 * n, at::kDouble) * (r + 1);  // 9 MiB: over the shm limit
+    sends.push_back(c->isend(big, peer));
+    early_work.wait();
+    if (!early.equal(message(0, peer))) error += "early receive; ";
+    for (int k = 1; k < 48; ++k) {
+      auto got = at::zeros({n}, at::kDouble);
+      c->recv(got, peer);
+      if (!got.equal(message(k, peer))) error += "message " + std::to_string(k) + "; ";
+    }
+    auto big_in = at::zeros_like(big);
+    c->recv(big_in, peer);
+    hp::distributed::wait_all(sends);
+    if (!big_in.equal(at::arange(9 * n, at::kDouble) * (peer + 1))) error += "large; ";
+    auto sum = at::full({3}, double(r + 1), at::kDouble);
+    c->all_reduce(sum);
+    if (!sum.eq(3.0).all().item<bool>()) error += "all_reduce; ";
+    c->barrier();
+  });
 }
 
 TEST(DistSharedMemory, FullRingsEarlyReceiveLargeMessagesAndCollectives) {
@@ -648,6 +655,41 @@ TEST(DistSharedMemory, FullRingsEarlyReceiveLargeMessagesAndCollectives) {
 
 TEST(DistSharedMemory, OverflowOnTheWrappedCommKeepsTheOrder) {
   exchange_through_full_rings(/*overflow_on_inner=*/true);
+}
+
+// Work::test of a receive over the rings: false before the peer sent,
+// true once the message (or, for one over 8 MiB that goes over Gloo, its
+// header) is in the ring, without waiting; the data then as sent.
+TEST(DistSharedMemory, AReceiveTellsWhetherItsMessageIsThere) {
+  TempDir dir;
+  std::atomic<int> stage{0};
+  on_two_threads([&](int r, std::string& error) {
+    auto c = shm_rank(dir, r, 2, hp::distributed::SharedMemoryOptions{});
+    const int64_t n = 9 * (1 << 20) / 8;  // 9 MiB of doubles: over Gloo
+    auto small = at::arange(16, at::kDouble), big = at::arange(n, at::kDouble);
+    if (r == 1) {
+      while (stage.load() < 1)
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      c->send(small, 0);
+      c->send(big, 0);
+    } else {
+      auto got_small = at::zeros_like(small), got_big = at::zeros_like(big);
+      auto w_small = c->irecv(got_small, 1);
+      auto w_big = c->irecv(got_big, 1);
+      if (w_small.test() != std::optional<bool>(false)) error += "there before sent; ";
+      stage = 1;
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+      while (w_big.test() != std::optional<bool>(true) &&
+             std::chrono::steady_clock::now() < deadline)
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      if (w_small.test() != std::optional<bool>(true)) error += "small never there; ";
+      if (w_big.test() != std::optional<bool>(true)) error += "large never there; ";
+      w_small.wait();
+      w_big.wait();
+      if (!got_small.equal(small) || !got_big.equal(big)) error += "data; ";
+    }
+    c->barrier();
+  });
 }
 
 // A receive whose message never comes fails after the timeout, saying so.

@@ -16,6 +16,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "hp/distributed/comm.h"
@@ -49,6 +50,18 @@ struct SleepWork : Work::Impl {
 };
 Work sleep_work(int ms) {
   return Work(std::make_shared<SleepWork>(std::chrono::milliseconds(ms)));
+}
+
+// Communication due `ms` after it was posted, whose test() tells whether
+// it has come (Work::test).
+struct DueWork : Work::Impl {
+  Clock::time_point due;
+  explicit DueWork(int ms) : due(Clock::now() + std::chrono::milliseconds(ms)) {}
+  void wait() override { std::this_thread::sleep_until(due); }
+  std::optional<bool> test() const override { return Clock::now() >= due; }
+};
+Work due_in(int ms) {
+  return Work(std::make_shared<DueWork>(ms));
 }
 
 void busy(int ms) {  // compute: the CPU is used
@@ -348,6 +361,92 @@ TEST(PairRunner, IdleWorkFillsOnlyWaitsThatNoPartnerCanFill) {
   EXPECT_LT(stats.compute[0] + stats.compute[1], 0.02);
 }
 
+// NOTE [Weight gradients until the message is there]: with first-ready
+// turns a wait takes parts of W's for as long as neither its message nor
+// the partner's is there; where a Work cannot tell, one part; with fixed
+// turns, one W.
+TEST(PairRunner, ReadyTurnsFillAWaitWithPartsUntilAMessageIsThere) {
+  PairRunner ready(c10::Device(c10::kCPU), /*first_ready=*/true), fixed;
+  int parts = 0;
+  auto part = [&] {  // an endless queue of 5 ms parts
+    ++parts;
+    busy(5);
+    return true;
+  };
+  // The forward's second wait, after the backward ended: parts until its
+  // message is there (50 ms: ten parts at most, one more started at 50).
+  auto t0 = Clock::now();
+  auto stats = ready.run(
+      [&] {
+        due_in(5).wait();
+        due_in(50).wait();
+      },
+      [] {}, part, /*fill_until_there=*/true);
+  EXPECT_GE(parts, 4);
+  EXPECT_LE(parts, 11);
+  EXPECT_EQ(stats.filled, parts);
+  EXPECT_LT(since(t0), 0.5);
+  // Both halves wait: the backward's wait fills until its own 15 ms
+  // message is there, before the forward's 60 ms one.
+  parts = 0;
+  stats = ready.run([&] { due_in(60).wait(); }, [&] { due_in(15).wait(); }, part, true);
+  EXPECT_GE(parts, 1);
+  EXPECT_LE(parts, 4);
+  // Until the partner's message is there: the forward waits 10 ms, the
+  // backward 80 ms, and the backward's wait stops filling once the
+  // forward's has come.
+  parts = 0;
+  stats = ready.run([&] { due_in(10).wait(); }, [&] { due_in(80).wait(); }, part, true);
+  EXPECT_GE(parts, 1);
+  EXPECT_LE(parts, 3);
+  // A wait that cannot tell: one part.
+  parts = 0;
+  ready.run(
+      [&] {
+        sleep_work(5).wait();
+        sleep_work(30).wait();
+      },
+      [] {}, part, true);
+  EXPECT_EQ(parts, 1);
+  // Without fill_until_there, or with fixed turns: one piece of work per
+  // wait, however long.
+  auto one_wait = [&] {
+    due_in(5).wait();
+    due_in(50).wait();
+  };
+  for (PairRunner* r : {&ready, &fixed})
+    for (bool until : {false, true}) {
+      if (r == &ready && until) continue;
+      parts = 0;
+      r->run(
+          one_wait, [] {}, part, until);
+      EXPECT_EQ(parts, 1) << (r == &ready ? "ready" : "fixed") << " " << until;
+    }
+}
+
+TEST(PairRunner, WorkTestsWithoutBlocking) {
+  EXPECT_EQ(Work::done().test(), std::optional<bool>(true));
+  EXPECT_EQ(Work().test(), std::nullopt);
+  EXPECT_EQ(sleep_work(1).test(), std::nullopt);
+  Work w = due_in(20);
+  EXPECT_EQ(w.test(), std::optional<bool>(false));
+  std::vector<Work> all{Work::done(), w};
+  EXPECT_EQ(hp::distributed::test_all(all), std::optional<bool>(false));
+  std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  EXPECT_EQ(w.test(), std::optional<bool>(true));
+  EXPECT_EQ(hp::distributed::test_all(all), std::optional<bool>(true));
+  all.push_back(sleep_work(1));
+  EXPECT_EQ(hp::distributed::test_all(all), std::nullopt);
+  // An exchange's data is there once its receives are; a send holds it back
+  // only while known not to have left.
+  using hp::distributed::test_arrived;
+  const std::vector<Work> there{Work::done()}, late{due_in(50)}, unknown{sleep_work(1)};
+  EXPECT_EQ(test_arrived(there, unknown), std::optional<bool>(true));
+  EXPECT_EQ(test_arrived(there, late), std::optional<bool>(false));
+  EXPECT_EQ(test_arrived(late, there), std::optional<bool>(false));
+  EXPECT_EQ(test_arrived(unknown, there), std::nullopt);
+}
+
 TEST(LinkModel, ParsesItsSpellingAndRefusesOthers) {
   const LinkModel l = LinkModel::parse("20,12.5", "--link");
   EXPECT_DOUBLE_EQ(l.latency_s, 20e-6);
@@ -381,6 +480,8 @@ TEST(LinkModel, MessagesArriveLateExactAndInOrderOverGloo) {
     auto works = comm->batch(
         {hp::distributed::P2POp::send(a, peer), hp::distributed::P2POp::send(b, peer),
          hp::distributed::P2POp::recv(ra, peer), hp::distributed::P2POp::recv(rb, peer)});
+    // Held by the link until due (Work::test, without blocking).
+    EXPECT_EQ(works[0].test(), std::optional<bool>(false));
     works[2].wait();
     const auto first_at = Clock::now();
     works[3].wait();
@@ -467,6 +568,7 @@ struct OverlapCase {
   bool recompute;
   bool defer_wgrad = false;
   std::string pair_turns = "auto";  // NOTE [Turns as messages arrive]
+  int w_parts = 1;                  // NOTE [Weight gradients until the message is there]
 };
 
 class OverlappedPipelines : public ::testing::TestWithParam<OverlapCase> {};
@@ -488,6 +590,12 @@ TEST_P(OverlappedPipelines, EqualOneProcess) {
   c.fb_overlap = true;
   c.defer_wgrad = k.defer_wgrad;
   c.pair_turns = k.pair_turns;
+  c.w_parts = k.w_parts;
+  if (k.w_parts > 1) {  // parts fill the waits of ready turns only
+    TrainConfig fixed = c;
+    fixed.pair_turns = "fixed";
+    EXPECT_THROW(fixed.validate(), std::invalid_argument);
+  }
   // auto: ready turns, fixed with deferred W's (NOTE [Turns as messages
   // arrive]); ready with deferred W's is refused with recompute sessions.
   EXPECT_EQ(c.pairs_take_ready_turns(),
@@ -578,6 +686,15 @@ TEST_P(OverlappedPipelines, EqualOneProcess) {
     for (double v : e.nodes)
       EXPECT_GE(v, 0.0) << hp::schedule::to_string(e.action);
   }
+  // Each W is one event (a deferred one however many parts it ran in).
+  std::map<std::tuple<int, int, int>, int> ws;  // (rank, stage, microbatch) -> events
+  for (const auto& e : ranks[0].timeline.events)
+    if (e.action.op == hp::schedule::Op::W) ++ws[{e.rank, e.action.stage, e.action.microbatch}];
+  if (k.defer_wgrad) {
+    EXPECT_FALSE(ws.empty());
+  }
+  for (const auto& [key, n] : ws)
+    EXPECT_EQ(n, 1) << "W of stage " << std::get<1>(key) << " microbatch " << std::get<2>(key);
   for (const auto& [key, seen] : counts) {
     const bool forward = key.second == static_cast<int>(hp::schedule::Op::F);
     EXPECT_EQ(seen.size(), 1u) << "stage " << key.first << " op " << key.second;
@@ -631,6 +748,7 @@ INSTANTIATE_TEST_SUITE_P(
                       OverlapCase{"dualpipe", 4, 2, false}, OverlapCase{"dualpipev", 6, 2, true},
                       OverlapCase{"dualpipev", 6, 1, false, true},
                       OverlapCase{"dualpipev", 6, 2, false, true, "ready"},
+                      OverlapCase{"dualpipev", 6, 2, false, true, "ready", 3},
                       OverlapCase{"dualpipe", 4, 2, true, true},
                       OverlapCase{"interleaved-1f1b-fb", 8, 2, false},
                       OverlapCase{"zbv-fb", 8, 1, false, true, "ready"}),
@@ -640,7 +758,8 @@ INSTANTIATE_TEST_SUITE_P(
       n += std::string(info.param.ep > 1 ? "_ep2" : "_dense") +
            (info.param.recompute ? "_recompute" : "") +
            (info.param.defer_wgrad ? "_defer_wgrad" : "") +
-           (info.param.pair_turns == "auto" ? "" : "_" + info.param.pair_turns + "_turns");
+           (info.param.pair_turns == "auto" ? "" : "_" + info.param.pair_turns + "_turns") +
+           (info.param.w_parts > 1 ? "_w_parts_" + std::to_string(info.param.w_parts) : "");
       return n;
     });
 

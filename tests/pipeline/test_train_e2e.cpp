@@ -432,6 +432,12 @@ TEST(TrainEndToEnd, PipelineTimesExpertParallelEqualsSingleProcessTraining) {
   HpRun turns = run_hp(moe_flags(small("dualpipev", 2)) + " --ep 2 --fb-overlap --pair-turns soon");
   EXPECT_NE(turns.exit_code, 0);
   EXPECT_NE(turns.output.find("--pair-turns"), std::string::npos) << turns.output;
+  HpRun parts = run_hp(moe_flags(small("dualpipev", 2)) + " --ep 2 --fb-overlap --w-parts 2");
+  EXPECT_NE(parts.exit_code, 0);
+  EXPECT_NE(parts.output.find("--w-parts cuts the deferred W's that fill the waits of ready "
+                              "turns: give --defer-wgrad and --pair-turns ready too"),
+            std::string::npos)
+      << parts.output;
   HpRun bad = run_hp(moe_flags(small("1f1b", 2)) + " --experts 3 --ep 2");
   EXPECT_NE(bad.exit_code, 0);
   EXPECT_NE(bad.output.find("--experts 3 do not divide over --ep 2"), std::string::npos)

@@ -307,6 +307,25 @@ def test_overlapped_pairs_and_what_they_hide():
         hs.simulate(sched, costs, fb_overlap=True, pair_turns="soon")
 
 
+def test_deferred_ws_in_parts():
+    # The C++ Simulate.ReadyTurnsFillWaitsWithPartsOfQueuedWs from Python:
+    # two pairs on rank 1; the first pair's W, run in 4 parts at the second
+    # pair's waits, ends at 11 (whole, under fixed turns, at 10.5) and the
+    # step 0.5 sooner.
+    sched = hs.Schedule(2, 3, ["0F0 0F1 0F2 0B0 0B1 0B2", "1F0 1F1+1B0 1F2+1B1 1B2"])
+    costs = hs.CostModel(f=1, b=2, w=1)
+    costs.stage_inner = [hs.InnerComm(), hs.InnerComm(f_waits=1, f=2, i_waits=1, i=2)]
+    fixed = hs.simulate(sched, costs, fb_overlap=True, defer_wgrad=True)
+    parts = hs.simulate(sched, costs, fb_overlap=True, defer_wgrad=True, pair_turns="ready",
+                        w_parts=4)
+    assert (fixed.makespan, parts.makespan) == (pytest.approx(21.5), pytest.approx(21))
+    w0 = [e for e in parts.timeline.events
+          if e.action.op == hs.Op.W and (e.action.stage, e.action.microbatch) == (1, 0)]
+    assert len(w0) == 1 and (w0[0].start, w0[0].end) == (pytest.approx(10), pytest.approx(11))
+    with pytest.raises(ValueError, match="ready turns"):
+        hs.simulate(sched, costs, fb_overlap=True, defer_wgrad=True, w_parts=4)
+
+
 def test_stage_cost_file(tmp_path):
     doc = {"stages": [
         {"f": 1.4, "i": 1.4, "w": 0.7, "comm": 0.3},

@@ -701,3 +701,58 @@ TEST(Simulate, ReadyTurnsGiveTheCpuToTheHalfWhoseWaitEndsFirst) {
   c.stage_inner[1].i = 1.5;
   EXPECT_EQ(at(hs::simulate(s, c, o), f).end, 10.5);
 }
+
+// NOTE [Weight gradients until the message is there]: rank 1 runs two
+// pairs on a stage whose F and I wait once inside (2 in flight); the first
+// pair's B runs I and queues W(1, 0) (F 1, B 2, W 1). Fixed turns run that W
+// whole at the second pair's first wait [9.5, 10.5), past the moment the
+// other half's message is there. Ready turns with 4 parts run it in parts
+// for as long as neither half's wait has ended, the rest at the next wait:
+// it ends at 11 (one event, as long as the W), the second pair's F ends 0.5
+// earlier, and so does the step. The same compute either way.
+TEST(Simulate, ReadyTurnsFillWaitsWithPartsOfQueuedWs) {
+  using hs::Op;
+  const auto F = [](int st, int mb) { return hs::Action::make(Op::F, st, mb); };
+  const auto B = [](int st, int mb) { return hs::Action::make(Op::B, st, mb); };
+  hs::Schedule s = hs::make_loop_layout(2, 2, 3);
+  s.name = "two pairs";
+  s.actions = {
+      {F(0, 0), F(0, 1), F(0, 2), B(0, 0), B(0, 1), B(0, 2)},
+      {F(1, 0), hs::Action::overlap(1, 1, 1, 0), hs::Action::overlap(1, 2, 1, 1), B(1, 2)}};
+  hs::CostModel c = costs(1, 2, 1);
+  c.stage_inner.resize(2);
+  c.stage_inner[1] = hs::InnerComm{1, 2.0, 1, 2.0, 0, 0};
+  hs::SimOptions o;
+  o.overlap_pairs = o.defer_wgrad = true;
+  const hs::SimResult fixed = hs::simulate(s, c, o);
+  o.pair_first_ready = true;
+  const hs::SimResult whole = hs::simulate(s, c, o);  // ready turns, one whole W per wait
+  o.deferred_w_parts = 4;
+  const hs::SimResult ready = hs::simulate(s, c, o);
+  EXPECT_NEAR(whole.makespan, fixed.makespan, 1e-12);
+  const hs::Action w0 = hs::Action::make(Op::W, 1, 0), f2 = F(1, 2);
+  EXPECT_EQ(std::make_pair(event_of(fixed, w0).start, event_of(fixed, w0).end),
+            std::make_pair(9.5, 10.5));
+  EXPECT_EQ(std::make_pair(event_of(ready, w0).start, event_of(ready, w0).end),
+            std::make_pair(10.0, 11.0));
+  EXPECT_EQ(event_of(fixed, f2).end, 13.5);
+  EXPECT_EQ(event_of(ready, f2).end, 13.0);
+  EXPECT_NEAR(fixed.makespan, 21.5, 1e-12);
+  EXPECT_NEAR(ready.makespan, 21.0, 1e-12);
+  EXPECT_NEAR(ready.rank_busy[1], fixed.rank_busy[1], 1e-12);
+  EXPECT_NEAR(fixed.rank_pair_hidden[1], 3.5, 1e-12);
+  EXPECT_NEAR(ready.rank_pair_hidden[1], 4.0, 1e-12);
+  // Each deferred W (of the two pairs' B's) once, however many parts it ran in.
+  for (const hs::SimResult* r : {&fixed, &ready}) {
+    int ws = 0;
+    for (const auto& e : r->timeline.events)
+      ws += e.action.op == Op::W;
+    EXPECT_EQ(ws, 2);
+  }
+  // Parts need deferred W's and ready turns, and are at least one.
+  o.pair_first_ready = false;
+  EXPECT_THROW(hs::simulate(s, c, o), std::invalid_argument);
+  o.pair_first_ready = true;
+  o.deferred_w_parts = 0;
+  EXPECT_THROW(hs::simulate(s, c, o), std::invalid_argument);
+}

@@ -136,6 +136,7 @@ struct ShowArgs {
   std::string name, from, svg, trace, csv, costs;
   bool json = false, lowered = false, no_color = false, fb_overlap = false, defer_wgrad = false;
   std::string pair_turns = "auto";  // NOTE [Turns as messages arrive]
+  int w_parts = 1;                  // NOTE [Weight gradients until the message is there]
   int width = 160;
 };
 
@@ -167,6 +168,7 @@ void run_show(const ShowArgs& a) {
   so.overlap_pairs = a.fb_overlap;  // NOTE [An overlapped pair in the simulator]
   so.defer_wgrad = a.defer_wgrad;   // NOTE [Deferred W's in the simulator]
   so.pair_first_ready = hs::pair_turns_ready(a.pair_turns, a.defer_wgrad);  // as hp train's
+  so.deferred_w_parts = a.w_parts;
   hs::SimResult r = hs::simulate(shown, costs, so);
   std::string title =
       s.name + "  p=" + std::to_string(s.num_ranks) + " m=" + std::to_string(s.num_microbatches);
@@ -341,6 +343,11 @@ void add_schedule_command(CLI::App& app) {
                    "fixed with --defer-wgrad)")
       ->check(CLI::IsMember({"auto", "ready", "fixed"}))
       ->needs("--fb-overlap");
+  show->add_option("--w-parts", show_args->w_parts,
+                   "with --defer-wgrad and ready turns: each deferred W in N parts, run at a "
+                   "wait until a message is there, as hp train --w-parts (default 1)")
+      ->check(CLI::PositiveNumber)
+      ->needs("--defer-wgrad");
   show->add_option("--costs", show_args->costs,
                    "simulate under the per-stage costs of FILE (a stage cost file or a report "
                    "of hp train --report, one entry per stage), the waits inside its chunks "

@@ -315,6 +315,9 @@ void add_train_command(CLI::App& app) {
                 "ready, fixed with --defer-wgrad, whose W's then keep their order and the sums "
                 "their bits)")
       ->check(CLI::IsMember({"auto", "ready", "fixed"}));
+  t->add_option("--w-parts", c.w_parts,
+                "with --defer-wgrad --pair-turns ready: run each deferred W in N parts, which "
+                "fill a wait until its message or the other half's is there (default 1: whole)");
   t->add_option("--link", c.link,
                 "LATENCY_US,GBPS: give every transfer and expert all-to-all a network link's "
                 "cost (CPU; for measuring overlap on one host)");
