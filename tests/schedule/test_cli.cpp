@@ -434,6 +434,19 @@ TEST(Cli, ShowDrawsAPairNodeByNodeUnderACostFile) {
   EXPECT_NE(ready.out.find("\"makespan\": 94.6"), std::string::npos) << ready.out;
   EXPECT_NE(hp(show + moe + " --pair-turns ready").out.find("--pair-turns requires --fb-overlap"),
             std::string::npos);
+  // NOTE [Weight gradients until the message is there]: ready turns' deferred
+  // W's in 4 parts hide more of the pairs' waits than whole ones, and the
+  // flag needs its partners.
+  const std::string deferred = show + moe + " --fb-overlap --defer-wgrad --pair-turns ready";
+  CliRun whole = hp(deferred), parts = hp(deferred + " --w-parts 4");
+  EXPECT_NE(whole.out.find("pairs' waits   44.18 % hidden"), std::string::npos) << whole.out;
+  EXPECT_NE(parts.out.find("pairs' waits   68.75 % hidden"), std::string::npos) << parts.out;
+  EXPECT_NE(parts.out.find("step time      84.42"), std::string::npos) << parts.out;
+  EXPECT_NE(
+      hp(show + moe + " --fb-overlap --w-parts 4").out.find("--w-parts requires --defer-wgrad"),
+      std::string::npos);
+  EXPECT_NE(hp(show + moe + " --fb-overlap --defer-wgrad --w-parts 4").out.find("ready turns"),
+            std::string::npos);
   EXPECT_NE(hp(show + moe + " --fb-overlap").out.find("BFBF"), std::string::npos);
   EXPECT_EQ(hp(show + gpt + " --fb-overlap").out.find("BFBF"), std::string::npos);
   CliRun other = hp("schedule show dualpipev -p 4 -m 8 --costs " + moe);
