@@ -408,7 +408,10 @@ void GradFunction::weight_grad_into_grad(bool keep_graph) {
 // and the last one gives the zeros and frees the graph as a whole dw does.
 // Groups share no node (NOTE [One engine call for dw]), so a part frees
 // what its groups alone held and the values are a whole dw's, bit for bit.
-// Weights that are not leaves take the whole dw at the first call.
+// Weights that are not leaves take the whole dw at the first call. A whole
+// weight_grad_into_grad after some parts runs the rest (a deferred W begun
+// in a pair's waits and ended outside one); compute_weight_grad, which
+// returns every weight's dw, is refused then.
 bool GradFunction::weight_grad_part_into_grad(int parts) {
   auto& m = *impl_;
   bool leaves = true;
@@ -420,12 +423,11 @@ bool GradFunction::weight_grad_part_into_grad(int parts) {
   }
   const size_t n = m.state == Impl::State::InputDone ? m.plan.groups.size() : 0;
   const size_t per = (n + size_t(std::max(parts, 1)) - 1) / size_t(std::max(parts, 1));
-  run_weight_grad(false, /*into_grad=*/true, m.next_group, std::min(n, m.next_group + per));
+  run_weight_grad(false, /*into_grad=*/true, std::min(n, m.next_group + per));
   return m.state == Impl::State::Done;
 }
 
-TensorList GradFunction::run_weight_grad(bool keep_graph, bool into_grad, size_t first_group,
-                                         size_t end_group) {
+TensorList GradFunction::run_weight_grad(bool keep_graph, bool into_grad, size_t end_group) {
   auto& m = *impl_;
   TORCH_CHECK(m.state != Impl::State::Fresh,
               "compute_weight_grad called before compute_input_grad: dw starts from gradients "
@@ -434,6 +436,11 @@ TensorList GradFunction::run_weight_grad(bool keep_graph, bool into_grad, size_t
   TORCH_CHECK(m.state != Impl::State::Done,
               "compute_weight_grad was already called without keep_graph, which freed the "
               "graph; pass keep_graph=true to call it again");
+  TORCH_CHECK(into_grad || m.next_group == 0,
+              "compute_weight_grad after weight_grad_part_into_grad: the parts already ran "
+              "went into .grad only; finish with weight_grad_part_into_grad or "
+              "weight_grad_into_grad");
+  const size_t first_group = m.next_group;  // NOTE [dw in parts]
   TensorList dw(m.weights.size());
   // Runs the dw of some groups in one engine call. Without keep_graph the
   // captured gradients are moved into the call, so each is freed as soon as

@@ -91,7 +91,8 @@ class GradFunction {
 
   /// weight_grad_into_grad in parts (NOTE [dw in parts]): runs the next of
   /// about `parts` equal shares of the weight groups; true once dw is
-  /// complete (the graph is then freed). Values equal a whole dw's.
+  /// complete (the graph is then freed). Values equal a whole dw's;
+  /// weight_grad_into_grad after a part runs the rest.
   bool weight_grad_part_into_grad(int parts);
 
   /// dx and dw in one fused backward (no split), for comparison and for stages
@@ -114,8 +115,8 @@ class GradFunction {
   SplitStats stats() const;
 
  private:
-  TensorList run_weight_grad(bool keep_graph, bool into_grad, size_t first_group = 0,
-                             size_t end_group = SIZE_MAX);
+  // From the first group not run yet (NOTE [dw in parts]) to end_group.
+  TensorList run_weight_grad(bool keep_graph, bool into_grad, size_t end_group = SIZE_MAX);
 
   struct Impl;
   std::shared_ptr<Impl> impl_;

@@ -37,7 +37,7 @@ void Executor::State::run_pair(const Action& a) {
     // Each W its own event, while the partner waits: whole, or with ready
     // turns in parts (NOTE [Weight gradients until the message is there] in
     // overlap.cpp).
-    const int parts = opts.pair_first_ready ? std::max(1, opts.deferred_w_parts) : 1;
+    const int parts = std::max(1, opts.deferred_w_parts);  // > 1 only with ready turns
     if (defer)
       idle = [this, parts] {
         if (deferred_w.empty()) return false;

@@ -140,9 +140,9 @@ void TrainConfig::validate() const {
   need(!defer_wgrad || fb_overlap,
        "--defer-wgrad defers the W of overlapped pairs: give --fb-overlap too");
   need(w_parts >= 1, "--w-parts " + std::to_string(w_parts) + " is out of range: 1 or more");
-  need(w_parts == 1 || (defer_wgrad && pair_turns == "ready"),
+  need(w_parts == 1 || (defer_wgrad && pairs_take_ready_turns()),
        "--w-parts cuts the deferred W's that fill the waits of ready turns: give "
-       "--defer-wgrad and --pair-turns ready too");
+       "--defer-wgrad and --pair-turns ready too (CPU ranks)");
   need(receive_lookahead >= 0, "--receive-lookahead " + std::to_string(receive_lookahead) +
                                    " is out of range: a number of batches (0: none ahead)");
   need(nproc >= 1 && nproc <= kMaxRanks, "--nproc " + std::to_string(nproc) +

@@ -129,6 +129,19 @@ hp::autograd::SplitStats check_split(const Fn& fn, const TensorList& inputs,
           << "weight " << i << " in " << parts << " parts";
     EXPECT_THROW(in_parts.weight_grad_part_into_grad(parts), c10::Error);
   }
+  // One part, then the rest whole (a deferred W begun in a pair's waits and
+  // ended outside one): the same bits, no group run twice; a dw that
+  // returns every weight's is refused after a part.
+  for (auto& w : weights)
+    w.mutable_grad() = torch::Tensor();
+  auto [outs_r, rest] = forward_and_gradfn(fn, inputs, opts);
+  rest.compute_input_grad(sens);
+  if (!rest.weight_grad_part_into_grad(2)) {
+    EXPECT_THROW(rest.compute_weight_grad(), c10::Error);
+    rest.weight_grad_into_grad();
+  }
+  for (size_t i = 0; i < weights.size(); ++i)
+    EXPECT_TRUE(torch::equal(weights[i].grad(), split_grad[i])) << "weight " << i << ", rest whole";
   // The same with one engine call per weight group.
   for (auto& w : weights)
     w.mutable_grad() = torch::Tensor();
@@ -209,6 +222,32 @@ TEST_F(SplitTest, MlpForwardDxDw) {
   };
   auto st = check_split(mlp, {x}, ws);
   EXPECT_EQ(st.num_groups, 2u) << "each layer's weight and bias share their addmm";
+}
+
+// NOTE [dw in parts]: weights whose dw starts from an output's gradient
+// (kept, not moved into the call) and one captured at a join: a part, then
+// the rest whole, runs each group once (a group run again would add its dw
+// into .grad twice).
+TEST_F(SplitTest, DwInPartsThenTheRestRunsEachGroupOnce) {
+  auto x = torch::randn({4, 6}, kF64);
+  TensorList ws{param({6}), param({3}), param({6, 5})};
+  Fn fn = [&](const TensorList& in) {
+    return TensorList{ws[0].sin() * 2, ws[1].cos(), torch::tanh(in[0].matmul(ws[2]))};
+  };
+  auto st = check_split(fn, {x}, ws);
+  EXPECT_EQ(st.num_groups, 3u);
+  TensorList sens{torch::randn({6}, kF64), torch::randn({3}, kF64), torch::randn({4, 5}, kF64)};
+  Reference ref = reference(fn, {x}, ws, {0}, sens, false);
+  for (int first_parts : {3, 2}) {
+    for (auto& w : ws)
+      w.mutable_grad() = torch::Tensor();
+    auto [outs, gf] = forward_and_gradfn(fn, {x}, ForwardAndGradOptions().weights(ws));
+    gf.compute_input_grad(sens);
+    EXPECT_FALSE(gf.weight_grad_part_into_grad(first_parts));
+    gf.weight_grad_into_grad();
+    for (size_t i = 0; i < ws.size(); ++i)
+      expect_close(ws[i].grad(), ref.dw[i], "weight " + std::to_string(i));
+  }
 }
 
 TEST_F(SplitTest, KeepGraphGivesIdenticalRepeatedDw) {
