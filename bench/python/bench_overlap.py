@@ -1,5 +1,5 @@
 """DualPipe's F&B overlap, side by side in one run: `hp train` on the same
-schedule without `--fb-overlap`, with it, with it and `--defer-wgrad` (fixed turns: one whole W per
+schedule without `--fb-overlap`, with it (`--defer-wgrad=off`), with it and `--defer-wgrad` (fixed turns: one whole W per
 wait), and with `--defer-wgrad --pair-turns ready --w-parts N` (W's in parts until a message is
 there: NOTE [Weight gradients until the message is there] in hp/pipeline/overlap.cpp), under
 modelled network links
@@ -59,9 +59,7 @@ def run_once(args, link, overlap, report, defer=False, ready=False):
     if link:
         cmd += ["--link", link]
     if overlap:
-        cmd += ["--fb-overlap"]
-    if defer:
-        cmd += ["--defer-wgrad"]
+        cmd += ["--fb-overlap", "--defer-wgrad" if defer else "--defer-wgrad=off"]
     if ready:
         cmd += ["--pair-turns", "ready", "--w-parts", str(args.w_parts)]
     done = subprocess.run(cmd, capture_output=True, text=True)
@@ -89,21 +87,27 @@ def run_once(args, link, overlap, report, defer=False, ready=False):
     return j["median_step_seconds"], hidden, exposed, busiest, spread, predicted
 
 
-def main():
+def run_arguments(doc, nproc, steps, links):
+    """The options of an `hp train` run that the overlap benchmarks share."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--hp", default=os.path.join(root, "build", "tools", "hp", "hp"))
     ap.add_argument("--model", choices=["moe", "gpt"], default="moe")
     ap.add_argument("--ep", type=int, default=2, help="--model moe: expert-parallel copies")
-    ap.add_argument("--nproc", type=int, default=2, help="pipeline ranks (each copy's)")
+    ap.add_argument("--nproc", type=int, default=nproc, help="pipeline ranks (each copy's)")
+    ap.add_argument("--schedule", default="dualpipev")
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=steps)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--links", default=links)
+    return ap
+
+
+def main():
+    ap = run_arguments(__doc__, 2, 6, "loopback,1000,1,3000,0.2")
     ap.add_argument("--capacity-factor", type=float, default=0.0,
                     help="--model moe: hp train's (0: dropless; 1: no expert takes more than an "
                          "even share from a rank, which bounds the copies' load spread)")
-    ap.add_argument("--schedule", default="dualpipev")
-    ap.add_argument("--microbatches", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--links", default="loopback,1000,1,3000,0.2")
     ap.add_argument("--w-parts", type=int, default=4,
                     help="the last variant's --w-parts (each deferred W in N parts)")
     args = ap.parse_args()

@@ -54,7 +54,7 @@ def main():
         subprocess.run([args.hp, "train", "--model", "moe", "--ep", str(args.ep), "--nproc",
                         str(args.nproc), "--schedule", args.schedule, "--microbatches",
                         str(args.microbatches), "--steps", str(args.steps), "--pin",
-                        "--no-progress", "--fb-overlap", "--link", args.link, "--report", report],
+                        "--no-progress", "--fb-overlap", "--defer-wgrad=off", "--link", args.link, "--report", report],
                        capture_output=True, text=True, check=True)
         with open(report) as f:
             j = json.load(f)

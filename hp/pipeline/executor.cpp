@@ -538,6 +538,12 @@ void Executor::set_pair_function(std::function<void(PairCall&)> fn) {
   state_->opts.pair_function = std::move(fn);
 }
 
+void Executor::set_deferred_w(bool defer_wgrad, bool pair_first_ready) {
+  state_->opts.defer_wgrad = defer_wgrad;
+  if (state_->opts.pair_first_ready != pair_first_ready) state_->pairs.reset();
+  state_->opts.pair_first_ready = pair_first_ready;
+}
+
 StepStats Executor::run_step() {
   try {
     return state_->run();

@@ -177,6 +177,10 @@ class Executor {
   /// Replaces ExecutorOptions::pair_function (between steps).
   void set_pair_function(std::function<void(PairCall&)> fn);
 
+  /// Replaces ExecutorOptions::defer_wgrad and pair_first_ready (between
+  /// steps; the pair runner is made again at the next pair).
+  void set_deferred_w(bool defer_wgrad, bool pair_first_ready);
+
  private:
   struct State;
   std::unique_ptr<State> state_;

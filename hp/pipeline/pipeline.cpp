@@ -22,6 +22,14 @@ void invalid(const std::string& what) {
   throw std::invalid_argument(what);
 }
 
+void check_deferred_w(const PipelineOptions& o) {
+  if (o.defer_wgrad && !o.fb_overlap)
+    invalid("defer_wgrad defers the W of overlapped pairs: set fb_overlap too");
+  if (o.deferred_w_parts < 1 || (o.deferred_w_parts > 1 && !(o.defer_wgrad && o.pair_first_ready)))
+    invalid("deferred_w_parts " + std::to_string(o.deferred_w_parts) +
+            ": at least 1, and above 1 only with defer_wgrad and pair_first_ready");
+}
+
 /// The recompute session of (stage, mb) of the Pipeline numbered `pipeline`
 /// in this process: the top bit keeps these apart from ids a user picks for
 /// a RecomputeSession of their own. NOTE [Sessions of several pipelines in
@@ -228,12 +236,7 @@ Pipeline::Pipeline(schedule::Schedule schedule, std::shared_ptr<distributed::Com
           "fb_overlap runs on the CPU and on CUDA (a stream per half: NOTE [An overlapped "
           "pair on a device]), not on " +
           options_.device.str());
-    if (options_.defer_wgrad && !options_.fb_overlap)
-      invalid("defer_wgrad defers the W of overlapped pairs: set fb_overlap too");
-    if (options_.deferred_w_parts < 1 ||
-        (options_.deferred_w_parts > 1 && !(options_.defer_wgrad && options_.pair_first_ready)))
-      invalid("deferred_w_parts " + std::to_string(options_.deferred_w_parts) +
-              ": at least 1, and above 1 only with defer_wgrad and pair_first_ready");
+    check_deferred_w(options_);
     if (options_.link.active()) {
       if (!options_.device.is_cpu())
         invalid("a link model delays CPU transfers; this pipeline runs on " +
@@ -490,6 +493,15 @@ void Pipeline::clear_recompute_sessions() {
 void Pipeline::set_pair_function(std::function<void(PairCall&)> fn) {
   options_.pair_function = fn;
   if (executor_) executor_->set_pair_function(std::move(fn));
+}
+
+void Pipeline::set_deferred_w(bool defer_wgrad, bool pair_first_ready) {
+  PipelineOptions o = options_;
+  o.defer_wgrad = defer_wgrad;
+  o.pair_first_ready = pair_first_ready;
+  check_deferred_w(o);
+  options_ = std::move(o);
+  if (executor_) executor_->set_deferred_w(defer_wgrad, pair_first_ready);
 }
 
 PipelineStep Pipeline::step() {

@@ -157,6 +157,13 @@ class Pipeline {
   /// built-in order). NOTE [A pair function] in overlap.cpp.
   void set_pair_function(std::function<void(PairCall&)> fn);
 
+  /// Replaces PipelineOptions::defer_wgrad and pair_first_ready (between
+  /// steps, alike on every rank: the peers of an expert-parallel group post
+  /// their exchanges and reductions where the W's run). Throws
+  /// std::invalid_argument where the options' checks would (defer_wgrad
+  /// without fb_overlap; deferred_w_parts > 1 without both).
+  void set_deferred_w(bool defer_wgrad, bool pair_first_ready);
+
   int rank() const { return rank_; }
   const schedule::Schedule& schedule() const { return sched_; }
   /// The pipeline's group as the executor uses it (point-to-point chosen).

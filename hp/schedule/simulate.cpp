@@ -336,6 +336,43 @@ bool pair_turns_ready(const std::string& pair_turns, bool defer_wgrad) {
   return pair_turns == "ready" || (pair_turns == "auto" && !defer_wgrad);
 }
 
+// NOTE [Deferred W's where they lower the step]
+// A deferred W fills a wait only if there is one it fits in: with a slow
+// link and a B much longer than its W's share of a wait it shortens the
+// step; with little to wait for, or W's longer than the waits, the W's
+// pile up at the step's end and the queued ones hold their microbatches'
+// activations meanwhile (about twice the plain pairs' peak on the dense
+// GPT's dualpipev). Which one a run is cannot be told from the schedule
+// alone, so `hp train --fb-overlap` decides from the run itself (NOTE [The
+// deferred W's chosen in the run] in hp/train/trainer.cpp): both ways
+// simulated under one step's fitted costs, each with the turns `auto`
+// takes for it (ready without deferred W's, fixed with them). The
+// deferred W's are chosen only where they shorten the predicted step by
+// kDeferredWGain or more: the two predictions share their costs, so their
+// difference is surer than either step (each within about 10 % of the
+// measured one), but a gain of a percent or two is not worth the memory.
+DeferredWChoice choose_deferred_w(const Schedule& s, const CostModel& costs,
+                                  const std::string& pair_turns, bool cpu, bool recompute,
+                                  double gain) {
+  SimOptions without;
+  without.record_timeline = false;
+  without.overlap_pairs = true;
+  without.pair_first_ready = cpu && pair_turns_ready(pair_turns, false);
+  const SimResult a = simulate(s, costs, without);
+  DeferredWChoice c;
+  c.step_without = a.makespan;
+  c.peak_without = a.max_peak_memory;
+  SimOptions with = without;
+  with.defer_wgrad = true;
+  with.pair_first_ready = cpu && pair_turns_ready(pair_turns, true);
+  if (with.pair_first_ready && recompute) return c;  // refused: NOTE [Turns as messages arrive]
+  const SimResult b = simulate(s, costs, with);
+  c.step_with = b.makespan;
+  c.peak_with = b.max_peak_memory;
+  c.defer = b.makespan <= (1.0 - gain) * a.makespan;
+  return c;
+}
+
 SimResult simulate(const Schedule& s, const CostModel& costs, const SimOptions& opts) {
   costs.check(s.num_stages);
   const int p = s.num_ranks;

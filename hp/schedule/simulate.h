@@ -154,6 +154,29 @@ struct SimOptions {
 /// "fixed" never. Throws std::invalid_argument for any other word.
 bool pair_turns_ready(const std::string& pair_turns, bool defer_wgrad);
 
+/// Deferred W's (`--defer-wgrad`) against none, both simulated under the
+/// same costs (NOTE [Deferred W's where they lower the step] in
+/// simulate.cpp).
+struct DeferredWChoice {
+  double step_without = 0.0, step_with = 0.0;  ///< predicted makespans
+  double peak_without = 0.0, peak_with = 0.0;  ///< predicted max_peak_memory
+  bool defer = false;  ///< step_with is at least the gain (kDeferredWGain) shorter
+};
+
+/// The share by which deferred W's must shorten the predicted step to be
+/// chosen (NOTE [Deferred W's where they lower the step]).
+constexpr double kDeferredWGain = 0.03;
+
+/// Simulates `s` under `costs` with overlapped pairs, without deferred W's
+/// (`pair_turns` as resolved without them) and with them (as resolved with
+/// them), on CPU ranks when `cpu` (on a device the turns are fixed). Where
+/// the turns refuse deferred W's (`ready` with `recompute`) only the first
+/// is simulated and `defer` is false. `gain`: the share by which the step
+/// must shorten (1: never chosen; below 0: chosen up to that share longer).
+DeferredWChoice choose_deferred_w(const Schedule& s, const CostModel& costs,
+                                  const std::string& pair_turns, bool cpu, bool recompute,
+                                  double gain = kDeferredWGain);
+
 /// What simulate() reports.
 ///
 /// NOTE [Bubble rate]

@@ -139,6 +139,9 @@ void TrainConfig::validate() const {
        "on peers that wait on this rank; use --pair-turns auto or fixed");
   need(!defer_wgrad || fb_overlap,
        "--defer-wgrad defers the W of overlapped pairs: give --fb-overlap too");
+  need(defer_wgrad_gain >= -1.0 && defer_wgrad_gain <= 1.0,
+       "defer_wgrad_gain " + std::to_string(defer_wgrad_gain) +
+           " is out of range: a share of the step from -1 to 1");
   need(w_parts >= 1, "--w-parts " + std::to_string(w_parts) + " is out of range: 1 or more");
   need(w_parts == 1 || (defer_wgrad && pairs_take_ready_turns()),
        "--w-parts cuts the deferred W's that fill the waits of ready turns: give "

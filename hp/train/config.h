@@ -79,6 +79,14 @@ struct TrainConfig {
   bool fb_overlap = false;
   /// With fb_overlap: each pair's W waits for a wait to fill (PipelineOptions::defer_wgrad).
   bool defer_wgrad = false;
+  /// With fb_overlap and not defer_wgrad: the run turns defer_wgrad on after
+  /// its second step where the simulator predicts a shorter step with it
+  /// (`--defer-wgrad auto`, the default; NOTE [The deferred W's chosen in
+  /// the run] in trainer.cpp). False: `--defer-wgrad off`.
+  bool defer_wgrad_auto = true;
+  /// With defer_wgrad_auto: the share by which deferred W's must shorten the
+  /// predicted step to be chosen (1: never; below 0: up to that share longer).
+  double defer_wgrad_gain = schedule::kDeferredWGain;
   /// With fb_overlap: "ready" (a half takes the CPU as its message arrives;
   /// the expert- and data-parallel groups in lanes; CPU ranks; not with
   /// defer_wgrad and recompute together), "fixed" (the code's order) or
@@ -122,8 +130,16 @@ struct TrainConfig {
   bool pairs_take_ready_turns() const;
 };
 
+/// What `--defer-wgrad auto` chose (NOTE [The deferred W's chosen in the run]).
+struct DeferredWInRun {
+  bool decided = false;  ///< false: auto was off, or the run had fewer than 3 steps
+  int after_step = 0;    ///< the (1-based) step whose costs decided
+  schedule::DeferredWChoice choice;
+};
+
 /// What one rank (or the reference) did.
 struct TrainResult {
+  DeferredWInRun deferred_w_in_run;
   std::vector<double> losses;        ///< per step (mean over microbatches)
   std::vector<double> step_seconds;  ///< per step wall time
   int first_step = 0;                ///< > 0 after --resume

@@ -39,6 +39,11 @@ class Progress {
     }
     std::fflush(stderr);
   }
+  /// A line of its own above the bar (printed whether or not the bar is).
+  void note(const std::string& text) {
+    std::fprintf(stderr, tty_ ? "\r\033[K%s\n" : "%s\n", text.c_str());
+    std::fflush(stderr);
+  }
 
  private:
   bool enabled_, tty_ = false;

@@ -82,7 +82,64 @@ void unpack_events(const torch::Tensor& t, int rank, std::vector<schedule::Event
   }
 }
 
+// Every rank's events of `last` (with their nodes) on rank 0 of `comm`, as
+// one timeline there; collective.
+schedule::Timeline gather_timeline(const TrainConfig& config, const pipeline::StepStats& last,
+                                   distributed::Comm& comm) {
+  auto events = distributed::gather_rows(comm, pack_events(last.events), 0);
+  auto nodes = distributed::gather_rows(comm, pack_nodes(last.events), 0);
+  schedule::Timeline timeline;
+  timeline.num_ranks = config.nproc;
+  timeline.title = config.schedule + " (measured, last step)";
+  if (comm.rank() != 0) return timeline;
+  for (int r = 0; r < config.nproc; ++r) {
+    const size_t first = timeline.events.size();
+    unpack_events(events[r], r, timeline.events);
+    unpack_nodes(nodes[r], timeline.events.data() + first);
+  }
+  return timeline;
+}
+
+// The stage costs fitted to a measured timeline, with the stage bytes.
+schedule::CostModel fitted_costs(const schedule::Schedule& sched,
+                                 const schedule::Timeline& timeline, double comm_cost,
+                                 const std::vector<double>& stage_bytes) {
+  schedule::CostModel costs = schedule::costs_from_timeline(sched, timeline, comm_cost);
+  // NOTE [Memory measured against predicted] in stage_memory.cpp: the
+  // simulator's memory count under the measured bytes of every stage (they
+  // also land in the report's stage costs, as mem_b and mem_w in bytes).
+  if (!stage_bytes.empty()) set_stage_memory(costs, stage_bytes);
+  return costs;
+}
+
 }  // namespace
+
+DeferredWInRun choose_deferred_w_in_run(const TrainConfig& config, const schedule::Schedule& sched,
+                                        const pipeline::StepStats& last,
+                                        const std::vector<double>& stage_bytes, double comm_cost,
+                                        distributed::Comm& comm, distributed::Comm* copies,
+                                        bool reporter) {
+  // Copy 0's pipeline decides; its rank 0 simulates.
+  auto numbers = torch::zeros({5}, torch::kFloat64);
+  if (reporter) {
+    const schedule::Timeline timeline = gather_timeline(config, last, comm);
+    if (comm.rank() == 0) {
+      const schedule::DeferredWChoice c = schedule::choose_deferred_w(
+          sched, fitted_costs(sched, timeline, comm_cost, stage_bytes), config.pair_turns,
+          config.resolve_device(0).is_cpu(), config.recompute, config.defer_wgrad_gain);
+      numbers = torch::tensor(
+          {c.defer ? 1.0 : 0.0, c.step_without, c.step_with, c.peak_without, c.peak_with},
+          torch::kFloat64);
+    }
+    comm.broadcast(numbers, 0);
+  }
+  if (copies != nullptr) copies->broadcast(numbers, 0);  // copy 0 is the group's rank 0
+  const double* n = numbers.data_ptr<double>();
+  DeferredWInRun out;
+  out.decided = true;
+  out.choice = {n[1], n[2], n[3], n[4], n[0] > 0.5};
+  return out;
+}
 
 void gather_and_report(const TrainConfig& config, const schedule::Schedule& sched,
                        const pipeline::StepStats& last, double peak_bytes,
@@ -122,9 +179,9 @@ void gather_and_report(const TrainConfig& config, const schedule::Schedule& sche
   for (auto& t : all)
     t = torch::empty_like(mine);
   comm.all_gather(all, mine);
-  auto events = distributed::gather_rows(comm, pack_events(last.events), 0);
-  auto nodes = distributed::gather_rows(comm, pack_nodes(last.events), 0);
+  schedule::Timeline timeline = gather_timeline(config, last, comm);
   if (comm.rank() != 0 || !reporter) return;
+  result.timeline = std::move(timeline);
   for (auto& t : all) {
     result.rank_compute.push_back(t[0].item<double>());
     result.rank_comm_wait.push_back(t[1].item<double>());
@@ -147,21 +204,10 @@ void gather_and_report(const TrainConfig& config, const schedule::Schedule& sche
       result.rank_copies_pair_exposed.push_back(column(2));
     }
   }
-  result.timeline.num_ranks = config.nproc;
-  result.timeline.title = config.schedule + " (measured, last step)";
-  for (int r = 0; r < config.nproc; ++r) {
-    const size_t first = result.timeline.events.size();
-    unpack_events(events[r], r, result.timeline.events);
-    unpack_nodes(nodes[r], result.timeline.events.data() + first);
-  }
   auto measured = schedule::timeline_stats(result.timeline);
   result.measured_bubble = measured.bubble_rate;
   result.measured_makespan = measured.makespan;
-  result.stage_costs = schedule::costs_from_timeline(sched, result.timeline, comm_cost);
-  // NOTE [Memory measured against predicted] in stage_memory.cpp: the
-  // simulator's memory count under the measured bytes of every stage (they
-  // also land in the report's stage costs, as mem_b and mem_w in bytes).
-  if (!stage_bytes.empty()) set_stage_memory(result.stage_costs, stage_bytes);
+  result.stage_costs = fitted_costs(sched, result.timeline, comm_cost, stage_bytes);
   schedule::SimOptions so;
   so.overlap_pairs = config.fb_overlap;  // NOTE [An overlapped pair in the simulator]
   so.defer_wgrad = config.defer_wgrad;   // NOTE [Deferred W's in the simulator]
@@ -218,6 +264,24 @@ std::string report_json(const TrainConfig& c, const TrainResult& r) {
     j["config"]["w_parts"] = c.w_parts;
     if (c.fb_overlap) j["config"]["pair_turns"] = c.pairs_take_ready_turns() ? "ready" : "fixed";
     if (!c.link.empty()) j["config"]["link"] = c.link;
+    const DeferredWInRun& d = r.deferred_w_in_run;
+    if (c.fb_overlap && c.defer_wgrad_auto && (d.decided || !c.defer_wgrad)) {
+      // NOTE [The deferred W's chosen in the run] in trainer.cpp
+      nlohmann::json a = {{"decided", d.decided}};
+      if (d.decided) {
+        a["after_step"] = d.after_step;
+        a["deferred"] = d.choice.defer;
+        a["predicted_step_seconds"] = {{"without", d.choice.step_without},
+                                       {"with", d.choice.step_with}};
+        // In bytes where the stage bytes were measured (the CPU), else in
+        // microbatches of activations.
+        const char* unit = r.rank_predicted_peak_bytes.empty()
+                               ? "predicted_peak_activation_microbatches"
+                               : "predicted_peak_activation_bytes";
+        a[unit] = {{"without", d.choice.peak_without}, {"with", d.choice.peak_with}};
+      }
+      j["defer_wgrad_auto"] = a;
+    }
     j["p2p_backend"] = r.p2p_backend;  // what rank 0's pipeline group used
     if (!r.p2p_note.empty()) j["p2p_note"] = r.p2p_note;
   }
@@ -374,6 +438,23 @@ std::string graph_summary(const TrainConfig& c, const TrainResult& r) {
 }
 
 }  // namespace
+
+std::string deferred_w_line(const DeferredWInRun& d) {
+  const schedule::DeferredWChoice& c = d.choice;
+  char buf[400];
+  if (c.step_with <= 0.0) {
+    std::snprintf(buf, sizeof buf,
+                  "--defer-wgrad auto: off (ready turns with --recompute take no deferred W's)");
+    return buf;
+  }
+  std::snprintf(buf, sizeof buf,
+                "--defer-wgrad auto: %s (under step %d's costs the model's step is %.1f ms with "
+                "deferred W's against %.1f ms without, peak activations %.2fx)",
+                c.defer ? ("on from step " + std::to_string(d.after_step + 1)).c_str() : "off",
+                d.after_step, c.step_with * 1e3, c.step_without * 1e3,
+                c.peak_without > 0 ? c.peak_with / c.peak_without : 1.0);
+  return buf;
+}
 
 std::string summary_text(const TrainConfig& c, const TrainResult& r) {
   if (c.graph) return graph_summary(c, r);

@@ -741,6 +741,51 @@ TEST_P(OverlappedPipelines, EqualOneProcess) {
   EXPECT_GT(early, 0) << "no forward half's output left before its pair's end";
 }
 
+// NOTE [The deferred W's chosen in the run] in hp/train/trainer.cpp: pp 2 x
+// ep 2 MoE on dualpipev, overlapped under the slow link, 4 steps. After step
+// 2 every rank of both copies takes copy 0's choice: with a gain of -1 the
+// W's defer from step 3 (whatever the prediction), with a gain of 1 never.
+// Either way one process's training.
+TEST(OverlappedPipelines, TheRunDefersItsWsFromTheThirdStepAsChosen) {
+  for (const double gain : {-1.0, 1.0}) {
+    SCOPED_TRACE("gain " + std::to_string(gain));
+    TrainConfig c = hp::testing::tiny("dualpipev", 2, 6, "gpt");
+    c.model.experts = 4;
+    c.model.top_k = 2;
+    c.dp = c.ep = 2;
+    c.fb_overlap = true;
+    c.steps = 4;
+    c.defer_wgrad_gain = gain;
+    c.link = "2000,0.05";
+    const auto ranks = hp::testing::run_threads(c);
+    TrainConfig whole = c;
+    whole.dp = whole.ep = 1;
+    whole.microbatches = c.dp * c.microbatches;
+    whole.fb_overlap = false;
+    whole.link.clear();
+    hp::testing::expect_copies_equal_the_reference(ranks, hp::train::train_reference(whole));
+    const bool on = gain < 0;
+    for (size_t r = 0; r < ranks.size(); ++r) {
+      const auto& d = ranks[r].deferred_w_in_run;
+      EXPECT_TRUE(d.decided) << "world rank " << r;
+      EXPECT_EQ(d.after_step, 2) << "world rank " << r;
+      EXPECT_EQ(d.choice.defer, on) << "world rank " << r;
+      EXPECT_EQ(d.choice.step_with, ranks[0].deferred_w_in_run.choice.step_with);
+    }
+    const auto& d = ranks[0].deferred_w_in_run.choice;
+    EXPECT_GT(d.step_without, 0.0);
+    EXPECT_GT(d.step_with, 0.0);
+    EXPECT_GT(d.peak_without, 0.0);
+    EXPECT_GT(d.peak_with, 0.0);
+    // The last step's W's filled waits only where they were deferred.
+    for (int r = 0; r < c.nproc; ++r)
+      EXPECT_EQ(ranks[0].rank_deferred_w_in_waits[r] > 0, on) << "rank " << r;
+  }
+  TrainConfig bad = hp::testing::tiny("dualpipev", 2, 6, "gpt");
+  bad.defer_wgrad_gain = 1.5;
+  EXPECT_THROW(bad.validate(), std::invalid_argument);
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Pairs, OverlappedPipelines,
     ::testing::Values(OverlapCase{"dualpipev", 6, 1, false},

@@ -410,9 +410,30 @@ TEST(TrainEndToEnd, PipelineTimesExpertParallelEqualsSingleProcessTraining) {
     expect_report_matches(report, ref, /*checksum=*/true);
     if (!overlap.empty()) {
       EXPECT_EQ(report["config"]["fb_overlap"], true);
+      // --defer-wgrad auto (the default) chose after step 2 under that
+      // step's fitted costs (NOTE [The deferred W's chosen in the run]):
+      // either way one process's training (above), and the last step ran
+      // as chosen.
+      ASSERT_TRUE(report.contains("defer_wgrad_auto")) << report.dump();
+      const auto& a = report["defer_wgrad_auto"];
+      EXPECT_EQ(a["decided"], true);
+      EXPECT_EQ(a["after_step"], 2);
+      const double with = a["predicted_step_seconds"]["with"].get<double>();
+      const double without = a["predicted_step_seconds"]["without"].get<double>();
+      EXPECT_GT(with, 0.0);
+      EXPECT_GT(without, 0.0);
+      EXPECT_GT(a["predicted_peak_activation_bytes"]["with"].get<double>(), 0.0);
+      const bool deferred = a["deferred"].get<bool>();
+      EXPECT_EQ(deferred, with <= (1 - hp::schedule::kDeferredWGain) * without);
+      EXPECT_EQ(report["config"]["defer_wgrad"], deferred);
+      EXPECT_NE(r.output.find(deferred ? "--defer-wgrad auto: on from step 3"
+                                       : "--defer-wgrad auto: off"),
+                std::string::npos)
+          << r.output;
       // Real processes, the halves taking turns as messages arrive, each on
-      // its own lane of the expert-parallel group (NOTE [Lanes]).
-      EXPECT_EQ(report["config"]["pair_turns"], "ready");
+      // its own lane of the expert-parallel group (NOTE [Lanes]); fixed
+      // turns once the W's defer.
+      EXPECT_EQ(report["config"]["pair_turns"], deferred ? "fixed" : "ready");
       double hidden = 0.0;  // some, if not on every rank (OverlappedPipelines says why)
       for (const auto& rank : report["ranks"]) {
         EXPECT_GT(rank["pair_hidden_comm_seconds"].get<double>() +

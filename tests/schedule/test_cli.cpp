@@ -434,6 +434,23 @@ TEST(Cli, ShowDrawsAPairNodeByNodeUnderACostFile) {
   EXPECT_NE(ready.out.find("\"makespan\": 94.6"), std::string::npos) << ready.out;
   EXPECT_NE(hp(show + moe + " --pair-turns ready").out.find("--pair-turns requires --fb-overlap"),
             std::string::npos);
+  // NOTE [Deferred W's where they lower the step]: hp train's auto choice
+  // under these costs, the ready pairs (94.67) against fixed ones with
+  // deferred W's (86.67, as the shown step of those flags); none shown
+  // where the W's are already deferred.
+  CliRun choice = hp(show + moe + " --fb-overlap");
+  EXPECT_NE(choice.out.find("deferred W's   step 86.67 with --defer-wgrad against 94.67 without, "
+                            "peak memory 5 against 5: hp train's --defer-wgrad auto takes them"),
+            std::string::npos)
+      << choice.out;
+  EXPECT_NE(hp(show + moe + " --fb-overlap --defer-wgrad --pair-turns fixed")
+                .out.find("step time      86.67"),
+            std::string::npos);
+  EXPECT_NE(ready.out.find("\"step_without\": 94.66"), std::string::npos) << ready.out;
+  EXPECT_NE(ready.out.find("\"deferred\": true"), std::string::npos) << ready.out;
+  EXPECT_EQ(plain.out.find("defer_wgrad_auto"), std::string::npos);  // without --fb-overlap
+  EXPECT_EQ(hp(show + moe + " --fb-overlap --defer-wgrad").out.find("deferred W's   step"),
+            std::string::npos);
   // NOTE [Weight gradients until the message is there]: ready turns' deferred
   // W's in 4 parts hide more of the pairs' waits than whole ones, and the
   // flag needs its partners.

@@ -10,6 +10,7 @@
 #include <iostream>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <stdexcept>
 
 #include "hp/schedule/cost_file.h"
@@ -176,6 +177,15 @@ void run_show(const ShowArgs& a) {
   // NOTE [Waits inside a chunk]: a pair cut at its chunks' waits, node by node.
   const hs::Timeline drawn = hs::pair_nodes_drawn(r);
   hs::ClosedForm cf = hs::closed_form(s.name, s.num_ranks, s.num_microbatches, a.c.v, costs);
+  // NOTE [Deferred W's where they lower the step]: what hp train's
+  // --defer-wgrad auto would choose under these costs (CPU ranks).
+  bool pairs = false;
+  for (const auto& row : low.actions)
+    for (const auto& act : row)
+      pairs = pairs || act.op == hs::Op::FB;
+  std::optional<hs::DeferredWChoice> choice;
+  if (a.fb_overlap && !a.defer_wgrad && pairs)
+    choice = hs::choose_deferred_w(shown, costs, a.pair_turns, true, false);
   if (!a.csv.empty()) write_file(a.csv, hs::to_csv(shown));
   if (!a.svg.empty()) write_file(a.svg, hs::render_svg(drawn));
   if (!a.trace.empty()) write_file(a.trace, hs::render_chrome_trace(drawn));
@@ -190,6 +200,12 @@ void run_show(const ShowArgs& a) {
                           {"bubble_rate", cf.bubble_rate},
                           {"matches_simulator", cf.matches_simulator}};
     if (!cut.empty()) j["search_cut_short"] = cut;
+    if (choice)
+      j["defer_wgrad_auto"] = {{"step_with", choice->step_with},
+                               {"step_without", choice->step_without},
+                               {"peak_with", choice->peak_with},
+                               {"peak_without", choice->peak_without},
+                               {"deferred", choice->defer}};
     std::cout << j.dump(2) << "\n";
     return;
   }
@@ -201,6 +217,11 @@ void run_show(const ShowArgs& a) {
     std::cout << "closed form    " << cf.formula << " = " << num(cf.bubble) << " (bubble rate "
               << pct(cf.bubble_rate) << (cf.matches_simulator ? "" : ", reference only") << ")\n";
   if (!cut.empty()) std::cout << cut_line(cut) << "\n";
+  if (choice)
+    std::cout << "deferred W's   step " << num(choice->step_with) << " with --defer-wgrad against "
+              << num(choice->step_without) << " without, peak memory " << num(choice->peak_with)
+              << " against " << num(choice->peak_without) << ": hp train's --defer-wgrad auto "
+              << (choice->defer ? "takes them" : "does not") << "\n";
   if (a.lowered) {
     std::cout << "\nlowered action lists:\n";
     for (int rk = 0; rk < shown.num_ranks; ++rk)

@@ -31,7 +31,8 @@ struct TrainArgs {
   std::string model = "gpt";  // --model: gpt, moe or mlp
   int64_t batch = 0;          // global batch rows; 0 = microbatches * microbatch_size
   std::string seed = "0";
-  CLI::App* app = nullptr;  // to ask which options were given
+  std::string defer_wgrad = "auto";  // --defer-wgrad: on (the bare flag), off or auto
+  CLI::App* app = nullptr;           // to ask which options were given
   bool worker = false;
   bool pin = false;
   bool untied = false;
@@ -117,6 +118,15 @@ void finish_config(TrainArgs& a) {
   if (c.ep > 1 && a.app->count("--dp") == 0) c.dp = c.ep;
   if (!c.schedule_file.empty()) c.schedule = "file:" + c.schedule_file;  // its name in reports
   c.seed = parse_seed(a.seed);
+  // NOTE [The deferred W's chosen in the run] in hp/train/trainer.cpp
+  if (a.defer_wgrad != "on" && a.defer_wgrad != "off" && a.defer_wgrad != "auto")
+    throw std::invalid_argument("--defer-wgrad '" + a.defer_wgrad +
+                                "' is not one of: on (the flag alone), off, auto");
+  c.defer_wgrad = a.defer_wgrad == "on";
+  c.defer_wgrad_auto = a.defer_wgrad == "auto";
+  if (a.app->count("--defer-wgrad") > 0 && !c.fb_overlap)
+    throw std::invalid_argument(
+        "--defer-wgrad defers the W of overlapped pairs: give --fb-overlap too");
   if (a.app->count("--batch") > 0 && a.batch < 1)
     throw std::invalid_argument("--batch must be at least 1, not " + std::to_string(a.batch));
   if (a.app->count("--save-every") > 0 && c.save_every < 1)
@@ -306,9 +316,11 @@ void add_train_command(CLI::App& app) {
   t->add_flag("--fb-overlap", c.fb_overlap,
               "run each FB pair (dualpipe, dualpipev) as a forward and a backward that compute "
               "while the other waits on communication");
-  t->add_flag("--defer-wgrad", c.defer_wgrad,
+  t->add_flag("--defer-wgrad{on}", a->defer_wgrad,
               "with --fb-overlap: each pair's backward runs its input gradient only and queues "
-              "its weight gradient, which fills a later wait or runs at the step's end");
+              "its weight gradient, which fills a later wait or runs at the step's end; "
+              "--defer-wgrad=off never, --defer-wgrad=auto (the default) from the third step "
+              "where the simulator predicts a shorter step under the second step's costs");
   t->add_option("--pair-turns", c.pair_turns,
                 "with --fb-overlap: ready (a half takes the CPU as soon as its message arrived; "
                 "CPU ranks), fixed (the halves alternate in the code's order) or auto (default: "
