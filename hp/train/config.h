@@ -132,7 +132,7 @@ struct TrainConfig {
 
 /// What `--defer-wgrad auto` chose (NOTE [The deferred W's chosen in the run]).
 struct DeferredWInRun {
-  bool decided = false;  ///< false: auto was off, or the run had fewer than 3 steps
+  bool decided = false;  ///< false: auto was off, the run had fewer than 3 steps, or no FB pairs
   int after_step = 0;    ///< the (1-based) step whose costs decided
   schedule::DeferredWChoice choice;
 };

@@ -265,7 +265,7 @@ std::string report_json(const TrainConfig& c, const TrainResult& r) {
     if (c.fb_overlap) j["config"]["pair_turns"] = c.pairs_take_ready_turns() ? "ready" : "fixed";
     if (!c.link.empty()) j["config"]["link"] = c.link;
     const DeferredWInRun& d = r.deferred_w_in_run;
-    if (c.fb_overlap && c.defer_wgrad_auto && (d.decided || !c.defer_wgrad)) {
+    if (d.decided || (c.fb_overlap && c.defer_wgrad_auto && !c.defer_wgrad)) {
       // NOTE [The deferred W's chosen in the run] in trainer.cpp
       nlohmann::json a = {{"decided", d.decided}};
       if (d.decided) {

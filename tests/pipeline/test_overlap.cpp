@@ -781,6 +781,13 @@ TEST(OverlappedPipelines, TheRunDefersItsWsFromTheThirdStepAsChosen) {
     for (int r = 0; r < c.nproc; ++r)
       EXPECT_EQ(ranks[0].rank_deferred_w_in_waits[r] > 0, on) << "rank " << r;
   }
+  // A schedule without FB pairs has nothing to defer: no choice.
+  TrainConfig plain = hp::testing::tiny("1f1b", 2, 4, "gpt");
+  plain.fb_overlap = true;
+  plain.steps = 3;
+  plain.defer_wgrad_gain = -1.0;
+  for (const auto& r : hp::testing::run_threads(plain))
+    EXPECT_FALSE(r.deferred_w_in_run.decided);
   TrainConfig bad = hp::testing::tiny("dualpipev", 2, 6, "gpt");
   bad.defer_wgrad_gain = 1.5;
   EXPECT_THROW(bad.validate(), std::invalid_argument);
