@@ -87,6 +87,13 @@ int Schedule::prev_stage(int stage, int mb) const {
   return route(mb)[p - 1];
 }
 
+bool Schedule::has_pairs() const {
+  for (const auto& row : actions)
+    for (const auto& a : row)
+      if (a.op == Op::FB) return true;
+  return false;
+}
+
 std::vector<int> Schedule::stages_of_rank(int r) const {
   std::vector<int> out;
   for (int s = 0; s < num_stages; ++s)

@@ -68,6 +68,8 @@ struct Schedule {
   /// join: a stage's rank and the rank of the next stage on a microbatch's
   /// route, where they differ. Activations go one way, gradients the other.
   std::vector<std::pair<int, int>> rank_links() const;
+  /// Whether some rank's list holds an FB pair (what `--fb-overlap` overlaps).
+  bool has_pairs() const;
 
   /// Checks the placement fields (sizes, ranges, routes); throws
   /// std::invalid_argument saying what is inconsistent. Called by generators

@@ -333,12 +333,8 @@ TrainResult run_rank(const TrainConfig& config, std::shared_ptr<distributed::Com
   // report's `defer_wgrad_auto` gives both predictions and the peaks; a run
   // of fewer than 3 steps never defers, nor a schedule without FB pairs.
   TrainConfig ran = config;  // as the pipeline runs after the choice
-  bool pairs = false;
-  for (const auto& row : sched.actions)
-    for (const auto& a : row)
-      pairs = pairs || a.op == schedule::Op::FB;
   const bool choosing =
-      pairs && config.fb_overlap && !config.defer_wgrad && config.defer_wgrad_auto;
+      sched.has_pairs() && config.fb_overlap && !config.defer_wgrad && config.defer_wgrad_auto;
   pipeline::PipelineStep last;
   int64_t peak_bytes = 0;
   for (step = first; step < config.steps; ++step) {

@@ -38,6 +38,12 @@ fs::path fresh_dir(const std::string& name) {
   return d;
 }
 
+// A run refused before training: exit status 1, the message in its output.
+void expect_refused(const HpRun& r, const std::string& message) {
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find(message), std::string::npos) << r.output;
+}
+
 TrainConfig small(const std::string& schedule, int p) {
   TrainConfig c;
   c.model.kind = "gpt";
@@ -453,12 +459,9 @@ TEST(TrainEndToEnd, PipelineTimesExpertParallelEqualsSingleProcessTraining) {
   HpRun turns = run_hp(moe_flags(small("dualpipev", 2)) + " --ep 2 --fb-overlap --pair-turns soon");
   EXPECT_NE(turns.exit_code, 0);
   EXPECT_NE(turns.output.find("--pair-turns"), std::string::npos) << turns.output;
-  HpRun parts = run_hp(moe_flags(small("dualpipev", 2)) + " --ep 2 --fb-overlap --w-parts 2");
-  EXPECT_NE(parts.exit_code, 0);
-  EXPECT_NE(parts.output.find("--w-parts cuts the deferred W's that fill the waits of ready "
-                              "turns: give --defer-wgrad and --pair-turns ready too (CPU ranks)"),
-            std::string::npos)
-      << parts.output;
+  expect_refused(run_hp(moe_flags(small("dualpipev", 2)) + " --ep 2 --fb-overlap --w-parts 2"),
+                 "--w-parts cuts the deferred W's that fill the waits of ready turns: give "
+                 "--defer-wgrad and --pair-turns ready too (CPU ranks)");
   HpRun bad = run_hp(moe_flags(small("1f1b", 2)) + " --experts 3 --ep 2");
   EXPECT_NE(bad.exit_code, 0);
   EXPECT_NE(bad.output.find("--experts 3 do not divide over --ep 2"), std::string::npos)
@@ -489,12 +492,8 @@ TEST(TrainEndToEnd, PipelineTimesFsdpEqualsSingleProcessTraining) {
     expect_report_matches(report, ref, /*checksum=*/true);
     fs::remove_all(dir);
   }
-  HpRun alone = run_hp(train_flags(small("1f1b", 2)) + " --fsdp");
-  EXPECT_EQ(alone.exit_code, 1);
-  EXPECT_NE(alone.output.find("--fsdp shards the stages over the data-parallel copies: give --dp "
-                              "2 or more"),
-            std::string::npos)
-      << alone.output;
+  expect_refused(run_hp(train_flags(small("1f1b", 2)) + " --fsdp"),
+                 "--fsdp shards the stages over the data-parallel copies: give --dp 2 or more");
 }
 
 // The tuning loop of issue 17: a run's report carries the per-stage costs

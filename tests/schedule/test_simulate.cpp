@@ -807,4 +807,7 @@ TEST(Simulate, DeferredWsAreChosenWhereTheyShortenTheStep) {
   EXPECT_EQ(refused.step_with, 0.0);
   EXPECT_FALSE(refused.defer);
   EXPECT_TRUE(hs::choose_deferred_w(s, c, "auto", true, true).defer);  // fixed with them
+  // What hp train asks before it chooses.
+  EXPECT_TRUE(s.has_pairs());
+  EXPECT_FALSE(hs::build("1f1b", 2, 4).has_pairs());
 }

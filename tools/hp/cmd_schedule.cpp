@@ -179,12 +179,8 @@ void run_show(const ShowArgs& a) {
   hs::ClosedForm cf = hs::closed_form(s.name, s.num_ranks, s.num_microbatches, a.c.v, costs);
   // NOTE [Deferred W's where they lower the step]: what hp train's
   // --defer-wgrad auto would choose under these costs (CPU ranks).
-  bool pairs = false;
-  for (const auto& row : low.actions)
-    for (const auto& act : row)
-      pairs = pairs || act.op == hs::Op::FB;
   std::optional<hs::DeferredWChoice> choice;
-  if (a.fb_overlap && !a.defer_wgrad && pairs)
+  if (a.fb_overlap && !a.defer_wgrad && low.has_pairs())
     choice = hs::choose_deferred_w(shown, costs, a.pair_turns, true, false);
   if (!a.csv.empty()) write_file(a.csv, hs::to_csv(shown));
   if (!a.svg.empty()) write_file(a.svg, hs::render_svg(drawn));
