@@ -2,7 +2,7 @@
 same schedule with the W's never deferred (`--defer-wgrad=off`), always
 (`--defer-wgrad`), and as the run chooses after its second step (the
 default: NOTE [The deferred W's chosen in the run] in
-hp/train/trainer.cpp), under modelled links (`--link LATENCY_US,GBPS`) and
+hp/pipeline/pipeline.cpp), under modelled links (`--link LATENCY_US,GBPS`) and
 over loopback. The variants alternate within each round; each row gives the
 medians over rounds of the runs' median step time, the ratios to `off`, how
 often `auto` chose the deferred W's with the gain it predicted (the median

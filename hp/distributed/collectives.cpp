@@ -60,9 +60,11 @@ std::vector<at::Tensor> gather_rows(Comm& comm, const at::Tensor& rows_raw, int 
   at::Tensor rows = rows_raw.contiguous();
   TORCH_CHECK(rows.dim() >= 1, "gather_rows: the tensor needs a row dimension");
   const int n = comm.world_size(), me = comm.rank();
-  auto count = at::tensor({rows.size(0)}, at::kLong);
-  auto counts = at::empty({n}, at::kLong);
+  // The counts travel where the rows do (a group over NCCL carries CUDA tensors only).
+  auto count = at::tensor({rows.size(0)}, at::kLong).to(rows.device());
+  auto counts = at::empty({n}, rows.options().dtype(at::kLong));
   comm.all_gather(counts, count);
+  counts = counts.cpu();
   std::vector<at::Tensor> out;
   if (me != root) {
     if (rows.size(0) > 0) comm.send(rows, root);

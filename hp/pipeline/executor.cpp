@@ -222,6 +222,10 @@ std::vector<distributed::P2POp> Executor::State::send_ops(const Action& a,
     m = std::move(it->second);
     pending_dx.erase(it);
   }
+  int64_t bytes = 0;
+  for (const torch::Tensor& t : m)
+    bytes += static_cast<int64_t>(t.nbytes());
+  stats.largest_message_bytes = std::max(stats.largest_message_bytes, bytes);
   if (frames) {  // gradients take none
     if (!fwd) grad.assign(m.size(), false);
     return frames->send(m, grad, rank_of(consumer));

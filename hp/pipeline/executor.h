@@ -116,6 +116,9 @@ struct StepStats {
   /// the step's end.
   int deferred_w_in_waits = 0;
   int deferred_w_at_end = 0;
+  /// Bytes of the largest message this rank sent (a sizing for a probe of
+  /// the link: Pipeline::choose_deferred_w).
+  int64_t largest_message_bytes = 0;
 };
 
 // NOTE [Executor protocol]

@@ -11,6 +11,7 @@
 
 #include "hp/distributed/collectives.h"
 #include "hp/pipeline/agreement.h"
+#include "hp/pipeline/step_timeline.h"
 #include "hp/recompute/checkpoint.h"
 #include "hp/recompute/session.h"
 #include "hp/schedule/lower.h"
@@ -502,6 +503,67 @@ void Pipeline::set_deferred_w(bool defer_wgrad, bool pair_first_ready) {
   check_deferred_w(o);
   options_ = std::move(o);
   if (executor_) executor_->set_deferred_w(defer_wgrad, pair_first_ready);
+}
+
+// NOTE [The deferred W's chosen in the run]
+// With fb_overlap a pair's W's may defer (NOTE [Weight gradients in the
+// waits] in overlap.cpp): they fill the waits where the W's fit in them, and
+// hold their microbatches' activations until they run. Which way is faster
+// cannot be told from the schedule alone (NOTE [Deferred W's where they
+// lower the step] in hp/schedule/simulate.cpp), so a run decides from its
+// own step: `hp train --fb-overlap` after its second step (the first warms
+// the allocator and the connections; `--defer-wgrad auto`, the default),
+// Python's Pipeline(fb_overlap=True) the same (defer_wgrad="auto", the
+// default). Every rank of the pipeline's group sends its events of that
+// step to rank 0, which fits the stage costs to them as the report does
+// (costs_from_timeline, with one transfer's measured latency: under a link
+// model the link's) and simulates the schedule both ways
+// (schedule::choose_deferred_w). On when the predicted step is the gain
+// (kDeferredWGain) shorter; the turns then become fixed where "auto" turns
+// would take them with deferred W's. Rank 0's answer goes to the group,
+// then that of `dp`'s rank 0 (copy 0 in hp train's mesh) to every copy, so
+// the peers of an expert-parallel group keep posting alike. Each copy
+// gathers and simulates its own step (one gather per run) rather than copy
+// 0's alone: a user's groups need not place one copy's ranks at rank 0 of
+// every `dp` group.
+schedule::DeferredWChoice Pipeline::choose_deferred_w(const StepStats& last,
+                                                      const DeferredWAuto& how) {
+  if (how.gain < -1.0 || how.gain > 1.0)
+    invalid("the gain deferred W's must bring is a share from -1 to 1, got " +
+            std::to_string(how.gain));
+  if (!sched_.has_pairs() || !options_.fb_overlap || options_.defer_wgrad) return {};
+  const bool cpu = options_.device.is_cpu();
+  const torch::TensorOptions on =
+      torch::TensorOptions().dtype(torch::kFloat64).device(options_.device);
+  double comm_cost = how.comm_cost;
+  if (comm_cost < 0.0 && comm_->world_size() > 1) {
+    // The link as the step's messages meet it: a probe of the largest one.
+    auto bytes = torch::tensor({double(last.largest_message_bytes)}, on);
+    comm_->all_reduce(bytes, distributed::ReduceOp::Max);
+    const int64_t n = std::max<int64_t>(1, static_cast<int64_t>(bytes.item<double>()));
+    comm_cost = distributed::one_way_latency(
+        *comm_, 0, 1,
+        torch::empty({n}, torch::TensorOptions().dtype(torch::kUInt8).device(options_.device)));
+  }
+  const schedule::Timeline timeline =
+      gather_step_timeline(last, *comm_, "the step that chose deferred W's", options_.device);
+  auto numbers = torch::zeros({5}, on);
+  if (rank_ == 0) {
+    schedule::CostModel costs =
+        schedule::costs_from_timeline(sched_, timeline, std::max(0.0, comm_cost));
+    if (how.adjust) how.adjust(costs);
+    const schedule::DeferredWChoice c = schedule::choose_deferred_w(
+        sched_, costs, how.pair_turns, cpu, options_.recompute_sessions, how.gain);
+    numbers = torch::tensor(
+        {c.defer ? 1.0 : 0.0, c.step_without, c.step_with, c.peak_without, c.peak_with}, on);
+  }
+  comm_->broadcast(numbers, 0);
+  if (options_.dp) options_.dp->broadcast(numbers, 0);
+  const auto n = numbers.cpu();
+  const double* v = n.data_ptr<double>();
+  schedule::DeferredWChoice out{v[1], v[2], v[3], v[4], v[0] > 0.5};
+  if (out.defer) set_deferred_w(true, cpu && schedule::pair_turns_ready(how.pair_turns, true));
+  return out;
 }
 
 PipelineStep Pipeline::step() {

@@ -21,6 +21,7 @@
 #include "hp/pipeline/executor.h"
 #include "hp/pipeline/stage.h"
 #include "hp/schedule/schedule.h"
+#include "hp/schedule/simulate.h"
 
 namespace hp::pipeline {
 
@@ -127,6 +128,22 @@ struct PipelineStep {
   double dp_exposed = 0.0;  ///< seconds the data-parallel reduction was not hidden
 };
 
+/// How Pipeline::choose_deferred_w decides (NOTE [The deferred W's chosen
+/// in the run] in pipeline.cpp).
+struct DeferredWAuto {
+  /// The share by which deferred W's must shorten the predicted step.
+  double gain = schedule::kDeferredWGain;
+  /// The pairs' turns as `hp train --pair-turns` spells them ("fixed" from
+  /// Python; "auto" takes them ready without deferred W's, fixed with).
+  std::string pair_turns = "fixed";
+  /// One pipeline transfer's seconds; below 0: measured by the call, between
+  /// ranks 0 and 1 with a message of the step's largest.
+  double comm_cost = -1.0;
+  /// Called on rank 0 with the costs fitted to the step before they are
+  /// simulated (hp train adds the stages' measured bytes).
+  std::function<void(schedule::CostModel&)> adjust;
+};
+
 /// `p2p`'s spelling as the Comm layer's choice; std::invalid_argument for
 /// anything but "group", "shm" and "auto".
 distributed::PointToPoint parse_point_to_point(const std::string& p2p);
@@ -163,6 +180,16 @@ class Pipeline {
   /// std::invalid_argument where the options' checks would (defer_wgrad
   /// without fb_overlap; deferred_w_parts > 1 without both).
   void set_deferred_w(bool defer_wgrad, bool pair_first_ready);
+
+  /// NOTE [The deferred W's chosen in the run] in pipeline.cpp: whether the
+  /// pairs' W's defer from the next step, decided from `last` (this rank's
+  /// stats of the step just run) by simulating the schedule with and without
+  /// them under the costs fitted to it, and applied (set_deferred_w).
+  /// Collective over the group and PipelineOptions::dp: every rank of every
+  /// copy calls it after the same step and gets copy 0's answer. Without FB
+  /// pairs or fb_overlap, or with defer_wgrad already on, nothing is
+  /// simulated and the answer is "off" (step_with 0).
+  schedule::DeferredWChoice choose_deferred_w(const StepStats& last, const DeferredWAuto& how = {});
 
   int rank() const { return rank_; }
   const schedule::Schedule& schedule() const { return sched_; }

@@ -344,7 +344,7 @@ bool pair_turns_ready(const std::string& pair_turns, bool defer_wgrad) {
 // activations meanwhile (about twice the plain pairs' peak on the dense
 // GPT's dualpipev). Which one a run is cannot be told from the schedule
 // alone, so `hp train --fb-overlap` decides from the run itself (NOTE [The
-// deferred W's chosen in the run] in hp/train/trainer.cpp): both ways
+// deferred W's chosen in the run] in hp/pipeline/pipeline.cpp): both ways
 // simulated under one step's fitted costs, each with the turns `auto`
 // takes for it (ready without deferred W's, fixed with them). The
 // deferred W's are chosen only where they shorten the predicted step by

@@ -3,6 +3,7 @@
 #include "hp/train/report.h"
 
 #include "hp/distributed/collectives.h"
+#include "hp/pipeline/step_timeline.h"
 #include "hp/schedule/progress.h"
 #include "hp/schedule/render.h"
 #include "hp/schedule/simulate.h"
@@ -27,79 +28,6 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-// Serialises measured events for the trip to rank 0.
-torch::Tensor pack_events(const std::vector<schedule::Event>& events) {
-  auto t = torch::empty({static_cast<int64_t>(events.size()), 9}, torch::kFloat64);
-  auto a = t.accessor<double, 2>();
-  for (size_t i = 0; i < events.size(); ++i) {
-    const auto& e = events[i];
-    a[i][0] = static_cast<double>(e.action.op);
-    a[i][1] = e.action.stage;
-    a[i][2] = e.action.microbatch;
-    a[i][3] = e.action.stage2;
-    a[i][4] = e.action.microbatch2;
-    a[i][5] = e.start;
-    a[i][6] = e.end;
-    a[i][7] = e.waits;
-    a[i][8] = e.waited;
-  }
-  return t;
-}
-
-// Each event's nodes (NOTE [A chunk's own waits]) as rows (event, node, seconds).
-torch::Tensor pack_nodes(const std::vector<schedule::Event>& events) {
-  std::vector<double> flat;
-  for (size_t i = 0; i < events.size(); ++i)
-    for (size_t k = 0; k < events[i].nodes.size(); ++k)
-      flat.insert(flat.end(), {double(i), double(k), events[i].nodes[k]});
-  return torch::tensor(flat, torch::kFloat64).view({-1, 3});
-}
-
-void unpack_nodes(const torch::Tensor& t, schedule::Event* events) {
-  auto a = t.accessor<double, 2>();
-  for (int64_t row = 0; row < t.size(0); ++row) {
-    auto& nodes = events[static_cast<size_t>(a[row][0])].nodes;
-    nodes.resize(std::max(nodes.size(), static_cast<size_t>(a[row][1]) + 1));
-    nodes[static_cast<size_t>(a[row][1])] = a[row][2];
-  }
-}
-
-void unpack_events(const torch::Tensor& t, int rank, std::vector<schedule::Event>& out) {
-  auto a = t.accessor<double, 2>();
-  for (int64_t i = 0; i < t.size(0); ++i) {
-    schedule::Event e;
-    e.rank = rank;
-    e.action.op = static_cast<schedule::Op>(static_cast<int>(a[i][0]));
-    e.action.stage = static_cast<int>(a[i][1]);
-    e.action.microbatch = static_cast<int>(a[i][2]);
-    e.action.stage2 = static_cast<int>(a[i][3]);
-    e.action.microbatch2 = static_cast<int>(a[i][4]);
-    e.start = a[i][5];
-    e.end = a[i][6];
-    e.waits = static_cast<int>(a[i][7]);
-    e.waited = a[i][8];
-    out.push_back(e);
-  }
-}
-
-// Every rank's events of `last` (with their nodes) on rank 0 of `comm`, as
-// one timeline there; collective.
-schedule::Timeline gather_timeline(const TrainConfig& config, const pipeline::StepStats& last,
-                                   distributed::Comm& comm) {
-  auto events = distributed::gather_rows(comm, pack_events(last.events), 0);
-  auto nodes = distributed::gather_rows(comm, pack_nodes(last.events), 0);
-  schedule::Timeline timeline;
-  timeline.num_ranks = config.nproc;
-  timeline.title = config.schedule + " (measured, last step)";
-  if (comm.rank() != 0) return timeline;
-  for (int r = 0; r < config.nproc; ++r) {
-    const size_t first = timeline.events.size();
-    unpack_events(events[r], r, timeline.events);
-    unpack_nodes(nodes[r], timeline.events.data() + first);
-  }
-  return timeline;
-}
-
 // The stage costs fitted to a measured timeline, with the stage bytes.
 schedule::CostModel fitted_costs(const schedule::Schedule& sched,
                                  const schedule::Timeline& timeline, double comm_cost,
@@ -113,33 +41,6 @@ schedule::CostModel fitted_costs(const schedule::Schedule& sched,
 }
 
 }  // namespace
-
-DeferredWInRun choose_deferred_w_in_run(const TrainConfig& config, const schedule::Schedule& sched,
-                                        const pipeline::StepStats& last,
-                                        const std::vector<double>& stage_bytes, double comm_cost,
-                                        distributed::Comm& comm, distributed::Comm* copies,
-                                        bool reporter) {
-  // Copy 0's pipeline decides; its rank 0 simulates.
-  auto numbers = torch::zeros({5}, torch::kFloat64);
-  if (reporter) {
-    const schedule::Timeline timeline = gather_timeline(config, last, comm);
-    if (comm.rank() == 0) {
-      const schedule::DeferredWChoice c = schedule::choose_deferred_w(
-          sched, fitted_costs(sched, timeline, comm_cost, stage_bytes), config.pair_turns,
-          config.resolve_device(0).is_cpu(), config.recompute, config.defer_wgrad_gain);
-      numbers = torch::tensor(
-          {c.defer ? 1.0 : 0.0, c.step_without, c.step_with, c.peak_without, c.peak_with},
-          torch::kFloat64);
-    }
-    comm.broadcast(numbers, 0);
-  }
-  if (copies != nullptr) copies->broadcast(numbers, 0);  // copy 0 is the group's rank 0
-  const double* n = numbers.data_ptr<double>();
-  DeferredWInRun out;
-  out.decided = true;
-  out.choice = {n[1], n[2], n[3], n[4], n[0] > 0.5};
-  return out;
-}
 
 void gather_and_report(const TrainConfig& config, const schedule::Schedule& sched,
                        const pipeline::StepStats& last, double peak_bytes,
@@ -179,7 +80,8 @@ void gather_and_report(const TrainConfig& config, const schedule::Schedule& sche
   for (auto& t : all)
     t = torch::empty_like(mine);
   comm.all_gather(all, mine);
-  schedule::Timeline timeline = gather_timeline(config, last, comm);
+  schedule::Timeline timeline =
+      pipeline::gather_step_timeline(last, comm, config.schedule + " (measured, last step)");
   if (comm.rank() != 0 || !reporter) return;
   result.timeline = std::move(timeline);
   for (auto& t : all) {
@@ -266,7 +168,7 @@ std::string report_json(const TrainConfig& c, const TrainResult& r) {
     if (!c.link.empty()) j["config"]["link"] = c.link;
     const DeferredWInRun& d = r.deferred_w_in_run;
     if (d.decided || (c.fb_overlap && c.defer_wgrad_auto && !c.defer_wgrad)) {
-      // NOTE [The deferred W's chosen in the run] in trainer.cpp
+      // NOTE [The deferred W's chosen in the run] in hp/pipeline/pipeline.cpp
       nlohmann::json a = {{"decided", d.decided}};
       if (d.decided) {
         a["after_step"] = d.after_step;

@@ -27,17 +27,6 @@ void gather_and_report(const TrainConfig& config, const schedule::Schedule& sche
                        const std::vector<double>& stage_bytes, double comm_cost,
                        distributed::Comm& comm, distributed::Comm* copies, bool reporter,
                        TrainResult& result);
-/// NOTE [The deferred W's chosen in the run] in trainer.cpp: with
-/// `--fb-overlap` and `--defer-wgrad auto`, whether the W's defer from now
-/// on. Collective over `comm` and `copies` (null without --dp): copy 0's
-/// (`reporter`'s) ranks gather `last` on their rank 0, which simulates the
-/// schedule both ways under the costs fitted to it
-/// (schedule::choose_deferred_w); every rank of every copy gets its answer.
-DeferredWInRun choose_deferred_w_in_run(const TrainConfig& config, const schedule::Schedule& sched,
-                                        const pipeline::StepStats& last,
-                                        const std::vector<double>& stage_bytes, double comm_cost,
-                                        distributed::Comm& comm, distributed::Comm* copies,
-                                        bool reporter);
 /// One line on what `--defer-wgrad auto` chose, and why.
 std::string deferred_w_line(const DeferredWInRun& d);
 /// The report as JSON text: config, per-step loss and time, throughput,

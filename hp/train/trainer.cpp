@@ -317,21 +317,12 @@ TrainResult run_rank(const TrainConfig& config, std::shared_ptr<distributed::Com
       measure_stage_bytes(config, sched, rank, pipe, loss_fn, input_fn, received, device, comm);
 
   Progress progress(config.progress && rank == 0 && reporter, first, config.steps);
-  // NOTE [The deferred W's chosen in the run]
   // With --fb-overlap and --defer-wgrad auto (the default) the run decides
-  // whether its pairs' W's defer (NOTE [Weight gradients in the waits] in
-  // hp/pipeline/overlap.cpp): they fill the waits where the W's fit in them,
-  // and hold their microbatches' activations until they run. After the
-  // run's second step (the first warms the allocator and the connections),
-  // copy 0's rank 0 fits the stage costs to that step's timeline, as the
-  // report does, and simulates the schedule both ways
-  // (schedule::choose_deferred_w, NOTE [Deferred W's where they lower the
-  // step] in hp/schedule/simulate.cpp); every rank of every copy takes its
-  // answer, so the peers of an expert-parallel group keep posting alike. On
-  // when the predicted step is kDeferredWGain shorter; the turns then become
-  // fixed where `--pair-turns auto` would take them with deferred W's. The
-  // report's `defer_wgrad_auto` gives both predictions and the peaks; a run
-  // of fewer than 3 steps never defers, nor a schedule without FB pairs.
+  // after its second step whether its pairs' W's defer (NOTE [The deferred
+  // W's chosen in the run] in hp/pipeline/pipeline.cpp), under the costs
+  // fitted to that step with the stages' measured bytes, so that the
+  // report's `defer_wgrad_auto` gives both predicted peaks in bytes. A run of
+  // fewer than 3 steps never defers, nor a schedule without FB pairs.
   TrainConfig ran = config;  // as the pipeline runs after the choice
   const bool choosing =
       sched.has_pairs() && config.fb_overlap && !config.defer_wgrad && config.defer_wgrad_auto;
@@ -373,13 +364,16 @@ TrainResult run_rank(const TrainConfig& config, std::shared_ptr<distributed::Com
     progress.update(step, result.losses.back(), result.items_per_step / secs);
     if (choosing && step == first + 1 && step + 1 < config.steps) {
       DeferredWInRun& d = result.deferred_w_in_run;
-      d = choose_deferred_w_in_run(config, sched, last.stats, stage_bytes, comm_cost, comm,
-                                   groups.dp.get(), reporter);
+      pipeline::DeferredWAuto how;
+      how.gain = config.defer_wgrad_gain;
+      how.pair_turns = config.pair_turns;
+      how.comm_cost = comm_cost;
+      if (!stage_bytes.empty())
+        how.adjust = [&stage_bytes](schedule::CostModel& c) { set_stage_memory(c, stage_bytes); };
+      d.decided = true;
       d.after_step = step + 1;
-      if (d.choice.defer) {
-        ran.defer_wgrad = true;
-        pipe.set_deferred_w(true, ran.pairs_take_ready_turns());
-      }
+      d.choice = pipe.choose_deferred_w(last.stats, how);
+      if (d.choice.defer) ran.defer_wgrad = true;
       if (rank == 0 && reporter) progress.note(deferred_w_line(d));  // with or without the bar
     }
 

@@ -390,6 +390,7 @@ class Runtime {
       inputs_.clear();
     }
     if (interrupted) throw *interrupted;  // the handler's own exception, e.g. KeyboardInterrupt
+    last_ = out.stats;                    // what choose_deferred_w fits its costs to
     py::dict d;
     d["loss"] = out.loss;
     d["extra"] = out.extra;
@@ -422,6 +423,28 @@ class Runtime {
     pipe_->comm().abandon(why);
   }
 
+  /// NOTE [The deferred W's chosen in the run] in hp/pipeline/pipeline.cpp:
+  /// from the last step, collective over the group and dp_group; applied.
+  py::dict choose_deferred_w(double gain) {
+    schedule::DeferredWChoice c;
+    {
+      py::gil_scoped_release release;
+      if (last_.events.empty() && last_.executed.empty())
+        throw std::runtime_error(
+            "choose_deferred_w fits its costs to the last step: run one first");
+      pipeline::DeferredWAuto how;
+      how.gain = gain;
+      c = pipe_->choose_deferred_w(last_, how);
+    }
+    py::dict d;
+    d["defer"] = c.defer;
+    d["step_with"] = c.step_with;
+    d["step_without"] = c.step_without;
+    d["peak_with"] = c.peak_with;
+    d["peak_without"] = c.peak_without;
+    return d;
+  }
+
   int rank() const { return pipe_->rank(); }
   std::string backend() const { return pipe_->backend(); }
   /// Why p2p="auto" left the rings out; empty when it did not.
@@ -429,6 +452,7 @@ class Runtime {
 
  private:
   std::vector<torch::Tensor> inputs_;
+  pipeline::StepStats last_;                  ///< the last step's, for choose_deferred_w
   int forward_stage_ = -1, forward_mb_ = -1;  // the stage and microbatch of the running F
   std::unique_ptr<pipeline::Pipeline> pipe_;
 };
@@ -541,6 +565,7 @@ void bind_pipeline(py::module_& m) {
       py::arg("transfer_bytes") = int64_t(256) << 20, py::call_guard<py::gil_scoped_release>(),
       "(compute ms, transfer ms, pair ms): a stand-in transfer on a communication stream and "
       "matrix products as an overlapped pair on a device (NOTE [An overlapped pair on a device]).");
+  sub.attr("DEFERRED_W_GAIN") = schedule::kDeferredWGain;
   py::class_<Runtime>(sub, "Runtime")
       .def(py::init<const schedule::Schedule&, const py::object&, const std::map<int, py::object>&,
                     const std::map<int, std::vector<torch::Tensor>>&, py::object, py::object,
@@ -566,6 +591,9 @@ void bind_pipeline(py::module_& m) {
            "Runs one step of this rank's actions; returns the loss and timings.")
       .def("set_pair_function", &Runtime::set_pair_function, py::arg("fn"),
            "fn(pair) runs each FB pair (NOTE [A pair function]); None: the built-in order.")
+      .def("choose_deferred_w", &Runtime::choose_deferred_w, py::arg("gain"),
+           "Whether the pairs' W's defer from the next step, from the last step's costs "
+           "(collective; applied): a dict of the choice and both predictions.")
       .def("abandon", &Runtime::abandon, py::arg("why"),
            "Tells the peers that this rank will not take part in the running step (final).")
       .def_property_readonly("rank", &Runtime::rank)

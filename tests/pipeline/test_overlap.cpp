@@ -741,7 +741,7 @@ TEST_P(OverlappedPipelines, EqualOneProcess) {
   EXPECT_GT(early, 0) << "no forward half's output left before its pair's end";
 }
 
-// NOTE [The deferred W's chosen in the run] in hp/train/trainer.cpp: pp 2 x
+// NOTE [The deferred W's chosen in the run] in hp/pipeline/pipeline.cpp: pp 2 x
 // ep 2 MoE on dualpipev, overlapped under the slow link, 4 steps. After step
 // 2 every rank of both copies takes copy 0's choice: with a gain of -1 the
 // W's defer from step 3 (whatever the prediction), with a gain of 1 never.

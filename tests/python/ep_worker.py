@@ -15,8 +15,10 @@ this rank's rows). The models, the data and the one-process reference
 A model name with "+fsdp2" also shards each layer's attention with
 FSDP2 over the EP dimension of an (ep, pp) DeviceMesh; one ending in
 "+hook" runs every FB pair through DualPipe's overlapped_forward_backward on the
-chunks' class (dualpipe_hook); "+overlap" trains with fb_overlap=True under HP_LINK (a modelled link), one
-with "+defer" with defer_wgrad=True as well (the flags combine); one
+chunks' class (dualpipe_hook); "+overlap" trains with fb_overlap=True under HP_LINK (a modelled link) and
+defer_wgrad=False, one with "+defer" with defer_wgrad=True, one with
+"+auto" with defer_wgrad="auto" and a gain of -1 (deferred W's chosen after
+step 2, for the third; the flags combine); one
 ending in "-dp4" is pp 1 x dp 4 x ep 2 (hp.pipeline.mesh): every rank a
 whole pipeline, dp_group the world, the experts over {0, 1} and {2, 3},
 expert_dp_group the ranks holding the same experts ({0, 2}, {1, 3})."""
@@ -218,7 +220,8 @@ def main():
         # "+overlap": fb_overlap under a modelled link (HP_LINK), read by the
         # dispatchers expert_parallel makes and by the Pipeline.
         defer = "defer" in flags
-        overlap = "overlap" in flags or defer
+        auto = "auto" in flags
+        overlap = "overlap" in flags or defer or auto
         if overlap:
             os.environ["HP_LINK"] = "500,0.5"
         if fsdp and mesh is None:
@@ -259,8 +262,9 @@ def main():
                                    {"overlapped_forward_backward": classmethod(dualpipe_hook)})
         pipe = hp.pipeline.Pipeline(chunks, sched, loss_fn=loss_fn, group=groups[0],
                                     dp_group=groups[1], timeout=60, fb_overlap=overlap,
-                                    defer_wgrad=defer,
+                                    defer_wgrad="auto" if auto else defer,
                                     **extra)
+        pipe.defer_wgrad_gain = -1.0  # "+auto": always on from step 3
         os.environ.pop("HP_LINK", None)
         opt = torch.optim.SGD([q for c in chunks.values() for q in c.parameters()], lr=LR)
         losses, aux, dropped, hidden, deferred = [], [], 0, 0.0, 0
@@ -285,7 +289,7 @@ def main():
                 full[k] = (q.full_tensor() if hasattr(q, "full_tensor") else q).detach().clone()
         results[f"{kind}:{name}"] = {
             "losses": losses, "aux": aux, "params": full, "pair_hidden": hidden,
-            "deferred": deferred, "grouped_calls": grouped_calls[0], "hook_calls": hook_calls[0],
+            "deferred": deferred, "choice": pipe.deferred_w_choice, "grouped_calls": grouped_calls[0], "hook_calls": hook_calls[0],
             "experts": sorted(k for mod in chunks.values() for k, q in mod.named_model_parameters()
                               if hp.moe.is_expert_parameter(q)),
         }

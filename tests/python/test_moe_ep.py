@@ -24,7 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # group) and none to the other three; "+fsdp2": pp 2 x ep 2 x FSDP2 (each
 # layer's attention fully_shard'ed over the EP dimension, shapes declared);
 # "+overlap": fb_overlap=True under HP_LINK (docs/overlap.md), "+defer" with
-# defer_wgrad=True too ("+fsdp2+overlap": FSDP2 inside overlapped pairs); "+hook":
+# defer_wgrad=True too, "+auto" with "auto" choosing them ("+fsdp2+overlap": FSDP2 inside overlapped pairs); "+hook":
 # DualPipe's overlapped_forward_backward on the chunks' class; "-dp4": pp 1
 # x dp 4, each expert held in both EP groups (expert_dp_group); "+grouped":
 # float32 with transformers' grouped_mm experts on each rank's slice against
@@ -32,8 +32,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 CASES = ["mixtral:1f1b", "mixtral:zb-h1", "mixtral:zbv", "mixtral:dualpipev",
          "qwen3_moe:zb-h1", "qwen3_moe:dualpipev", "qwen2_moe:zbv", "deepseek_v3:zb-h1",
          "deepseek_v3:zbv", "mixtral-one-expert:1f1b", "mixtral+fsdp2:zb-h1",
-         "mixtral+overlap:dualpipev", "mixtral+defer:dualpipev", "mixtral-dp4:1f1b",
-         "mixtral+fsdp2+overlap:dualpipev", "mixtral+grouped:zb-h1", "mixtral+hook:dualpipev"]
+         "mixtral+overlap:dualpipev", "mixtral+defer:dualpipev", "mixtral+auto:dualpipev",
+         "mixtral-dp4:1f1b", "mixtral+fsdp2+overlap:dualpipev", "mixtral+grouped:zb-h1",
+         "mixtral+hook:dualpipev"]
 
 
 def test_pp2_ep2_equals_one_process(tmp_path):
@@ -46,7 +47,8 @@ def test_pp2_ep2_equals_one_process(tmp_path):
         kind, name = case.split(":")
         kind, flags, dp4 = w.variant(kind)
         defer = "defer" in flags
-        overlap = "overlap" in flags or defer
+        auto = "auto" in flags
+        overlap = "overlap" in flags or defer or auto
         # dp 4: four copies of m microbatches, the global batch of 2m per EP copy.
         m = w.microbatches(name)
         grouped = "grouped" in flags
@@ -74,8 +76,17 @@ def test_pp2_ep2_equals_one_process(tmp_path):
                 assert got["pair_hidden"] == 0, case
             # "+hook": every pair through the chunks' overlapped_forward_backward.
             assert (got["hook_calls"] > 0) == ("hook" in flags), (case, r, got["hook_calls"])
-            # defer_wgrad: the pairs' weight gradients were queued (and ran).
-            assert (got["deferred"] > 0) == defer, (case, r, got["deferred"])
+            # defer_wgrad: the pairs' weight gradients were queued (and ran);
+            # "auto" with a gain of -1: from the third step, every rank of both
+            # copies taking copy 0's choice (NOTE [The deferred W's chosen in
+            # the run] in hp/pipeline/pipeline.cpp).
+            assert (got["deferred"] > 0) == (defer or auto), (case, r, got["deferred"])
+            if auto:
+                c = got["choice"]
+                assert c["defer"] and c["after_step"] == 2 and c["step_with"] > 0, (case, r, c)
+                assert c == results[0][case]["choice"], (case, r, c)
+            else:
+                assert got["choice"] is None, (case, r, got["choice"])
             for n, q in got["params"].items():
                 want = ref_params[n]
                 if n in got["experts"]:

@@ -262,3 +262,64 @@ def test_pairs_led_by_their_backward_train_exactly(one_rank_group):
     params = [q for c in model.values() for q in c.parameters()]
     assert_matches_reference(train(pipe, params), params)
     assert pipe.last_stats["pairs"] == len(pairs)
+
+
+def deferred(pipe):
+    return pipe.last_stats["deferred_w_in_waits"] + pipe.last_stats["deferred_w_at_end"]
+
+
+@pytest.mark.parametrize("gain", [-1.0, 1.0, None])
+def test_defer_wgrad_auto_chooses_after_the_second_step(one_rank_group, gain):
+    """defer_wgrad="auto" (the default; NOTE [The deferred W's chosen in the
+    run] in hp/pipeline/pipeline.cpp): after step 2 the simulator, under
+    that step's fitted costs, compares the pairs with and without deferred
+    W's. A gain of -1 always takes them, 1 never, the default 3 % as the
+    predictions say; steps 3 and 4 run as chosen, and training stays exact."""
+    pipe, params = pipeline(one_rank_group, fb_overlap=True)
+    assert pipe.defer_wgrad_gain == pytest.approx(0.03)
+    if gain is not None:
+        pipe.defer_wgrad_gain = gain
+    opt = torch.optim.SGD(params, lr=0.1)
+    x, y = batch()
+    losses, counts = [], []
+    for step in range(4):
+        opt.zero_grad()
+        losses.append(pipe.step(x, y))
+        opt.step()
+        counts.append(deferred(pipe))
+        assert (pipe.deferred_w_choice is None) == (step == 0), step
+    assert_matches_reference(losses, params)
+    c = pipe.deferred_w_choice
+    assert c["after_step"] == 2 and c["step_with"] > 0 and c["step_without"] > 0, c
+    # The queued W's hold their microbatches' activations: a peak at least as high.
+    assert c["peak_with"] >= c["peak_without"] > 0, c
+    want = {-1.0: True, 1.0: False}.get(gain, c["step_with"] <= 0.97 * c["step_without"])
+    assert c["defer"] == want, c
+    assert counts[:2] == [0, 0] and all((n > 0) == want for n in counts[2:]), counts
+
+
+def test_deferred_ws_are_chosen_only_where_they_can_run(one_rank_group):
+    # defer_wgrad=False, or no overlapped pairs: no choice is made. Asked
+    # for one, the first chooses (and applies it), the second simulates
+    # nothing.
+    for kw in ({"fb_overlap": True, "defer_wgrad": False}, {}):
+        pipe, params = pipeline(one_rank_group, **kw)
+        with pytest.raises(RuntimeError, match="fits its costs to the last step: run one first"):
+            pipe.choose_deferred_w()
+        losses = train(pipe, params)
+        assert pipe.deferred_w_choice is None and deferred(pipe) == 0, kw
+        c = pipe.choose_deferred_w(-1.0)
+        assert c["defer"] == ("fb_overlap" in kw) and (c["step_with"] > 0) == c["defer"], c
+        losses += train(pipe, params, steps=1)
+        assert (deferred(pipe) > 0) == c["defer"], kw
+        assert_matches_reference(losses, params)
+    pipe, params = pipeline(one_rank_group, fb_overlap=True, defer_wgrad=True)
+    train(pipe, params, steps=1)
+    assert deferred(pipe) > 0 and pipe.choose_deferred_w()["step_with"] == 0
+    for bad in (1.5, -2):
+        with pytest.raises(ValueError, match="a share from -1 to 1, got"):
+            pipe.choose_deferred_w(bad)
+    for bad in (True, "0.1"):
+        with pytest.raises(TypeError, match="gain must be a number"):
+            pipe.choose_deferred_w(bad)
+    train(pipe, params, steps=1)  # still usable

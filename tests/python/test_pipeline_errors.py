@@ -66,8 +66,10 @@ def test_pipeline_arguments(one_rank_group):
         hp.pipeline.Pipeline({0: lin()}, s1, p2p=None, **good)
     with pytest.raises(TypeError, match="fb_overlap must be a bool, got int"):
         hp.pipeline.Pipeline({0: lin()}, s1, fb_overlap=1, **good)
-    with pytest.raises(TypeError, match="defer_wgrad must be a bool, got str"):
+    with pytest.raises(TypeError, match="defer_wgrad must be True, False or 'auto', got 'yes'"):
         hp.pipeline.Pipeline({0: lin()}, s1, fb_overlap=True, defer_wgrad="yes", **good)
+    with pytest.raises(TypeError, match="defer_wgrad must be True, False or 'auto', got 1"):
+        hp.pipeline.Pipeline({0: lin()}, s1, fb_overlap=True, defer_wgrad=1, **good)
     with pytest.raises(ValueError, match="it needs fb_overlap=True"):
         hp.pipeline.Pipeline({0: lin()}, s1, defer_wgrad=True, **good)
     os.environ["HP_LINK"] = "20"  # a modelled link (docs/overlap.md), misspelled

@@ -118,7 +118,7 @@ void finish_config(TrainArgs& a) {
   if (c.ep > 1 && a.app->count("--dp") == 0) c.dp = c.ep;
   if (!c.schedule_file.empty()) c.schedule = "file:" + c.schedule_file;  // its name in reports
   c.seed = parse_seed(a.seed);
-  // NOTE [The deferred W's chosen in the run] in hp/train/trainer.cpp
+  // NOTE [The deferred W's chosen in the run] in hp/pipeline/pipeline.cpp
   if (a.defer_wgrad != "on" && a.defer_wgrad != "off" && a.defer_wgrad != "auto")
     throw std::invalid_argument("--defer-wgrad '" + a.defer_wgrad +
                                 "' is not one of: on (the flag alone), off, auto");

@@ -1,5 +1,5 @@
 """What a Pipeline checks before it runs, and how its ranks agree on it:
-the collectives of the Python side with the Pipeline's timeout (_wait,
+its arguments one by one (_check_arguments), the collectives of the Python side with the Pipeline's timeout (_wait,
 _allreduce_max, _all_gather_bytes), the agreement on a rank's refusal
 (_agree, NOTE [Ranks agree on their compositions]), and the compositions
 checked: placement, expert parallelism, torch.compile'd stages and
@@ -8,12 +8,16 @@ torch.utils.checkpoint under a split schedule."""
 from __future__ import annotations
 
 import datetime
+import math
 import pickle
 import warnings
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+
+from .chunk_pairs import pair_hook
+from .helpers import PipelineSchedule
 
 
 def _group_ranks(group) -> Tuple[int, ...]:
@@ -415,3 +419,77 @@ def _compiled_step_context(chunks, split):
     # The whole step, forwards and backwards: AOTAutograd compiles a
     # region's backward lazily, at its first run.
     return _without_donated_buffers if split and compiled else None
+
+
+def _check_arguments(chunks, schedule, loss_fn, receive_lookahead, p2p, overlap, timeout,
+                     dtype, group, dp_group, expert_dp_group) -> dist.ProcessGroup:
+    """Pipeline's arguments checked, one by one in this order (a TypeError or
+    ValueError naming the first wrong one); the pipeline's group (the
+    world's when None)."""
+    if not isinstance(schedule, PipelineSchedule):
+        raise TypeError(
+            "schedule must be a hyperparallel Schedule "
+            f"(hyperparallel.pipeline.schedule(...)), got {type(schedule).__name__}"
+        )
+    if not isinstance(chunks, Mapping) or not chunks:
+        raise TypeError("chunks must be a non-empty dict {chunk index: module or callable}")
+    if not callable(loss_fn):
+        raise TypeError("loss_fn must be callable: loss_fn(output, target) -> tensor")
+    if (
+        not isinstance(receive_lookahead, int)
+        or isinstance(receive_lookahead, bool)
+        or receive_lookahead < 0
+    ):
+        raise ValueError(
+            f"receive_lookahead must be an int >= 0, got {receive_lookahead!r}"
+        )
+    if not isinstance(p2p, str):
+        raise TypeError(
+            f"p2p must be a str ('auto', 'group' or 'shm'), got {type(p2p).__name__}"
+        )
+    if p2p not in ("auto", "group", "shm"):
+        raise ValueError(f"p2p must be 'auto', 'group' or 'shm', got {p2p!r}")
+    fb_overlap, defer_wgrad = overlap
+    if not isinstance(fb_overlap, bool):
+        raise TypeError(f"fb_overlap must be a bool, got {type(fb_overlap).__name__}")
+    if not isinstance(defer_wgrad, bool) and defer_wgrad != "auto":
+        raise TypeError(f"defer_wgrad must be True, False or 'auto', got {defer_wgrad!r}")
+    if defer_wgrad is True and not fb_overlap:
+        raise ValueError("defer_wgrad=True queues the weight gradients of overlapped pairs: "
+                         "it needs fb_overlap=True")
+    if isinstance(chunks, Mapping):
+        hooked = sorted(c for c in chunks if pair_hook(chunks[c]) is not None)
+        if hooked and len(hooked) != len(chunks):
+            raise ValueError(
+                f"chunks {hooked} define overlapped_forward_backward and chunks "
+                f"{sorted(set(chunks) - set(hooked))} do not: a pair may join any two chunks, "
+                "so all of this rank's chunks define it or none")
+        if hooked and fb_overlap:
+            raise ValueError(
+                "fb_overlap=True runs the FB pairs with the built-in overlapped runner, and the "
+                "chunks define overlapped_forward_backward, which runs them itself: pick one "
+                "(NOTE [A chunk's own pair] in hyperparallel/pipeline/chunk_pairs.py)")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout must be a number of seconds, got {type(timeout).__name__}")
+    if not math.isfinite(timeout) or not 0 < timeout <= 7 * 24 * 3600:
+        raise ValueError(f"timeout must be a finite number of seconds in (0, 604800], got {timeout!r}")
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(
+            f"dtype must be a torch.dtype (e.g. torch.float32), got {dtype!r}"
+        )
+    if group is None:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialized: call "
+                "torch.distributed.init_process_group first (torchrun sets its variables)"
+            )
+        group = dist.group.WORLD
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            "group must be a torch.distributed.ProcessGroup (e.g. "
+            f"torch.distributed.group.WORLD after init_process_group), got {type(group)}"
+        )
+    for name, g in (("dp_group", dp_group), ("expert_dp_group", expert_dp_group)):
+        if g is not None and not isinstance(g, dist.ProcessGroup):
+            raise TypeError(f"{name} must be None or a torch.distributed.ProcessGroup, got {type(g)}")
+    return group

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import math
 import pickle
 import warnings
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
@@ -42,6 +41,7 @@ from ..losses import _AuxiliarySum, _LossOfMicrobatch
 from .checks import (
     _CheckpointCounter,
     _agree,
+    _check_arguments,
     _all_gather_bytes,
     _allreduce_max,
     _compiled_step_context,
@@ -70,79 +70,6 @@ OVERLAP_F_B = "OVERLAP_F_B"
 
 
 Shape = Union[Sequence[int], Callable[[int, int], Sequence[int]]]
-
-
-def _check_arguments(chunks, schedule, loss_fn, receive_lookahead, p2p, overlap, timeout,
-                     dtype, group, dp_group, expert_dp_group) -> dist.ProcessGroup:
-    """Pipeline's arguments checked, one by one in this order (a TypeError or
-    ValueError naming the first wrong one); the pipeline's group (the
-    world's when None)."""
-    if not isinstance(schedule, PipelineSchedule):
-        raise TypeError(
-            "schedule must be a hyperparallel Schedule "
-            f"(hyperparallel.pipeline.schedule(...)), got {type(schedule).__name__}"
-        )
-    if not isinstance(chunks, Mapping) or not chunks:
-        raise TypeError("chunks must be a non-empty dict {chunk index: module or callable}")
-    if not callable(loss_fn):
-        raise TypeError("loss_fn must be callable: loss_fn(output, target) -> tensor")
-    if (
-        not isinstance(receive_lookahead, int)
-        or isinstance(receive_lookahead, bool)
-        or receive_lookahead < 0
-    ):
-        raise ValueError(
-            f"receive_lookahead must be an int >= 0, got {receive_lookahead!r}"
-        )
-    if not isinstance(p2p, str):
-        raise TypeError(
-            f"p2p must be a str ('auto', 'group' or 'shm'), got {type(p2p).__name__}"
-        )
-    if p2p not in ("auto", "group", "shm"):
-        raise ValueError(f"p2p must be 'auto', 'group' or 'shm', got {p2p!r}")
-    fb_overlap, defer_wgrad = overlap
-    for name, v in (("fb_overlap", fb_overlap), ("defer_wgrad", defer_wgrad)):
-        if not isinstance(v, bool):
-            raise TypeError(f"{name} must be a bool, got {type(v).__name__}")
-    if defer_wgrad and not fb_overlap:
-        raise ValueError("defer_wgrad=True queues the weight gradients of overlapped pairs: "
-                         "it needs fb_overlap=True")
-    if isinstance(chunks, Mapping):
-        hooked = sorted(c for c in chunks if pair_hook(chunks[c]) is not None)
-        if hooked and len(hooked) != len(chunks):
-            raise ValueError(
-                f"chunks {hooked} define overlapped_forward_backward and chunks "
-                f"{sorted(set(chunks) - set(hooked))} do not: a pair may join any two chunks, "
-                "so all of this rank's chunks define it or none")
-        if hooked and fb_overlap:
-            raise ValueError(
-                "fb_overlap=True runs the FB pairs with the built-in overlapped runner, and the "
-                "chunks define overlapped_forward_backward, which runs them itself: pick one "
-                "(NOTE [A chunk's own pair] in hyperparallel/pipeline/chunk_pairs.py)")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(f"timeout must be a number of seconds, got {type(timeout).__name__}")
-    if not math.isfinite(timeout) or not 0 < timeout <= 7 * 24 * 3600:
-        raise ValueError(f"timeout must be a finite number of seconds in (0, 604800], got {timeout!r}")
-    if dtype is not None and not isinstance(dtype, torch.dtype):
-        raise TypeError(
-            f"dtype must be a torch.dtype (e.g. torch.float32), got {dtype!r}"
-        )
-    if group is None:
-        if not dist.is_initialized():
-            raise RuntimeError(
-                "torch.distributed is not initialized: call "
-                "torch.distributed.init_process_group first (torchrun sets its variables)"
-            )
-        group = dist.group.WORLD
-    if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(
-            "group must be a torch.distributed.ProcessGroup (e.g. "
-            f"torch.distributed.group.WORLD after init_process_group), got {type(group)}"
-        )
-    for name, g in (("dp_group", dp_group), ("expert_dp_group", expert_dp_group)):
-        if g is not None and not isinstance(g, dist.ProcessGroup):
-            raise TypeError(f"{name} must be None or a torch.distributed.ProcessGroup, got {type(g)}")
-    return group
 
 
 def _forwards_and_parameters(chunks, parameters):
@@ -310,13 +237,17 @@ class Pipeline:
             The environment variable ``HP_LINK=LATENCY_US,GBPS`` gives this
             pipeline's transfers and the dispatchers made after it is set the
             cost of a network link, to see the overlap on one host.
-        defer_wgrad: with ``fb_overlap``, each pair's backward computes its
-            input gradient only and queues its weight gradient, which runs in
-            a later wait that nothing else fills, or at the step's end (NOTE
-            [Weight gradients in the waits] in hp/pipeline/overlap.cpp).
-            Exact; its weight gradients hold their activations longer.
-            ``last_stats`` counts them (``deferred_w_in_waits``,
-            ``deferred_w_at_end``).
+        defer_wgrad: with ``fb_overlap``, True: each pair's backward
+            computes its input gradient only and queues its weight gradient,
+            which runs in a later wait that nothing else fills, or at the
+            step's end (NOTE [Weight gradients in the waits] in
+            hp/pipeline/overlap.cpp). Exact; its weight gradients hold their
+            activations longer. ``last_stats`` counts them
+            (``deferred_w_in_waits``, ``deferred_w_at_end``). ``"auto"`` (the
+            default): after the second step, :meth:`choose_deferred_w` with
+            :attr:`defer_wgrad_gain` turns them on where the simulator,
+            under that step's measured costs, predicts a shorter step. False:
+            never.
     """
 
     def __init__(
@@ -337,7 +268,7 @@ class Pipeline:
         keep_freed_memory: Optional[bool] = None,
         p2p: str = "auto",
         fb_overlap: bool = False,
-        defer_wgrad: bool = False,
+        defer_wgrad: Union[bool, str] = "auto",
     ):
         group = _check_arguments(chunks, schedule, loss_fn, receive_lookahead, p2p,
                                  (fb_overlap, defer_wgrad),
@@ -420,6 +351,15 @@ class Pipeline:
                 stacklevel=2,
             )
         self.last_stats: Dict[str, object] = {}
+        # NOTE [The deferred W's chosen in the run] in hp/pipeline/pipeline.cpp.
+        self._choose_after = 2 if fb_overlap and defer_wgrad == "auto" else None
+        self._steps = 0
+        #: The share by which deferred W's must shorten the predicted step for
+        #: ``defer_wgrad="auto"`` to take them (hp train's 3 %); set it before
+        #: the second step, alike on every rank.
+        self.defer_wgrad_gain: float = _C.pipeline.DEFERRED_W_GAIN
+        #: What :meth:`choose_deferred_w` chose last (None before it ran).
+        self.deferred_w_choice: Optional[Dict[str, object]] = None
 
     def _make_runtime(self, schedule, group, forward, params, names, shape, dtype, device, timeout,
                       dp_groups, receive_lookahead, p2p, keep_freed_memory, dp_params, split,
@@ -430,7 +370,7 @@ class Pipeline:
         options.dtype, options.device, options.p2p = dtype, device, p2p
         options.receive_lookahead, options.cache_cpu_memory = receive_lookahead, keep_freed_memory
         options.recompute_sessions = split
-        options.fb_overlap, options.defer_wgrad = overlap
+        options.fb_overlap, options.defer_wgrad = overlap[0], overlap[1] is True
         store_of = dist.distributed_c10d._world.pg_map.get
         dp_group, expert_dp_group = dp_groups
         return _C.pipeline.Runtime(
@@ -676,4 +616,44 @@ class Pipeline:
         # NOTE [Auxiliary losses]: their mean over microbatches, every rank's.
         stats["aux_loss"] = stats.pop("extra")
         self.last_stats = stats
+        self._steps += 1
+        if self._steps == self._choose_after:
+            self.choose_deferred_w(self.defer_wgrad_gain)
         return stats["loss"]
+
+    def choose_deferred_w(self, gain: Optional[float] = None) -> Dict[str, object]:
+        """Whether the ``FB`` pairs' weight gradients defer from the next step
+        (``defer_wgrad``), decided from the last step: rank 0 of the group
+        fits the stage costs to every rank's events of that step and
+        simulates the schedule with and without deferred W's (NOTE [The
+        deferred W's chosen in the run] in hp/pipeline/pipeline.cpp). On
+        when the predicted step is ``gain`` (default
+        :attr:`defer_wgrad_gain`) shorter; a choice of "on" is applied and
+        stays. Collective: every rank of the group and of ``dp_group`` calls
+        it after the same step, and all take rank 0's answer (``dp_group``'s
+        rank 0's). ``defer_wgrad="auto"`` calls it after the second step.
+        Returns (and keeps as :attr:`deferred_w_choice`) ``defer``, the
+        predicted steps ``step_with`` and ``step_without`` in seconds and the
+        predicted peak activations ``peak_with`` and ``peak_without`` (in
+        microbatches' worth); nothing is simulated (``defer`` False,
+        ``step_with`` 0) without ``fb_overlap``, without ``FB`` pairs, or
+        where the W's defer already."""
+        if gain is None:
+            gain = self.defer_wgrad_gain
+        if isinstance(gain, bool) or not isinstance(gain, (int, float)):
+            raise TypeError(f"gain must be a number, got {type(gain).__name__}")
+        if self._broken is not None:
+            raise RuntimeError(
+                f"a previous step failed on this rank ({self._broken}): make a new Pipeline")
+        if self._steps == 0:
+            raise RuntimeError("choose_deferred_w fits its costs to the last step: run one first")
+        try:
+            choice = self._runtime.choose_deferred_w(float(gain))
+        except ValueError:  # the gain, refused before any communication
+            raise
+        except Exception as e:  # a collective failed: the peers' state is unknown
+            self._broken = f"choose_deferred_w failed: {e}"
+            raise
+        choice["after_step"] = self._steps
+        self.deferred_w_choice = choice
+        return choice
