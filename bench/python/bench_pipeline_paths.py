@@ -41,13 +41,17 @@ class _WithRows:
         return self.chunk(x)
 
 
-def rank_main(rank: int, world: int, store_path: str, args, out: str) -> None:
+def gpt_rank(rank: int, world: int, store_path: str, schedule: str):
+    """One rank of the benchmarks' GPT (4 layers, d_model 64, 8 microbatches
+    of 4 rows): one intra-op thread, pinned where the machine allows, the
+    default group over a FileStore. Returns (config, m, rows, sched,
+    chunks, data)."""
     sys.path.insert(0, os.path.join(ROOT, "python"))
     import torch
     import torch.distributed as dist
 
     import hyperparallel as hp
-    from hyperparallel import _C, models
+    from hyperparallel import models
 
     torch.set_num_threads(1)
     if hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) >= world:
@@ -56,9 +60,19 @@ def rank_main(rank: int, world: int, store_path: str, args, out: str) -> None:
                             world_size=world)
     config = models.GPTConfig(layers=4, d_model=64, heads=4, seq_len=32)
     m, rows = 8, 4
-    sched = hp.pipeline.schedule(args.schedule, ranks=world, microbatches=m)
+    sched = hp.pipeline.schedule(schedule, ranks=world, microbatches=m)
     chunks = models.gpt_chunks(config, sched.chunks_of_rank(rank), sched.num_chunks, seed=0)
-    data = models.RandomTokens(config, rows, seed=0)
+    return config, m, rows, sched, chunks, models.RandomTokens(config, rows, seed=0)
+
+
+def rank_main(rank: int, world: int, store_path: str, args, out: str) -> None:
+    config, m, rows, sched, chunks, data = gpt_rank(rank, world, store_path, args.schedule)
+    import torch
+    import torch.distributed as dist
+
+    import hyperparallel as hp
+    from hyperparallel import _C, models
+
     shape = config.activation_shape(rows)
 
     def bare():

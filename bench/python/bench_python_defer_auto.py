@@ -28,30 +28,18 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_overlap import parse_links  # noqa: E402
-from bench_pipeline_paths import two_ranks  # noqa: E402
+from bench_pipeline_paths import gpt_rank, two_ranks  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODES = {"off": False, "on": True, "auto": "auto"}
 
 
 def rank_main(rank: int, world: int, store_path: str, args, out: str) -> None:
-    sys.path.insert(0, os.path.join(ROOT, "python"))
-    import torch
+    config, m, rows, sched, chunks, data = gpt_rank(rank, world, store_path, "dualpipev")
     import torch.distributed as dist
 
     import hyperparallel as hp
     from hyperparallel import models
 
-    torch.set_num_threads(1)
-    if hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) >= world:
-        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[rank]})
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank,
-                            world_size=world)
-    config = models.GPTConfig(layers=4, d_model=64, heads=4, seq_len=32)
-    m, rows = 8, 4
-    sched = hp.pipeline.schedule("dualpipev", ranks=world, microbatches=m)
-    chunks = models.gpt_chunks(config, sched.chunks_of_rank(rank), sched.num_chunks, seed=0)
-    data = models.RandomTokens(config, rows, seed=0)
     params = {c: list(mod.parameters()) for c, mod in chunks.items()}
     results = {}
     for link in parse_links(args.links):
