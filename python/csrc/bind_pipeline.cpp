@@ -565,7 +565,6 @@ void bind_pipeline(py::module_& m) {
       py::arg("transfer_bytes") = int64_t(256) << 20, py::call_guard<py::gil_scoped_release>(),
       "(compute ms, transfer ms, pair ms): a stand-in transfer on a communication stream and "
       "matrix products as an overlapped pair on a device (NOTE [An overlapped pair on a device]).");
-  sub.attr("DEFERRED_W_GAIN") = schedule::kDeferredWGain;
   py::class_<Runtime>(sub, "Runtime")
       .def(py::init<const schedule::Schedule&, const py::object&, const std::map<int, py::object>&,
                     const std::map<int, std::vector<torch::Tensor>>&, py::object, py::object,

@@ -884,6 +884,25 @@ void bind_schedule(py::module_& m) {
       "Runs the schedule (validated first) under the cost model: timings, bubble rate, idle "
       "fraction, peak memory, communication volume and the timeline. fb_overlap runs each FB "
       "pair as hp train --fb-overlap does (defer_wgrad, pair_turns, w_parts as its flags).");
+  sub.attr("DEFERRED_W_GAIN") = hs::kDeferredWGain;
+  sub.def(
+      "choose_deferred_w",
+      [](hs::Schedule s, hs::CostModel costs, const std::string& pair_turns, bool cpu,
+         bool recompute, double gain) {
+        if (!(gain >= -1.0 && gain <= 1.0))
+          throw py::value_error("gain: a share from -1 to 1, got " + std::to_string(gain));
+        hs::pair_turns_ready(pair_turns, false);  // the spelling, checked
+        GilRelease nogil;
+        hs::validate(s);
+        const hs::DeferredWChoice c =
+            hs::choose_deferred_w(s, costs, pair_turns, cpu, recompute, gain);
+        return std::make_tuple(c.defer, c.step_without, c.step_with, c.peak_without, c.peak_with);
+      },
+      py::arg("schedule"), py::arg("costs") = hs::CostModel{}, py::kw_only(),
+      py::arg("pair_turns") = "auto", py::arg("cpu") = true, py::arg("recompute") = false,
+      py::arg("gain") = hs::kDeferredWGain,
+      "(defer, step_without, step_with, peak_without, peak_with): the overlapped pairs "
+      "simulated without and with deferred W's, as hp train's --defer-wgrad auto decides.");
   sub.def(
       "timeline_stats",
       [](hs::Timeline t) {

@@ -69,6 +69,8 @@ __all__ = [
     "validate",
     "lower",
     "simulate",
+    "DeferredWChoice",
+    "choose_deferred_w",
     "comm_volume",
     "timeline_stats",
     "closed_form",
@@ -227,6 +229,39 @@ def simulate(
     return _C.simulate(schedule, costs if costs is not None else CostModel(),
                        record_timeline=record_timeline, fb_overlap=fb_overlap,
                        defer_wgrad=defer_wgrad, pair_turns=pair_turns, w_parts=w_parts)
+
+
+class DeferredWChoice(NamedTuple):
+    """What :func:`choose_deferred_w` predicts: the steps (makespans) and
+    peak memory without and with deferred W's, and whether they are taken."""
+
+    defer: bool
+    step_without: float
+    step_with: float
+    peak_without: float
+    peak_with: float
+
+
+def choose_deferred_w(
+    schedule: Schedule,
+    costs: CostModel | None = None,
+    *,
+    pair_turns: str = "auto",
+    cpu: bool = True,
+    recompute: bool = False,
+    gain: float = _C.DEFERRED_W_GAIN,
+) -> DeferredWChoice:
+    """The choice ``hp train --fb-overlap`` and ``Pipeline(fb_overlap=True)``
+    make after their second step, under any costs: the schedule's
+    overlapped pairs simulated without deferred W's and with them, each with
+    the turns ``pair_turns`` takes for it (on CPU ranks; on a device the
+    turns are fixed); ``defer`` where the step with them is ``gain`` (3 %)
+    shorter (NOTE [Deferred W's where they lower the step] in
+    hp/schedule/simulate.cpp). Ready turns with ``recompute`` take no
+    deferred W's: ``step_with`` is 0 then."""
+    return DeferredWChoice(*_C.choose_deferred_w(
+        schedule, costs if costs is not None else CostModel(), pair_turns=pair_turns, cpu=cpu,
+        recompute=recompute, gain=gain))
 
 
 Drawable = Union[Timeline, SimResult, Schedule]

@@ -638,3 +638,36 @@ def test_recommend_ranks_every_schedule_under_a_memory_limit():
     assert all(isinstance(name, str) and why for name, why in skipped)
     with pytest.raises(ValueError, match="mem_limit must be a finite number"):
         hs.recommend(4, 16, costs, mem_limit=float("nan"))
+
+
+def test_choose_deferred_w_is_the_two_simulations():
+    # NOTE [Deferred W's where they lower the step]: the pairs without
+    # deferred W's (ready turns under "auto" on the CPU) and with them
+    # (fixed), the same numbers simulate() gives; chosen where the step
+    # with them is the gain shorter.
+    sched = hs.Schedule(2, 3, ["0F0 0F1 0F2 0B0 0B1 0B2", "1F0 1F1+1B0 1F2+1B1 1B2"])
+    costs = hs.CostModel(f=1, b=2, w=1)
+    costs.stage_inner = [hs.InnerComm(), hs.InnerComm(f_waits=1, f=2, i_waits=1, i=2)]
+    without = hs.simulate(sched, costs, fb_overlap=True)
+    with_ = hs.simulate(sched, costs, fb_overlap=True, defer_wgrad=True)
+    c = hs.choose_deferred_w(sched, costs)
+    assert (c.step_without, c.step_with) == (pytest.approx(without.makespan),
+                                             pytest.approx(with_.makespan))
+    assert (c.peak_without, c.peak_with) == (pytest.approx(without.max_peak_memory),
+                                             pytest.approx(with_.max_peak_memory))
+    assert c.defer == (c.step_with <= 0.97 * c.step_without)
+    # The C++ Simulate.DeferredWsAreChosenWhereTheyShortenTheStep's case: 23 against 21.5.
+    assert (c.step_without, c.step_with, c.defer) == (pytest.approx(23), pytest.approx(21.5), True)
+    assert hs.choose_deferred_w(sched, costs, gain=-1).defer
+    assert not hs.choose_deferred_w(sched, costs, gain=1).defer
+    # On a device the turns are fixed both ways.
+    fixed = hs.simulate(sched, costs, fb_overlap=True, pair_turns="fixed")
+    assert hs.choose_deferred_w(sched, costs, cpu=False).step_without == pytest.approx(
+        fixed.makespan)
+    # Ready turns with recompute take no deferred W's: nothing simulated.
+    refused = hs.choose_deferred_w(sched, costs, pair_turns="ready", recompute=True)
+    assert not refused.defer and refused.step_with == 0
+    with pytest.raises(ValueError, match="a share from -1 to 1"):
+        hs.choose_deferred_w(sched, costs, gain=1.5)
+    with pytest.raises(ValueError, match="'auto', 'ready' or 'fixed'"):
+        hs.choose_deferred_w(sched, costs, pair_turns="soon")

@@ -357,7 +357,7 @@ class Pipeline:
         #: The share by which deferred W's must shorten the predicted step for
         #: ``defer_wgrad="auto"`` to take them (hp train's 3 %); set it before
         #: the second step, alike on every rank.
-        self.defer_wgrad_gain: float = _C.pipeline.DEFERRED_W_GAIN
+        self.defer_wgrad_gain: float = _C.schedule.DEFERRED_W_GAIN
         #: What :meth:`choose_deferred_w` chose last (None before it ran).
         self.deferred_w_choice: Optional[Dict[str, object]] = None
 
