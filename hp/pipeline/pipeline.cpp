@@ -528,9 +528,7 @@ void Pipeline::set_deferred_w(bool defer_wgrad, bool pair_first_ready) {
 // every `dp` group.
 schedule::DeferredWChoice Pipeline::choose_deferred_w(const StepStats& last,
                                                       const DeferredWAuto& how) {
-  if (how.gain < -1.0 || how.gain > 1.0)
-    invalid("the gain deferred W's must bring is a share from -1 to 1, got " +
-            std::to_string(how.gain));
+  schedule::check_deferred_w_gain(how.gain);  // on every rank, before any communication
   if (!sched_.has_pairs() || !options_.fb_overlap || options_.defer_wgrad) return {};
   const bool cpu = options_.device.is_cpu();
   const torch::TensorOptions on =

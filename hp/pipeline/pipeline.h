@@ -186,7 +186,9 @@ class Pipeline {
   /// stats of the step just run) by simulating the schedule with and without
   /// them under the costs fitted to it, and applied (set_deferred_w).
   /// Collective over the group and PipelineOptions::dp: every rank of every
-  /// copy calls it after the same step and gets copy 0's answer. Without FB
+  /// copy calls it after the same step and gets the answer of `dp`'s rank 0
+  /// (copy 0 in hp train's mesh). Throws std::invalid_argument for a gain
+  /// outside -1..1, before any communication. Without FB
   /// pairs or fb_overlap, or with defer_wgrad already on, nothing is
   /// simulated and the answer is "off" (step_with 0).
   schedule::DeferredWChoice choose_deferred_w(const StepStats& last, const DeferredWAuto& how = {});

@@ -1,7 +1,7 @@
 // A step's measured events from every rank of a pipeline's group, as one
 // timeline on its rank 0: what the report fits its costs to and what the
-// run's choice of deferred W's simulates (NOTE [Deferred W's chosen in a
-// run] in pipeline.cpp).
+// run's choice of deferred W's simulates (NOTE [The deferred W's chosen in
+// the run] in pipeline.cpp).
 #pragma once
 
 #include <string>

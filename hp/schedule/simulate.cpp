@@ -336,6 +336,14 @@ bool pair_turns_ready(const std::string& pair_turns, bool defer_wgrad) {
   return pair_turns == "ready" || (pair_turns == "auto" && !defer_wgrad);
 }
 
+void check_deferred_w_gain(double gain) {
+  if (!(gain >= -1.0 && gain <= 1.0))
+    throw std::invalid_argument(
+        "the gain deferred W's must bring is a share of the step from -1 "
+        "to 1, got " +
+        std::to_string(gain));
+}
+
 // NOTE [Deferred W's where they lower the step]
 // A deferred W fills a wait only if there is one it fits in: with a slow
 // link and a B much longer than its W's share of a wait it shortens the
@@ -354,10 +362,12 @@ bool pair_turns_ready(const std::string& pair_turns, bool defer_wgrad) {
 DeferredWChoice choose_deferred_w(const Schedule& s, const CostModel& costs,
                                   const std::string& pair_turns, bool cpu, bool recompute,
                                   double gain) {
+  check_deferred_w_gain(gain);
+  const bool ready_without = pair_turns_ready(pair_turns, false);  // the spelling, on any device
   SimOptions without;
   without.record_timeline = false;
   without.overlap_pairs = true;
-  without.pair_first_ready = cpu && pair_turns_ready(pair_turns, false);
+  without.pair_first_ready = cpu && ready_without;
   const SimResult a = simulate(s, costs, without);
   DeferredWChoice c;
   c.step_without = a.makespan;

@@ -173,9 +173,14 @@ constexpr double kDeferredWGain = 0.03;
 /// the turns refuse deferred W's (`ready` with `recompute`) only the first
 /// is simulated and `defer` is false. `gain`: the share by which the step
 /// must shorten (1: never chosen; below 0: chosen up to that share longer).
+/// std::invalid_argument for a gain outside -1..1 or turns not spelt
+/// "auto", "ready" or "fixed".
 DeferredWChoice choose_deferred_w(const Schedule& s, const CostModel& costs,
                                   const std::string& pair_turns, bool cpu, bool recompute,
                                   double gain = kDeferredWGain);
+
+/// std::invalid_argument unless -1 <= gain <= 1 (choose_deferred_w's gain).
+void check_deferred_w_gain(double gain);
 
 /// What simulate() reports.
 ///

@@ -82,7 +82,7 @@ struct TrainConfig {
   /// With fb_overlap and not defer_wgrad: the run turns defer_wgrad on after
   /// its second step where the simulator predicts a shorter step with it
   /// (`--defer-wgrad auto`, the default; NOTE [The deferred W's chosen in
-  /// the run] in trainer.cpp). False: `--defer-wgrad off`.
+  /// the run] in hp/pipeline/pipeline.cpp). False: `--defer-wgrad off`.
   bool defer_wgrad_auto = true;
   /// With defer_wgrad_auto: the share by which deferred W's must shorten the
   /// predicted step to be chosen (1: never; below 0: up to that share longer).

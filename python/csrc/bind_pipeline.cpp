@@ -429,9 +429,6 @@ class Runtime {
     schedule::DeferredWChoice c;
     {
       py::gil_scoped_release release;
-      if (last_.events.empty() && last_.executed.empty())
-        throw std::runtime_error(
-            "choose_deferred_w fits its costs to the last step: run one first");
       pipeline::DeferredWAuto how;
       how.gain = gain;
       c = pipe_->choose_deferred_w(last_, how);

@@ -889,9 +889,6 @@ void bind_schedule(py::module_& m) {
       "choose_deferred_w",
       [](hs::Schedule s, hs::CostModel costs, const std::string& pair_turns, bool cpu,
          bool recompute, double gain) {
-        if (!(gain >= -1.0 && gain <= 1.0))
-          throw py::value_error("gain: a share from -1 to 1, got " + std::to_string(gain));
-        hs::pair_turns_ready(pair_turns, false);  // the spelling, checked
         GilRelease nogil;
         hs::validate(s);
         const hs::DeferredWChoice c =

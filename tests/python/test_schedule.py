@@ -667,7 +667,7 @@ def test_choose_deferred_w_is_the_two_simulations():
     # Ready turns with recompute take no deferred W's: nothing simulated.
     refused = hs.choose_deferred_w(sched, costs, pair_turns="ready", recompute=True)
     assert not refused.defer and refused.step_with == 0
-    with pytest.raises(ValueError, match="a share from -1 to 1"):
+    with pytest.raises(ValueError, match="from -1 to 1, got 1.5"):
         hs.choose_deferred_w(sched, costs, gain=1.5)
     with pytest.raises(ValueError, match="'auto', 'ready' or 'fixed'"):
         hs.choose_deferred_w(sched, costs, pair_turns="soon")

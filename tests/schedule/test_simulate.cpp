@@ -807,6 +807,9 @@ TEST(Simulate, DeferredWsAreChosenWhereTheyShortenTheStep) {
   EXPECT_EQ(refused.step_with, 0.0);
   EXPECT_FALSE(refused.defer);
   EXPECT_TRUE(hs::choose_deferred_w(s, c, "auto", true, true).defer);  // fixed with them
+  // A gain outside -1..1, or turns misspelt (on a device too, where they are fixed).
+  EXPECT_THROW(hs::choose_deferred_w(s, c, "auto", true, false, 1.5), std::invalid_argument);
+  EXPECT_THROW(hs::choose_deferred_w(s, c, "soon", false, false), std::invalid_argument);
   // What hp train asks before it chooses.
   EXPECT_TRUE(s.has_pairs());
   EXPECT_FALSE(hs::build("1f1b", 2, 4).has_pairs());
