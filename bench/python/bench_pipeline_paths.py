@@ -41,23 +41,29 @@ class _WithRows:
         return self.chunk(x)
 
 
-def gpt_rank(rank: int, world: int, store_path: str, schedule: str):
-    """One rank of the benchmarks' GPT (4 layers, d_model 64, 8 microbatches
-    of 4 rows): one intra-op thread, pinned where the machine allows, the
-    default group over a FileStore. Returns (config, m, rows, sched,
-    chunks, data)."""
+def join_ranks(rank: int, world: int, store_path: str) -> None:
+    """A benchmark rank's set-up: one intra-op thread, pinned where the
+    machine allows, the default group (Gloo) over a FileStore."""
     sys.path.insert(0, os.path.join(ROOT, "python"))
     import torch
     import torch.distributed as dist
-
-    import hyperparallel as hp
-    from hyperparallel import models
 
     torch.set_num_threads(1)
     if hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) >= world:
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[rank]})
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank,
                             world_size=world)
+
+
+def gpt_rank(rank: int, world: int, store_path: str, schedule: str):
+    """One rank of the benchmarks' GPT (4 layers, d_model 64, 8 microbatches
+    of 4 rows): one intra-op thread, pinned where the machine allows, the
+    default group over a FileStore. Returns (config, m, rows, sched,
+    chunks, data)."""
+    join_ranks(rank, world, store_path)
+    import hyperparallel as hp
+    from hyperparallel import models
+
     config = models.GPTConfig(layers=4, d_model=64, heads=4, seq_len=32)
     m, rows = 8, 4
     sched = hp.pipeline.schedule(schedule, ranks=world, microbatches=m)
