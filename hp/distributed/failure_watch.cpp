@@ -203,6 +203,8 @@ class FailureStoreComm : public Comm {
   FailureStoreComm(std::shared_ptr<Comm> inner, c10::intrusive_ptr<c10d::Store> store)
       : inner_(std::move(inner)),
         watch_(std::make_shared<Watch>(std::move(store), inner_->rank(), inner_->world_size())) {}
+  FailureStoreComm(std::shared_ptr<Comm> inner, std::shared_ptr<Watch> watch)
+      : inner_(std::move(inner)), watch_(std::move(watch)) {}
 
   int rank() const override { return inner_->rank(); }
   int world_size() const override { return inner_->world_size(); }
@@ -248,8 +250,13 @@ class FailureStoreComm : public Comm {
     watch_->publish(why);
     inner_->abandon(why);
   }
+  // A copy over the same ranks (a lane: NOTE [Lanes] in lanes.cpp) shares
+  // the watch, so a failure reaches waits on every copy; a subgroup numbers
+  // its ranks anew and has no store of its own.
   std::shared_ptr<Comm> split(const std::vector<int>& ranks) override {
-    return inner_->split(ranks);
+    auto part = inner_->split(ranks);
+    if (part->world_size() != world_size()) return part;
+    return std::make_shared<FailureStoreComm>(std::move(part), watch_);
   }
 
  private:

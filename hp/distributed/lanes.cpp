@@ -2,6 +2,10 @@
 // group, the one the calling thread's LaneScope names (NOTE [Lanes]).
 #include <c10/util/Exception.h>
 
+#include <stdexcept>
+#include <string>
+#include <utility>
+
 #include "hp/distributed/lanes.h"
 
 namespace hp::distributed {
@@ -102,6 +106,27 @@ LaneScope::~LaneScope() {
 }
 int current_lane() {
   return current_lane_index;
+}
+
+namespace {
+thread_local const std::string* exchange_refusal = nullptr;
+thread_local std::string last_refusal;  // take_exchange_refusal's
+}  // namespace
+
+NoExchangeScope::NoExchangeScope(std::string why)
+    : previous_(exchange_refusal), why_(std::move(why)) {
+  exchange_refusal = &why_;
+}
+NoExchangeScope::~NoExchangeScope() {
+  exchange_refusal = previous_;
+}
+void check_exchange_allowed(const char* what) {
+  if (exchange_refusal == nullptr) return;
+  last_refusal = std::string(what) + ": " + *exchange_refusal;
+  throw std::runtime_error(last_refusal);
+}
+std::string take_exchange_refusal() {
+  return std::exchange(last_refusal, std::string());
 }
 
 }  // namespace hp::distributed

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <memory>
+#include <string>
 
 #include "hp/distributed/comm.h"
 
@@ -40,5 +41,27 @@ class LaneScope {
 };
 /// The calling thread's lane.
 int current_lane();
+
+/// While alive, an exchange with peers that this thread starts through
+/// check_exchange_allowed throws `why` instead: a deferred W of pairs that
+/// take turns as messages arrive must exchange nothing (NOTE [Turns as
+/// messages arrive] in hp/pipeline/overlap.cpp). Nests.
+class NoExchangeScope {
+ public:
+  explicit NoExchangeScope(std::string why);
+  ~NoExchangeScope();
+  NoExchangeScope(const NoExchangeScope&) = delete;
+  NoExchangeScope& operator=(const NoExchangeScope&) = delete;
+
+ private:
+  const std::string* previous_;
+  std::string why_;
+};
+/// Throws std::runtime_error("`what`: <why>") inside a NoExchangeScope.
+void check_exchange_allowed(const char* what);
+/// The text this thread's last refusal threw, once (then empty): a caller
+/// whose error came back through code that kept only its own (a Python
+/// function in the autograd engine: "python_error") names the cause.
+std::string take_exchange_refusal();
 
 }  // namespace hp::distributed

@@ -576,10 +576,22 @@ std::shared_ptr<Comm> Comm::from_process_group(c10::intrusive_ptr<c10d::ProcessG
   TORCH_CHECK(group, "from_process_group: the process group is null");
   const int size = group->getSize();
   auto shared = std::make_shared<ProcessGroupComm::Shared>();
-  if (monitor_store && size > 1)
+  if (monitor_store && size > 1) {
     shared->monitor = std::make_shared<detail::PeerMonitor>(
         c10::make_intrusive<c10d::PrefixStore>("hp/monitor", monitor_store), group->getRank(), size,
         detail::monitor_address(options), options.timeout);
+    // NOTE [Splits of a borrowed group]
+    // c10d's own split of a group Python made (splitGroup) hung in Gloo's
+    // connect on one rank while its peer had finished it (NOTE [Overflow of
+    // a borrowed group] in shm_p2p.cpp; again for the lanes of an expert
+    // group, 1 run in 2). With a store the ranks share, the splits are
+    // ours: a Gloo group over a prefix of it, its connect agreed (NOTE [A
+    // Gloo group's connect, agreed] in gloo_group.cpp), as a root's are.
+    if (group->getBackendName() == "gloo") {
+      shared->store = c10::make_intrusive<c10d::PrefixStore>("hp/splits", monitor_store);
+      shared->endpoint.address = detail::monitor_address(options);
+    }
+  }
   return std::make_shared<ProcessGroupComm>(shared, std::move(group), iota(size), options);
 }
 

@@ -57,6 +57,7 @@ TokenDispatcher::TokenDispatcher(std::shared_ptr<distributed::Comm> group, int64
 Dispatched TokenDispatcher::dispatch(const torch::Tensor& x, const torch::Tensor& experts) const {
   const int64_t E = placement_.num_experts, L = placement_.local();
   const int ep = placement_.size;
+  if (ep > 1) distributed::check_exchange_allowed("an expert dispatch");
   TORCH_CHECK(x.dim() == 2, "dispatch: tokens must be [tokens, hidden], got ", x.sizes());
   TORCH_CHECK(
       experts.dim() == 2 && experts.size(0) == x.size(0) && experts.scalar_type() == torch::kLong,

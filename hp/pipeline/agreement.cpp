@@ -28,7 +28,7 @@ uint64_t mix(uint64_t h, int64_t v) {
 }
 
 std::vector<int64_t> fingerprint(const schedule::Schedule& s, torch::Dtype dtype,
-                                 bool layout_carried, bool ok) {
+                                 bool layout_carried, int64_t pairs, bool ok) {
   uint64_t h = 1469598103934665603ull;
   for (int v : s.stage_rank)
     h = mix(h, v);
@@ -48,18 +48,24 @@ std::vector<int64_t> fingerprint(const schedule::Schedule& s, torch::Dtype dtype
           s.num_chunks,
           static_cast<int64_t>(dtype),
           layout_carried ? 1 : 0,
+          pairs,
           static_cast<int64_t>(h & 0x7fffffffffffffffull)};
 }
 
 }  // namespace
 
+int64_t pairs_word(bool fb_overlap, bool defer_wgrad, bool pair_first_ready, int w_parts) {
+  return (fb_overlap ? 1 : 0) | (defer_wgrad ? 2 : 0) | (pair_first_ready ? 4 : 0) |
+         (static_cast<int64_t>(w_parts) << 8);
+}
+
 std::vector<std::vector<int64_t>> agree_on_the_pipeline(distributed::Comm& comm,
                                                         const schedule::Schedule& schedule,
                                                         torch::Dtype dtype, bool layout_carried,
-                                                        const torch::Device& device, int rank,
-                                                        bool ok,
+                                                        int64_t pairs, const torch::Device& device,
+                                                        int rank, bool ok,
                                                         const std::vector<int64_t>& extra) {
-  std::vector<int64_t> mine = fingerprint(schedule, dtype, layout_carried, ok);
+  std::vector<int64_t> mine = fingerprint(schedule, dtype, layout_carried, pairs, ok);
   const int64_t checked = static_cast<int64_t>(mine.size());
   mine.insert(mine.end(), extra.begin(), extra.end());
   const int n = comm.world_size();
@@ -68,9 +74,12 @@ std::vector<std::vector<int64_t>> agree_on_the_pipeline(distributed::Comm& comm,
   comm.all_gather(out, torch::tensor(mine, torch::kLong).to(device));
   out = out.cpu();
   const int64_t* all = out.data_ptr<int64_t>();
-  static const char* kField[] = {"",      "ranks",   "stages", "microbatches", "model chunks",
-                                 "dtype", "messages"};
+  static const char* kField[] = {"",      "ranks",    "stages", "microbatches", "model chunks",
+                                 "dtype", "messages", "pairs"};
   auto text = [](int64_t f, int64_t v) {
+    if (f == 7)  // pairs_word
+      return "fb_overlap " + std::to_string(v & 1) + ", defer_wgrad " + std::to_string(v >> 1 & 1) +
+             ", ready turns " + std::to_string(v >> 2 & 1) + ", W parts " + std::to_string(v >> 8);
     if (f == 6)  // NOTE [Messages that describe themselves] in frames.h
       return std::string(v ? "that carry their layout" : "of a declared layout");
     return f == 5 ? std::string(c10::toString(static_cast<torch::Dtype>(v))) : std::to_string(v);
@@ -85,6 +94,10 @@ std::vector<std::vector<int64_t>> agree_on_the_pipeline(distributed::Comm& comm,
       TORCH_CHECK(f != 6, "rank ", rank, ": rank ", q, "'s pipeline has messages ",
                   text(f, theirs[f]), " where this rank's are ", text(f, mine[f]),
                   ": declare the layout (activation_shape or layout) on every rank or on none");
+      TORCH_CHECK(f != 7, "rank ", rank, ": rank ", q, "'s pairs run with ", text(f, theirs[f]),
+                  " where this rank's run with ", text(f, mine[f]),
+                  ": the peers of a pair post alike, so every rank must be given the same "
+                  "fb_overlap, defer_wgrad, pair_turns and w_parts");
       if (f + 1 < checked)
         TORCH_CHECK(false, "rank ", rank, ": rank ", q, "'s pipeline has ", kField[f], " ",
                     text(f, theirs[f]), " where this rank's has ", text(f, mine[f]),

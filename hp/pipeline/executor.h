@@ -112,6 +112,7 @@ struct StepStats {
   double pair_hidden = 0.0;
   double pair_exposed = 0.0;
   double pair_exposed_alone = 0.0;  ///< of pair_exposed, after the partner ended
+  int pair_reordered = 0;           ///< PairStats::reordered (ready turns), summed
   /// defer_wgrad: the W's that ran in a pair's waits, and those left for
   /// the step's end.
   int deferred_w_in_waits = 0;

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <chrono>
 #include <functional>
+#include <optional>
 #include <set>
 #include <utility>
 #include <vector>
@@ -92,6 +93,7 @@ void Executor::State::run_pair(const Action& a) {
     stats.pair_hidden += ps.hidden;
     stats.pair_exposed += ps.exposed;
     stats.pair_exposed_alone += ps.exposed_alone;
+    stats.pair_reordered += ps.reordered;
     stats.chunk_wait += ps.chunk_idle;
     stats.deferred_w_in_waits += ps.filled;
   };
@@ -184,6 +186,16 @@ bool Executor::State::run_deferred_w(int parts) {
   // Its posts (the last W's gradient reduction) on a lane of their own,
   // wherever it runs (NOTE [Lanes] in hp/distributed/lanes.cpp).
   distributed::LaneScope lane(distributed::kDeferredLane);
+  // Under ready turns where it runs depends on timing: an exchange there
+  // (a recompute of an expert layer) could wait on peers that wait on this
+  // rank (NOTE [Turns as messages arrive] in overlap.cpp), so it fails.
+  std::optional<distributed::NoExchangeScope> no_exchange;
+  if (opts.pair_first_ready)
+    no_exchange.emplace(
+        "a deferred W exchanged with its peers (it recomputed an expert layer's forward) while "
+        "the pairs take turns as messages arrive, where it could wait on peers that wait on "
+        "this rank; take fixed turns (pair_turns 'fixed', --pair-turns fixed), or keep the "
+        "expert layers out of what a W recomputes");
   if (!stage.backward_weight_part(s, mb, parts)) return false;
   deferred_w.pop_front();
   return true;
@@ -207,7 +219,8 @@ void Executor::State::run_deferred_w_span(int parts) {
   } catch (const distributed::CommError& e) {
     throw e.with_context(where(w) + " (deferred): ");
   } catch (const std::exception& e) {
-    throw std::runtime_error(where(w) + " (deferred): " + e.what());
+    const std::string refused = distributed::take_exchange_refusal();
+    throw std::runtime_error(where(w) + " (deferred): " + (refused.empty() ? e.what() : refused));
   }
   own.finish();
   const double ran =

@@ -93,7 +93,12 @@ namespace hp::pipeline {
 // once in a full test run). Without recompute a W exchanges nothing: the
 // expert all-to-all is an anchor of the split and runs in I (NOTE
 // [Anchors] in hp/autograd/split_plan.h). With recompute sessions `hp
-// train` refuses --pair-turns ready with --defer-wgrad. (2) Which action ends a
+// train` refuses --pair-turns ready with --defer-wgrad; where it cannot be
+// told beforehand (Python's chunks), a deferred W that starts an expert
+// exchange under ready turns throws (distributed::NoExchangeScope) and so
+// fails the step on every rank rather than hang it, and the choice of
+// deferred W's never takes ready turns after a step that recomputed
+// (Pipeline::choose_deferred_w). (2) Which action ends a
 // stage, and so when and on which lane its gradient reduction is posted,
 // may differ between ranks: the reductions go in the schedule's order on
 // one lane (NOTE [Reductions in a fixed order] in data_parallel.h); before

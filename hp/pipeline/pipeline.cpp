@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "hp/distributed/collectives.h"
+#include "hp/distributed/lanes.h"
 #include "hp/pipeline/agreement.h"
 #include "hp/pipeline/step_timeline.h"
 #include "hp/recompute/checkpoint.h"
@@ -282,9 +283,11 @@ Pipeline::Pipeline(schedule::Schedule schedule, std::shared_ptr<distributed::Com
   const torch::Device on = options_.device.is_cuda() ? options_.device : torch::Device(torch::kCPU);
   const auto named = parameters_by_name(chunks);
   const bool carried = !options_.layout && !options_.activation_shape;
+  const int64_t pairs = pairs_word(options_.fb_overlap, options_.defer_wgrad,
+                                   options_.pair_first_ready, options_.deferred_w_parts);
   const auto names_held =
       agree_on_the_pipeline(*distributed::for_device(group, on), schedule, options_.dtype, carried,
-                            on, rank_, !failed, {static_cast<int64_t>(named.size())});
+                            pairs, on, rank_, !failed, {static_cast<int64_t>(named.size())});
   // The copies agree too: a data-parallel group whose ranks ran other
   // stages or schedules would mix their gradients, and an expert-parallel
   // one (the same group) would wait in an all-to-all that a peer never
@@ -293,10 +296,16 @@ Pipeline::Pipeline(schedule::Schedule schedule, std::shared_ptr<distributed::Com
     const auto mine = what_a_copy_holds(rank_, chunks);
     const auto copies =
         agree_on_the_pipeline(*distributed::for_device(options_.dp, on), schedule, options_.dtype,
-                              carried, on, options_.dp->rank(), !failed, mine);
+                              carried, pairs, on, options_.dp->rank(), !failed, mine);
     if (!failed) check_the_copies(copies, mine, rank_);
   }
   if (failed) std::rethrow_exception(failed);
+  // Ready turns post the data-parallel reductions by timing, beside a
+  // pair's expert exchanges over the same ranks: the group in lanes (NOTE
+  // [Turns as messages arrive] in overlap.cpp), where it has none yet.
+  if (options_.dp && options_.pair_first_ready &&
+      distributed::lane_count(*options_.dp) < distributed::kPairLanes)
+    options_.dp = distributed::with_lanes(options_.dp, distributed::kPairLanes);
 
   // The point-to-point: rings only between the ranks the schedule's
   // transfers join; nothing else sends over this group, so messages too
@@ -496,11 +505,21 @@ void Pipeline::set_pair_function(std::function<void(PairCall&)> fn) {
   if (executor_) executor_->set_pair_function(std::move(fn));
 }
 
+void Pipeline::check_ready_turns(bool pair_first_ready) const {
+  if (pair_first_ready && options_.dp &&
+      distributed::lane_count(*options_.dp) < distributed::kPairLanes)
+    invalid(
+        "ready turns (pair_first_ready) post by timing, which the data-parallel group of a "
+        "Pipeline made with fixed turns cannot take (it has no lanes): make the Pipeline "
+        "with pair_first_ready");
+}
+
 void Pipeline::set_deferred_w(bool defer_wgrad, bool pair_first_ready) {
   PipelineOptions o = options_;
   o.defer_wgrad = defer_wgrad;
   o.pair_first_ready = pair_first_ready;
   check_deferred_w(o);
+  check_ready_turns(pair_first_ready);
   options_ = std::move(o);
   if (executor_) executor_->set_deferred_w(defer_wgrad, pair_first_ready);
 }
@@ -520,7 +539,10 @@ void Pipeline::set_deferred_w(bool defer_wgrad, bool pair_first_ready) {
 // model the link's) and simulates the schedule both ways
 // (schedule::choose_deferred_w). On when the predicted step is the gain
 // (kDeferredWGain) shorter; the turns then become fixed where "auto" turns
-// would take them with deferred W's. Rank 0's answer goes to the group,
+// would take them with deferred W's. Where a W of the step recomputed on
+// any rank (DeferredWAuto::recomputes), ready turns with deferred W's are
+// refused as hp train refuses them (NOTE [Turns as messages arrive] in
+// overlap.cpp): the answer is off. Rank 0's answer goes to the group,
 // then that of `dp`'s rank 0 (copy 0 in hp train's mesh) to every copy, so
 // the peers of an expert-parallel group keep posting alike. Each copy
 // gathers and simulates its own step (one gather per run) rather than copy
@@ -531,6 +553,8 @@ schedule::DeferredWChoice Pipeline::choose_deferred_w(const StepStats& last,
   schedule::check_deferred_w_gain(how.gain);  // on every rank, before any communication
   if (!sched_.has_pairs() || !options_.fb_overlap || options_.defer_wgrad) return {};
   const bool cpu = options_.device.is_cpu();
+  const bool ready_with = cpu && schedule::pair_turns_ready(how.pair_turns, true);
+  check_ready_turns(ready_with);
   const torch::TensorOptions on =
       torch::TensorOptions().dtype(torch::kFloat64).device(options_.device);
   double comm_cost = how.comm_cost;
@@ -543,6 +567,12 @@ schedule::DeferredWChoice Pipeline::choose_deferred_w(const StepStats& last,
         *comm_, 0, 1,
         torch::empty({n}, torch::TensorOptions().dtype(torch::kUInt8).device(options_.device)));
   }
+  bool recompute = how.recomputes.value_or(options_.recompute_sessions);
+  if (how.recomputes && comm_->world_size() > 1) {  // any rank's
+    auto any = torch::tensor({recompute ? 1.0 : 0.0}, on);
+    comm_->all_reduce(any, distributed::ReduceOp::Max);
+    recompute = any.item<double>() > 0.5;
+  }
   const schedule::Timeline timeline =
       gather_step_timeline(last, *comm_, "the step that chose deferred W's", options_.device);
   auto numbers = torch::zeros({5}, on);
@@ -550,8 +580,8 @@ schedule::DeferredWChoice Pipeline::choose_deferred_w(const StepStats& last,
     schedule::CostModel costs =
         schedule::costs_from_timeline(sched_, timeline, std::max(0.0, comm_cost));
     if (how.adjust) how.adjust(costs);
-    const schedule::DeferredWChoice c = schedule::choose_deferred_w(
-        sched_, costs, how.pair_turns, cpu, options_.recompute_sessions, how.gain);
+    const schedule::DeferredWChoice c =
+        schedule::choose_deferred_w(sched_, costs, how.pair_turns, cpu, recompute, how.gain);
     numbers = torch::tensor(
         {c.defer ? 1.0 : 0.0, c.step_without, c.step_with, c.peak_without, c.peak_with}, on);
   }
@@ -560,7 +590,7 @@ schedule::DeferredWChoice Pipeline::choose_deferred_w(const StepStats& last,
   const auto n = numbers.cpu();
   const double* v = n.data_ptr<double>();
   schedule::DeferredWChoice out{v[1], v[2], v[3], v[4], v[0] > 0.5};
-  if (out.defer) set_deferred_w(true, cpu && schedule::pair_turns_ready(how.pair_turns, true));
+  if (out.defer) set_deferred_w(true, ready_with);
   return out;
 }
 

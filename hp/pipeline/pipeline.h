@@ -142,6 +142,11 @@ struct DeferredWAuto {
   /// Called on rank 0 with the costs fitted to the step before they are
   /// simulated (hp train adds the stages' measured bytes).
   std::function<void(schedule::CostModel&)> adjust;
+  /// Whether this rank's W's may recompute (a recomputing W would exchange
+  /// wherever ready turns run it, so ready turns with one never defer);
+  /// any rank's yes counts for the group. Unset:
+  /// PipelineOptions::recompute_sessions.
+  std::optional<bool> recomputes;
 };
 
 /// `p2p`'s spelling as the Comm layer's choice; std::invalid_argument for
@@ -210,6 +215,9 @@ class Pipeline {
   bool broken() const { return !broken_reason_.empty(); }
 
  private:
+  /// Throws std::invalid_argument where ready turns would post on a
+  /// data-parallel group without lanes (made with fixed turns).
+  void check_ready_turns(bool pair_first_ready) const;
   void learn_holders(const std::map<std::string, std::vector<torch::Tensor>>& local,
                      const std::vector<std::vector<int64_t>>& counts, distributed::Comm& group,
                      const torch::Device& on, std::exception_ptr failed);

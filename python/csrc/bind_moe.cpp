@@ -9,6 +9,7 @@
 
 #include "bindings.h"
 #include "hp/distributed/comm.h"
+#include "hp/distributed/lanes.h"
 #include "hp/moe/dispatch.h"
 #include "hp/moe/router.h"
 
@@ -91,6 +92,13 @@ void bind_moe(py::module_& parent) {
                }
                // HP_LINK: the all-to-alls pay a modelled link (docs/overlap.md).
                comm = distributed::with_link_model(comm, link_from_environment());
+               // Over Gloo in lanes, as hp train's expert groups (NOTE [Lanes] in
+               // hp/distributed/lanes.cpp): a Pipeline's pairs may then take ready
+               // turns, and a dispatch sends its counts at the head of its rows.
+               if (comm->backend_name() == "gloo") {
+                 py::gil_scoped_release release;  // the copies' rendezvous
+                 comm = distributed::with_lanes(comm, distributed::kPairLanes);
+               }
              }
              moe::DispatchOptions d;
              d.capacity_factor = capacity_factor;

@@ -404,6 +404,7 @@ class Runtime {
     d["pair_hidden"] = out.stats.pair_hidden;
     d["pair_exposed"] = out.stats.pair_exposed;
     d["pair_exposed_alone"] = out.stats.pair_exposed_alone;
+    d["pair_reordered"] = out.stats.pair_reordered;            // ready turns
     d["deferred_w_in_waits"] = out.stats.deferred_w_in_waits;  // defer_wgrad
     d["deferred_w_at_end"] = out.stats.deferred_w_at_end;
     py::list events;
@@ -425,12 +426,14 @@ class Runtime {
 
   /// NOTE [The deferred W's chosen in the run] in hp/pipeline/pipeline.cpp:
   /// from the last step, collective over the group and dp_group; applied.
-  py::dict choose_deferred_w(double gain) {
+  py::dict choose_deferred_w(double gain, const std::string& pair_turns, bool recomputes) {
     schedule::DeferredWChoice c;
     {
       py::gil_scoped_release release;
       pipeline::DeferredWAuto how;
       how.gain = gain;
+      how.pair_turns = pair_turns;
+      how.recomputes = recomputes;
       c = pipe_->choose_deferred_w(last_, how);
     }
     py::dict d;
@@ -501,7 +504,9 @@ void bind_pipeline(py::module_& m) {
       .def_readwrite("receive_lookahead", &pipeline::PipelineOptions::receive_lookahead)
       .def_readwrite("cache_cpu_memory", &pipeline::PipelineOptions::cache_cpu_memory)
       .def_readwrite("fb_overlap", &pipeline::PipelineOptions::fb_overlap)
-      .def_readwrite("defer_wgrad", &pipeline::PipelineOptions::defer_wgrad);
+      .def_readwrite("defer_wgrad", &pipeline::PipelineOptions::defer_wgrad)
+      .def_readwrite("pair_first_ready", &pipeline::PipelineOptions::pair_first_ready)
+      .def_readwrite("deferred_w_parts", &pipeline::PipelineOptions::deferred_w_parts);
   // One FB pair as a pair function sees it; each half runs without the GIL
   // (a chunk's forward takes it back).
   py::class_<pipeline::PairInputs>(sub, "PairInputs")
@@ -588,8 +593,10 @@ void bind_pipeline(py::module_& m) {
       .def("set_pair_function", &Runtime::set_pair_function, py::arg("fn"),
            "fn(pair) runs each FB pair (NOTE [A pair function]); None: the built-in order.")
       .def("choose_deferred_w", &Runtime::choose_deferred_w, py::arg("gain"),
+           py::arg("pair_turns") = "fixed", py::arg("recomputes") = true,
            "Whether the pairs' W's defer from the next step, from the last step's costs "
-           "(collective; applied): a dict of the choice and both predictions.")
+           "(collective; applied): a dict of the choice and both predictions. pair_turns: "
+           "DeferredWAuto::pair_turns; recomputes: whether this rank's W's may recompute.")
       .def("abandon", &Runtime::abandon, py::arg("why"),
            "Tells the peers that this rank will not take part in the running step (final).")
       .def_property_readonly("rank", &Runtime::rank)

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "hp/distributed/comm.h"
+#include "hp/distributed/lanes.h"
 #include "hp/distributed/mesh.h"
 #include "hp/launch/launcher.h"
 
@@ -466,8 +467,10 @@ std::vector<std::string> two_ranks(const std::function<void(int, std::shared_ptr
 // slow but healthy message first (its wait outlasts a look at the store).
 // Rank 1's wait must end at once, naming rank 0 and its reason; every later
 // operation of the watched Comm fails at once too; the group itself still
-// carries collectives (the abort broke none of its connections).
-TEST(DistFailureStore, AnAbandonedRankEndsItsPeersWaitAndTheGroupSurvives) {
+// carries collectives (the abort broke none of its connections). With
+// `lanes`, the watched group in lanes (a Python dispatcher's: bind_moe.cpp)
+// and both ranks on lane 1: each lane is a copy that shares the watch.
+void abandoned_rank_ends_its_peers_wait(bool lanes) {
   TempDir dir;
   auto store = c10::make_intrusive<c10d::HashStore>();
   std::vector<std::string> errors(2), later(2);
@@ -482,6 +485,8 @@ TEST(DistFailureStore, AnAbandonedRankEndsItsPeersWaitAndTheGroupSurvives) {
         o.timeout = std::chrono::seconds(20);
         auto group = Comm::from_file_store(dir.path + "/s", r, 2, o);
         auto c = hp::distributed::with_failure_store(group, store);
+        if (lanes) c = hp::distributed::with_lanes(c, hp::distributed::kPairLanes);
+        hp::distributed::LaneScope lane(lanes ? hp::distributed::kPartnerLane : 0);
         if (r == 0) {
           std::this_thread::sleep_for(std::chrono::milliseconds(300));
           c->send(at::ones({4}), 1);
@@ -528,6 +533,32 @@ TEST(DistFailureStore, AnAbandonedRankEndsItsPeersWaitAndTheGroupSurvives) {
   EXPECT_NE(later[1].find("rank 0 stopped taking part"), std::string::npos) << later[1];
   EXPECT_EQ(sums[0], 4.0);
   EXPECT_EQ(sums[1], 4.0);
+}
+
+TEST(DistFailureStore, AnAbandonedRankEndsItsPeersWaitAndTheGroupSurvives) {
+  abandoned_rank_ends_its_peers_wait(false);
+}
+
+TEST(DistFailureStore, AnAbandonedRankEndsItsPeersWaitOnALaneOfTheGroup) {
+  abandoned_rank_ends_its_peers_wait(true);
+}
+
+// An exchange started inside a NoExchangeScope throws its reason, which the
+// thread can take back once (NOTE [Turns as messages arrive] in
+// hp/pipeline/overlap.cpp).
+TEST(DistLanes, AnExchangeInsideANoExchangeScopeThrowsItsReason) {
+  {
+    hp::distributed::NoExchangeScope no("not here");
+    try {
+      hp::distributed::check_exchange_allowed("an expert dispatch");
+      ADD_FAILURE() << "no throw";
+    } catch (const std::runtime_error& e) {
+      EXPECT_EQ(std::string(e.what()), "an expert dispatch: not here");
+    }
+    EXPECT_EQ(hp::distributed::take_exchange_refusal(), "an expert dispatch: not here");
+    EXPECT_EQ(hp::distributed::take_exchange_refusal(), "");  // once
+  }
+  EXPECT_NO_THROW(hp::distributed::check_exchange_allowed("an expert dispatch"));
 }
 
 // Each rank first receives, then (in a later batch) sends: fine where posts

@@ -134,6 +134,41 @@ TEST(PipelineAgreement, ARankThatCannotMakeItsPipelineOrExecutorFailsEveryRank) 
   }
 }
 
+// The peers of a pair post alike only where their pairs run alike: ranks
+// given other overlap options fail together when the Pipeline is made,
+// naming the options of both, over the group and over dp.
+TEST(PipelineAgreement, RanksWhosePairsRunOtherwiseFailEveryRank) {
+  const auto sched = hp::schedule::build("dualpipev", 2, 4);
+  for (const std::string over : {"group", "dp"}) {
+    SCOPED_TRACE(over);
+    std::vector<std::string> errors(4);
+    hp::testing::run_ranks_as_threads(4, [&](int r, std::shared_ptr<Comm> world) {
+      const int pp_rank = r % 2, copy = r / 2;
+      std::shared_ptr<Comm> group = world->split({2 * copy, 2 * copy + 1});
+      auto options = options_of();
+      options.dp = world->split({pp_rank, pp_rank + 2});
+      options.fb_overlap = true;
+      // group: the second rank of each copy; dp: all of copy 1.
+      if (over == "group" ? pp_rank == 1 : copy == 1) options.pair_first_ready = true;
+      try {
+        hp::pipeline::Pipeline pipeline(sched, group, chunks_of(sched, pp_rank), loss_of(),
+                                        options);
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+    // Rank 0 names its peer (rank 1 of the group, or of dp) by what differs.
+    EXPECT_NE(errors[0].find("rank 0: rank 1's pairs run with fb_overlap 1, defer_wgrad 0, "
+                             "ready turns 1, W parts 1 where this rank's run with fb_overlap 1, "
+                             "defer_wgrad 0, ready turns 0"),
+              std::string::npos)
+        << errors[0];
+    for (int r = 0; r < 4; ++r)
+      EXPECT_NE(errors[r].find("every rank must be given the same fb_overlap"), std::string::npos)
+          << r << ": " << errors[r];
+  }
+}
+
 TEST(PipelineStepHooks, AroundEveryStepWithWholeGradientsAndOnAFailedStep) {
   const auto sched = hp::schedule::build("zb-h1", 2, 4);
   std::vector<std::vector<std::string>> log(2);

@@ -18,7 +18,8 @@ FSDP2 over the EP dimension of an (ep, pp) DeviceMesh; one ending in
 chunks' class (dualpipe_hook); "+overlap" trains with fb_overlap=True under HP_LINK (a modelled link) and
 defer_wgrad=False, one with "+defer" with defer_wgrad=True, one with
 "+auto" with defer_wgrad="auto" and a gain of -1 (deferred W's chosen after
-step 2, for the third; the flags combine); one
+step 2, for the third), "+ready" with pair_turns="ready", defer_wgrad=True
+and w_parts=2 (the flags combine); one
 ending in "-dp4" is pp 1 x dp 4 x ep 2 (hp.pipeline.mesh): every rank a
 whole pipeline, dp_group the world, the experts over {0, 1} and {2, 3},
 expert_dp_group the ranks holding the same experts ({0, 2}, {1, 3})."""
@@ -27,6 +28,8 @@ import os
 import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import warnings  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -219,9 +222,14 @@ def main():
         fsdp = "fsdp2" in flags
         # "+overlap": fb_overlap under a modelled link (HP_LINK), read by the
         # dispatchers expert_parallel makes and by the Pipeline.
-        defer = "defer" in flags
+        ready = "ready" in flags
+        defer = "defer" in flags or ready
         auto = "auto" in flags
         overlap = "overlap" in flags or defer or auto
+        # "+ready": ready turns, deferred W's in 2 parts; "+auto": "auto"
+        # turns (ready until the W's defer, fixed after); "+fsdp2+overlap":
+        # "auto", which FSDP2 makes fixed (NOTE [Ready turns from Python]).
+        turns = "ready" if ready else ("auto" if auto or fsdp else "fixed")
         if overlap:
             os.environ["HP_LINK"] = "500,0.5"
         if fsdp and mesh is None:
@@ -263,11 +271,12 @@ def main():
         pipe = hp.pipeline.Pipeline(chunks, sched, loss_fn=loss_fn, group=groups[0],
                                     dp_group=groups[1], timeout=60, fb_overlap=overlap,
                                     defer_wgrad="auto" if auto else defer,
-                                    **extra)
+                                    pair_turns=turns if overlap else "fixed",
+                                    w_parts=2 if ready else 1, **extra)
         pipe.defer_wgrad_gain = -1.0  # "+auto": always on from step 3
         os.environ.pop("HP_LINK", None)
         opt = torch.optim.SGD([q for c in chunks.values() for q in c.parameters()], lr=LR)
-        losses, aux, dropped, hidden, deferred = [], [], 0, 0.0, 0
+        losses, aux, dropped, hidden, deferred, reordered = [], [], 0, 0.0, 0, 0
         part = rank if dp4 else copy  # this copy's part of the global batch
         rows = slice(part * m * MB, (part + 1) * m * MB)
         for step in range(STEPS):
@@ -278,6 +287,7 @@ def main():
             losses.append(pipe.step(x[rows], y[rows], **kw))
             aux.append(pipe.last_stats["aux_loss"])
             hidden += pipe.last_stats["pair_hidden"]
+            reordered += pipe.last_stats["pair_reordered"]
             # Of the exposed seconds, those after the other half ended.
             assert 0 <= pipe.last_stats["pair_exposed_alone"] <= pipe.last_stats["pair_exposed"]
             deferred += (pipe.last_stats["deferred_w_in_waits"]
@@ -289,7 +299,8 @@ def main():
                 full[k] = (q.full_tensor() if hasattr(q, "full_tensor") else q).detach().clone()
         results[f"{kind}:{name}"] = {
             "losses": losses, "aux": aux, "params": full, "pair_hidden": hidden,
-            "deferred": deferred, "choice": pipe.deferred_w_choice, "grouped_calls": grouped_calls[0], "hook_calls": hook_calls[0],
+            "deferred": deferred, "choice": pipe.deferred_w_choice, "reordered": reordered,
+            "pair_turns": pipe.pair_turns, "grouped_calls": grouped_calls[0], "hook_calls": hook_calls[0],
             "experts": sorted(k for mod in chunks.values() for k, q in mod.named_model_parameters()
                               if hp.moe.is_expert_parameter(q)),
         }
@@ -301,6 +312,7 @@ def main():
                         "experts": sorted(k for k, q in layer.named_parameters()
                                           if hp.moe.is_expert_parameter(q))}
     results["titan-first-stage"] = titan_first_stage(hp, copy, ep_group)
+    results["recomputing-w"] = recomputing_w_under_ready_turns(hp, copy, stage_rank)
     results["failure"] = fail_in_a_step(hp, copy, stage_rank, pp_group, ep_group)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     # The groups saw a failure: leave without tearing them down.
@@ -365,6 +377,46 @@ def dp4_refusals(hp, chunks, sched, grid4):
         except ValueError as e:
             out.append(str(e))
     return out
+
+
+def recomputing_w_under_ready_turns(hp, copy, stage_rank):
+    """Checkpointed experts (torch.utils.checkpoint: every W recomputes their
+    forward, all-to-alls included) with ready turns and deferred W's: the
+    first deferred W to exchange fails the step (NOTE [Turns as messages
+    arrive] in hp/pipeline/overlap.cpp) and every rank's step fails. On
+    groups of their own, whose stores the failure marks. Returns the
+    error text, or None."""
+    import torch.distributed as dist
+
+    mine = {}
+    for what, ranks in (("pp", [0, 1]), ("pp", [2, 3]), ("ep", [0, 2]), ("ep", [1, 3])):
+        g = dist.new_group(ranks)
+        if dist.get_rank() in ranks:
+            mine[what] = g
+    sched = hp.pipeline.schedule("dualpipev", ranks=PP, microbatches=microbatches("dualpipev"))
+    from torch.utils.checkpoint import checkpoint
+
+    model = make_model("mixtral")
+    chunks = hp.pipeline.split_model(model, sched, stage_rank)
+    hp.moe.expert_parallel(model, mine["ep"])
+    for m in model.modules():  # each experts module (dispatch, experts, combine) checkpointed
+        if getattr(m, "_hp_dispatcher", None) is not None:
+            plain = m.forward
+            m.forward = (lambda *a, plain=plain:
+                         checkpoint(plain, *a, use_reentrant=False))
+    pipe = hp.pipeline.Pipeline(chunks, sched, loss_fn=loss_fn, group=mine["pp"],
+                                dp_group=mine["ep"], timeout=60, fb_overlap=True,
+                                defer_wgrad=True, pair_turns="ready")
+    m = sched.num_microbatches
+    rows = slice(copy * m * MB, (copy + 1) * m * MB)
+    x, y, _ = batch(0, m)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # checkpoints under a split
+            pipe.step(x[rows], y[rows])
+    except Exception as e:  # noqa: BLE001 - what the test checks
+        return str(e)
+    return None
 
 
 def fail_in_a_step(hp, copy, stage_rank, pp_group, ep_group):

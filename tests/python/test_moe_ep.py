@@ -24,7 +24,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # group) and none to the other three; "+fsdp2": pp 2 x ep 2 x FSDP2 (each
 # layer's attention fully_shard'ed over the EP dimension, shapes declared);
 # "+overlap": fb_overlap=True under HP_LINK (docs/overlap.md), "+defer" with
-# defer_wgrad=True too, "+auto" with "auto" choosing them ("+fsdp2+overlap": FSDP2 inside overlapped pairs); "+hook":
+# defer_wgrad=True too, "+auto" with "auto" choosing them and "auto" turns,
+# "+ready" with ready turns and W's in 2 parts ("+fsdp2+overlap": FSDP2
+# inside overlapped pairs, "auto" turns that FSDP2 makes fixed); "+hook":
 # DualPipe's overlapped_forward_backward on the chunks' class; "-dp4": pp 1
 # x dp 4, each expert held in both EP groups (expert_dp_group); "+grouped":
 # float32 with transformers' grouped_mm experts on each rank's slice against
@@ -33,6 +35,7 @@ CASES = ["mixtral:1f1b", "mixtral:zb-h1", "mixtral:zbv", "mixtral:dualpipev",
          "qwen3_moe:zb-h1", "qwen3_moe:dualpipev", "qwen2_moe:zbv", "deepseek_v3:zb-h1",
          "deepseek_v3:zbv", "mixtral-one-expert:1f1b", "mixtral+fsdp2:zb-h1",
          "mixtral+overlap:dualpipev", "mixtral+defer:dualpipev", "mixtral+auto:dualpipev",
+         "mixtral+ready:dualpipev",
          "mixtral-dp4:1f1b", "mixtral+fsdp2+overlap:dualpipev", "mixtral+grouped:zb-h1",
          "mixtral+hook:dualpipev"]
 
@@ -46,7 +49,8 @@ def test_pp2_ep2_equals_one_process(tmp_path):
     for case in CASES:
         kind, name = case.split(":")
         kind, flags, dp4 = w.variant(kind)
-        defer = "defer" in flags
+        ready = "ready" in flags
+        defer = "defer" in flags or ready
         auto = "auto" in flags
         overlap = "overlap" in flags or defer or auto
         # dp 4: four copies of m microbatches, the global batch of 2m per EP copy.
@@ -61,6 +65,8 @@ def test_pp2_ep2_equals_one_process(tmp_path):
             # counts only while the CPU computed: a loaded rank may find every
             # message there, so over all ranks)
             assert sum(res[case]["pair_hidden"] for res in results) > 0, f"{case}: nothing hidden"
+        if ready or auto:  # ready turns under the link: a half went first (22-27 per rank seen)
+            assert sum(res[case]["reordered"] for res in results) > 0, case
         seen = set()
         for r, res in enumerate(results):
             got = res[case]
@@ -74,6 +80,13 @@ def test_pp2_ep2_equals_one_process(tmp_path):
             assert (got["grouped_calls"] >= 2 * w.STEPS) == grouped, (case, r, got["grouped_calls"])
             if not overlap:
                 assert got["pair_hidden"] == 0, case
+            # NOTE [Ready turns from Python]: "auto" stays "auto" (ready
+            # until the W's defer) but for FSDP2, which makes it fixed.
+            want_turns = ("ready" if ready else "auto" if auto
+                          else "fixed")
+            assert got["pair_turns"] == want_turns, (case, r, got["pair_turns"])
+            if want_turns == "fixed":  # the halves kept the code's order
+                assert got["reordered"] == 0, (case, r, got["reordered"])
             # "+hook": every pair through the chunks' overlapped_forward_backward.
             assert (got["hook_calls"] > 0) == ("hook" in flags), (case, r, got["hook_calls"])
             # defer_wgrad: the pairs' weight gradients were queued (and ran);
@@ -128,6 +141,12 @@ def test_pp2_ep2_equals_one_process(tmp_path):
         for k, g in first.items():
             assert torch.allclose(g, got["grads"][k], rtol=0, atol=1e-12), (r, k)
 
+    # Checkpointed layers under ready turns with deferred W's: a W that
+    # recomputes exchanges, which fails the step on every rank, the ranks
+    # whose own W's did not get there first naming the rank that told them.
+    texts = [res["recomputing-w"] for res in results]
+    assert all(t is not None for t in texts), texts
+    assert any("a deferred W exchanged with its peers" in t for t in texts), texts
     # Rank 3 raised inside a step (in an overlapped FB pair of dualpipev) and lived on: every rank's step failed
     # within seconds (the timeout is 60 s), its EP peer and its pipeline
     # peer naming it (by its rank in the group they share: its reason from

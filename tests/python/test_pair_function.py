@@ -323,3 +323,49 @@ def test_deferred_ws_are_chosen_only_where_they_can_run(one_rank_group):
         with pytest.raises(TypeError, match="gain must be a number"):
             pipe.choose_deferred_w(bad)
     train(pipe, params, steps=1)  # still usable
+
+
+@pytest.mark.parametrize("turns,defer,parts", [("ready", True, 3), ("ready", False, 1),
+                                               ("auto", "auto", 1)])
+def test_pairs_taking_ready_turns_train_exactly(one_rank_group, turns, defer, parts):
+    """pair_turns="ready" (NOTE [Turns as messages arrive] in
+    hp/pipeline/overlap.cpp), with deferred W's in parts, and "auto" (ready
+    until the W's defer): the same steps as plain autograd. One rank's pairs
+    wait on no message, so their order stays the code's (test_moe_ep.py
+    runs them between processes)."""
+    pipe, params = pipeline(one_rank_group, fb_overlap=True, defer_wgrad=defer,
+                            pair_turns=turns, w_parts=parts)
+    pipe.defer_wgrad_gain = -1.0  # "auto": deferred from the third step
+    assert pipe.pair_turns == turns
+    losses = train(pipe, params, steps=4)
+    assert_matches_reference(losses, params)
+    assert (deferred(pipe) > 0) == (defer is not False), deferred(pipe)
+    assert pipe.last_stats["pair_reordered"] == 0
+
+
+def test_pair_turns_and_w_parts_refuse_what_cannot_run(one_rank_group):
+    for kw, error, text in (
+            ({"fb_overlap": True, "pair_turns": "sometimes"}, ValueError,
+             "pair_turns must be 'auto', 'ready' or 'fixed'"),
+            ({"fb_overlap": True, "pair_turns": 1}, TypeError, "pair_turns must be a str"),
+            ({"pair_turns": "ready"}, ValueError, "it needs fb_overlap=True"),
+            ({"fb_overlap": True, "w_parts": 0}, ValueError, "w_parts must be 1 or more"),
+            ({"fb_overlap": True, "w_parts": 2.0}, TypeError, "w_parts must be an int"),
+            ({"fb_overlap": True, "defer_wgrad": True, "w_parts": 2}, ValueError,
+             "needs defer_wgrad=True and pair_turns='ready'"),
+            ({"fb_overlap": True, "pair_turns": "ready", "w_parts": 2}, ValueError,
+             "needs defer_wgrad=True and pair_turns='ready'")):
+        with pytest.raises(error, match=text):
+            pipeline(one_rank_group, **kw)
+    # NOTE [Ready turns from Python]: where a half exchanges over torch's
+    # groups, or on a device, "auto" takes fixed turns and "ready" is refused.
+    from hyperparallel.pipeline.checks import _resolve_pair_turns
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert _resolve_pair_turns("auto", cpu, None, {}) == ("auto", None)
+    assert _resolve_pair_turns("ready", cpu, None, {}) == ("ready", None)
+    for device, fsdp, why in ((cuda, None, "compute on cuda"),
+                              (cpu, ["an FSDP2 stage"], "FSDP2 stages")):
+        assert _resolve_pair_turns("auto", device, fsdp, {}) == ("fixed", None)
+        turns, refused = _resolve_pair_turns("ready", device, fsdp, {})
+        assert turns == "fixed" and why in refused and "use 'fixed' or 'auto'" in refused

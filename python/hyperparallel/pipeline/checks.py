@@ -449,7 +449,7 @@ def _check_arguments(chunks, schedule, loss_fn, receive_lookahead, p2p, overlap,
         )
     if p2p not in ("auto", "group", "shm"):
         raise ValueError(f"p2p must be 'auto', 'group' or 'shm', got {p2p!r}")
-    fb_overlap, defer_wgrad = overlap
+    fb_overlap, defer_wgrad, pair_turns, w_parts = overlap
     if not isinstance(fb_overlap, bool):
         raise TypeError(f"fb_overlap must be a bool, got {type(fb_overlap).__name__}")
     if not isinstance(defer_wgrad, bool) and defer_wgrad != "auto":
@@ -457,6 +457,20 @@ def _check_arguments(chunks, schedule, loss_fn, receive_lookahead, p2p, overlap,
     if defer_wgrad is True and not fb_overlap:
         raise ValueError("defer_wgrad=True queues the weight gradients of overlapped pairs: "
                          "it needs fb_overlap=True")
+    if not isinstance(pair_turns, str):
+        raise TypeError(f"pair_turns must be a str, got {type(pair_turns).__name__}")
+    if pair_turns not in ("auto", "ready", "fixed"):
+        raise ValueError(f"pair_turns must be 'auto', 'ready' or 'fixed', got {pair_turns!r}")
+    if pair_turns != "fixed" and not fb_overlap:
+        raise ValueError(f"pair_turns={pair_turns!r} orders the halves of overlapped pairs: "
+                         "it needs fb_overlap=True")
+    if isinstance(w_parts, bool) or not isinstance(w_parts, int):
+        raise TypeError(f"w_parts must be an int, got {type(w_parts).__name__}")
+    if w_parts < 1:
+        raise ValueError(f"w_parts must be 1 or more, got {w_parts}")
+    if w_parts > 1 and not (defer_wgrad is True and pair_turns == "ready"):
+        raise ValueError("w_parts cuts the deferred W's that fill the waits of ready turns: it "
+                         "needs defer_wgrad=True and pair_turns='ready'")
     if isinstance(chunks, Mapping):
         hooked = sorted(c for c in chunks if pair_hook(chunks[c]) is not None)
         if hooked and len(hooked) != len(chunks):
@@ -493,3 +507,41 @@ def _check_arguments(chunks, schedule, loss_fn, receive_lookahead, p2p, overlap,
         if g is not None and not isinstance(g, dist.ProcessGroup):
             raise TypeError(f"{name} must be None or a torch.distributed.ProcessGroup, got {type(g)}")
     return group
+
+
+# NOTE [Ready turns from Python]
+# Ready turns (NOTE [Turns as messages arrive] in hp/pipeline/overlap.cpp)
+# let a pair's halves post by timing, which is safe only where every
+# exchange a half makes goes to a lane of its own: the pipeline's transfers
+# keep their order, hyperparallel.moe's dispatchers over Gloo are made in
+# lanes (python/csrc/bind_moe.cpp) and the Pipeline puts dp_group in lanes.
+# FSDP2's gathers and reductions and DTensor's collectives (tensor
+# parallelism) go to torch's own groups, which have none, and on a device
+# the halves' waits only order their streams. There "auto" takes fixed
+# turns and "ready" is refused. A chunk's own torch.distributed calls cannot
+# be seen: with them, keep "fixed" (the default).
+def _resolve_pair_turns(pair_turns: str, device: torch.device, fsdp,
+                        params) -> Tuple[str, Optional[str]]:
+    """The turns the pairs take: `pair_turns`, or "fixed" where ready turns
+    cannot be (NOTE [Ready turns from Python]); and why "ready" is refused
+    there (None where it is not)."""
+    if pair_turns == "fixed":
+        return pair_turns, None
+    why = None
+    if device.type != "cpu":
+        why = f"the ranks compute on {device.type}, where each half has a stream of its own"
+    elif fsdp:
+        why = "FSDP2 stages gather and reduce their weights over torch's groups inside the halves"
+    else:
+        from torch.distributed.tensor import DTensor
+
+        if any(isinstance(q, DTensor) for ps in params.values() for q in ps):
+            why = "DTensor parameters exchange over torch's groups inside the halves"
+    if why is None:
+        return pair_turns, None
+    if pair_turns == "ready":
+        return "fixed", (
+            f"pair_turns='ready' lets a pair's halves post as their messages arrive, which needs "
+            f"every exchange of a half on a lane of its own: {why}; use 'fixed' or 'auto' "
+            "(NOTE [Ready turns from Python] in hyperparallel/pipeline/checks.py)")
+    return "fixed", None

@@ -49,6 +49,7 @@ from .checks import (
     _group_ranks,
     _groups_to_agree_on,
     _is_expert,
+    _resolve_pair_turns,
 )
 from .fsdp2 import _Fsdp2Stages
 from .helpers import PipelineSchedule
@@ -248,6 +249,20 @@ class Pipeline:
             :attr:`defer_wgrad_gain` turns them on where the simulator,
             under that step's measured costs, predicts a shorter step. False:
             never.
+        pair_turns: how a pair's halves take the CPU. ``"fixed"`` (the
+            default): in the code's order, at every wait. ``"ready"``: the
+            half whose message arrived first goes on (NOTE [Turns as
+            messages arrive] in hp/pipeline/overlap.cpp); ``"auto"``: ready
+            without deferred W's, fixed with them (``hp train``'s default).
+            Ready turns need every exchange inside a chunk to be
+            :mod:`hyperparallel.moe`'s: not with FSDP2, DTensor parameters,
+            a device, or a chunk's own ``torch.distributed`` calls (NOTE
+            [Ready turns from Python] in hyperparallel/pipeline/checks.py).
+            A deferred W that would exchange under them (a recomputed expert
+            layer) fails the step; ``"auto"``'s choice never defers one there.
+        w_parts: with ``defer_wgrad=True`` and ``pair_turns="ready"``, each
+            deferred W runs in this many parts, taken until the awaited
+            message is there (``hp train --w-parts``). Default 1: whole.
     """
 
     def __init__(
@@ -269,9 +284,11 @@ class Pipeline:
         p2p: str = "auto",
         fb_overlap: bool = False,
         defer_wgrad: Union[bool, str] = "auto",
+        pair_turns: str = "fixed",
+        w_parts: int = 1,
     ):
         group = _check_arguments(chunks, schedule, loss_fn, receive_lookahead, p2p,
-                                 (fb_overlap, defer_wgrad),
+                                 (fb_overlap, defer_wgrad, pair_turns, w_parts),
                                  timeout, dtype, group, dp_group, expert_dp_group)
         forward, params = _forwards_and_parameters(chunks, parameters)
         # Compositions (NOTE [FSDP2 stages]): every rank checks its own, then
@@ -280,6 +297,13 @@ class Pipeline:
         split = schedule.has_split
         error = _composition_error(fsdp, schedule, chunks, params, parameters, group, dp_group,
                                    expert_dp_group)
+        first = next((q for ps in params.values() for q in ps), None)
+        at = (torch.device(device) if device is not None else
+              (first.device if first is not None else torch.device("cpu")))
+        #: The turns the pairs take: ``pair_turns``, or "fixed" where ready
+        #: turns cannot be (NOTE [Ready turns from Python] in checks.py).
+        self.pair_turns, refused = _resolve_pair_turns(pair_turns, at, fsdp, params)
+        error = error or refused
         agree_on = _groups_to_agree_on(group, dp_group, fsdp, params, expert_dp_group)
         self._step_context = _compiled_step_context(chunks, split)
         # NOTE [Auxiliary losses]: every chunk's forward collects add_loss().
@@ -289,15 +313,11 @@ class Pipeline:
         for c in forward:
             forward[c] = _StageForward(forward[c], self._aux, self._kwargs,
                                        _accepted_kwargs(chunks[c]))
-        first = next((q for ps in params.values() for q in ps), None)
         # The same exchange tells every rank which keyword arguments the
         # chunks of the others take (a step's unknown key is a mistake).
         accepts = [_accepted_kwargs(chunks[c]) for c in chunks]
         accepted = None if any(a is None for a in accepts) else sorted(set().union(*accepts))
-        everyone = _agree(agree_on, error,
-                          torch.device(device) if device is not None else
-                          (first.device if first is not None else torch.device("cpu")),
-                          float(timeout), extra=accepted)
+        everyone = _agree(agree_on, error, at, float(timeout), extra=accepted)
         dp_params: Dict[int, List[torch.Tensor]] = {}
         self._fsdp = fsdp if fsdp else None
         # The first step of a split schedule looks for torch.utils.checkpoint
@@ -330,7 +350,7 @@ class Pipeline:
                                            device, timeout, (dp_group, expert_dp_group),
                                            receive_lookahead, p2p,
                                            keep_freed_memory, dp_params, split,
-                                           (fb_overlap, defer_wgrad))
+                                           (fb_overlap, defer_wgrad, self.pair_turns, w_parts))
         self.rank = self._runtime.rank
         self._loss.rank = self.rank
         # NOTE [A chunk's own pair]: chunks that define DualPipe's hook run their pairs.
@@ -354,6 +374,10 @@ class Pipeline:
         # NOTE [The deferred W's chosen in the run] in hp/pipeline/pipeline.cpp.
         self._choose_after = 2 if fb_overlap and defer_wgrad == "auto" else None
         self._steps = 0
+        # Whether a W may have recomputed (a checkpoint seen, or any recompute
+        # since): "auto" then never defers W's into ready turns.
+        self._recomputes = _C.recompute.counters().recomputes
+        self._checkpoints_seen = False
         #: The share by which deferred W's must shorten the predicted step for
         #: ``defer_wgrad="auto"`` to take them (hp train's 3 %); set it before
         #: the second step, alike on every rank.
@@ -371,6 +395,9 @@ class Pipeline:
         options.receive_lookahead, options.cache_cpu_memory = receive_lookahead, keep_freed_memory
         options.recompute_sessions = split
         options.fb_overlap, options.defer_wgrad = overlap[0], overlap[1] is True
+        turns = overlap[2]
+        options.pair_first_ready = turns == "ready" or (turns == "auto" and overlap[1] is not True)
+        options.deferred_w_parts = overlap[3]
         store_of = dist.distributed_c10d._world.pg_map.get
         dp_group, expert_dp_group = dp_groups
         return _C.pipeline.Runtime(
@@ -601,6 +628,7 @@ class Pipeline:
             self._loss.last_outputs.clear()
         if counter is not None:
             self._watch_checkpoints = False
+            self._checkpoints_seen = counter.count > 0
             if counter.count:
                 warnings.warn(
                     f"Pipeline: rank {self.rank}'s stages run torch.utils.checkpoint regions "
@@ -648,7 +676,9 @@ class Pipeline:
         if self._steps == 0:
             raise RuntimeError("choose_deferred_w fits its costs to the last step: run one first")
         try:
-            choice = self._runtime.choose_deferred_w(float(gain))
+            recomputes = (self._checkpoints_seen
+                          or _C.recompute.counters().recomputes > self._recomputes)
+            choice = self._runtime.choose_deferred_w(float(gain), self.pair_turns, recomputes)
         except ValueError:  # the gain, refused before any communication
             raise
         except Exception as e:  # a collective failed: the peers' state is unknown
