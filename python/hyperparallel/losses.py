@@ -34,6 +34,15 @@ __all__ = ["add_loss", "collect_losses"]
 # (PipelineOptions::extra_sum) and `last_stats["aux_loss"]` reports it as
 # the mean over microbatches. Outside a Pipeline, `collect_losses()` gathers
 # them for a single-process run of the same model code.
+#
+# A checkpointed region (torch.utils.checkpoint, hyperparallel.recompute)
+# runs its forward again inside the backward, and so its add_loss: that
+# term is the forward's, which already joined the loss. So add_loss inside
+# the autograd engine (a graph task running) adds nothing; before, a
+# checkpointed MoE layer failed the Pipeline's I ("outside a Pipeline
+# stage's forward"). A hyperparallel.recompute.checkpoint block's own
+# forward runs without autograd, where a loss would train nothing: add_loss
+# there fails.
 _collecting = threading.local()
 
 
@@ -42,8 +51,9 @@ def add_loss(loss: torch.Tensor) -> None:
     inside a stage's forward: it joins that stage's backward with the step's
     loss scale and is reported per step as ``pipe.last_stats["aux_loss"]``
     (NOTE [Auxiliary losses]). Outside a Pipeline's forward, inside
-    ``with collect_losses() as aux:`` it is appended to ``aux``; elsewhere it
-    is an error."""
+    ``with collect_losses() as aux:`` it is appended to ``aux``; in a
+    checkpointed region's recompute (inside a backward) it adds nothing;
+    elsewhere it is an error."""
     if not isinstance(loss, torch.Tensor):
         raise TypeError(f"add_loss: an auxiliary loss must be a tensor, got {type(loss).__name__}")
     if loss.numel() != 1:
@@ -51,6 +61,13 @@ def add_loss(loss: torch.Tensor) -> None:
             f"add_loss: an auxiliary loss must be a scalar (one element), got shape "
             f"{tuple(loss.shape)}"
         )
+    if torch._C._current_graph_task_id() != -1:  # a recompute (NOTE [Auxiliary losses])
+        return
+    if getattr(_collecting, "in_checkpoint", False):
+        raise RuntimeError(
+            "add_loss inside hyperparallel.recompute.checkpoint: the block's forward runs "
+            "without autograd, so its loss would train nothing; return the loss from the "
+            "block and add it outside, or checkpoint with torch.utils.checkpoint")
     sink = getattr(_collecting, "sink", None)
     if sink is None:
         raise RuntimeError(

@@ -17,6 +17,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from . import _C
+from .losses import _collecting
 
 _R = _C.recompute
 
@@ -147,7 +148,14 @@ def checkpoint(fn, *args, weights=None, preserve_rng_state=True, check_versions=
             )
         return [leaf for leaf in out_leaves if isinstance(leaf, torch.Tensor)]
 
-    outs = _R.checkpoint(block, inputs, weight_list, preserve_rng_state, check_versions)
+    # Its forward runs without autograd: add_loss there would train nothing
+    # (NOTE [Auxiliary losses] in losses.py), so it fails.
+    outer = getattr(_collecting, "in_checkpoint", False)
+    _collecting.in_checkpoint = True
+    try:
+        outs = _R.checkpoint(block, inputs, weight_list, preserve_rng_state, check_versions)
+    finally:
+        _collecting.in_checkpoint = outer
     it = iter(outs)
     full = [next(it) if leaf is _TENSOR else leaf for leaf in out_state["template"]]
     return pytree.tree_unflatten(full, out_state["spec"])

@@ -19,7 +19,8 @@ chunks' class (dualpipe_hook); "+overlap" trains with fb_overlap=True under HP_L
 defer_wgrad=False, one with "+defer" with defer_wgrad=True, one with
 "+auto" with defer_wgrad="auto" and a gain of -1 (deferred W's chosen after
 step 2, for the third), "+ready" with pair_turns="ready", defer_wgrad=True
-and w_parts=2 (the flags combine); one
+and w_parts=2, "+ckpt" with every layer checkpointed by transformers'
+activation_checkpointing_enable (the flags combine); one
 ending in "-dp4" is pp 1 x dp 4 x ep 2 (hp.pipeline.mesh): every rank a
 whole pipeline, dp_group the world, the experts over {0, 1} and {2, 3},
 expert_dp_group the ranks holding the same experts ({0, 2}, {1, 3})."""
@@ -243,6 +244,9 @@ def main():
         # model's modules.
         grouped = "grouped" in flags
         model = (make_model(base, torch.float32, "grouped_mm") if grouped else make_model(base))
+        if "ckpt" in flags:  # every layer checkpointed (torch.utils.checkpoint), as HF does it
+            model.activation_checkpointing_enable({"use_reentrant": False})
+            model.train()
         chunks = hp.pipeline.split_model(model, sched, 0 if dp4 else stage_rank)
         hp.moe.expert_parallel(model, grid4.ep if dp4 else groups[1])
         grouped_calls[0] = 0  # from here on: the pipeline's steps
@@ -284,7 +288,9 @@ def main():
             length[0] = x.shape[1]
             opt.zero_grad()
             kw = {} if mask is None else {"attention_mask": mask[rows]}
-            losses.append(pipe.step(x[rows], y[rows], **kw))
+            with warnings.catch_warnings():  # "+ckpt": torch's checkpoints under a split
+                warnings.simplefilter("ignore", RuntimeWarning)
+                losses.append(pipe.step(x[rows], y[rows], **kw))
             aux.append(pipe.last_stats["aux_loss"])
             hidden += pipe.last_stats["pair_hidden"]
             reordered += pipe.last_stats["pair_reordered"]

@@ -25,7 +25,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # layer's attention fully_shard'ed over the EP dimension, shapes declared);
 # "+overlap": fb_overlap=True under HP_LINK (docs/overlap.md), "+defer" with
 # defer_wgrad=True too, "+auto" with "auto" choosing them and "auto" turns,
-# "+ready" with ready turns and W's in 2 parts ("+fsdp2+overlap": FSDP2
+# "+ready" with ready turns and W's in 2 parts, "+ckpt" with transformers'
+# activation checkpointing (its recomputes add no auxiliary loss: NOTE
+# [Auxiliary losses]) ("+fsdp2+overlap": FSDP2
 # inside overlapped pairs, "auto" turns that FSDP2 makes fixed); "+hook":
 # DualPipe's overlapped_forward_backward on the chunks' class; "-dp4": pp 1
 # x dp 4, each expert held in both EP groups (expert_dp_group); "+grouped":
@@ -35,7 +37,7 @@ CASES = ["mixtral:1f1b", "mixtral:zb-h1", "mixtral:zbv", "mixtral:dualpipev",
          "qwen3_moe:zb-h1", "qwen3_moe:dualpipev", "qwen2_moe:zbv", "deepseek_v3:zb-h1",
          "deepseek_v3:zbv", "mixtral-one-expert:1f1b", "mixtral+fsdp2:zb-h1",
          "mixtral+overlap:dualpipev", "mixtral+defer:dualpipev", "mixtral+auto:dualpipev",
-         "mixtral+ready:dualpipev",
+         "mixtral+ready:dualpipev", "mixtral+ckpt:zbv",
          "mixtral-dp4:1f1b", "mixtral+fsdp2+overlap:dualpipev", "mixtral+grouped:zb-h1",
          "mixtral+hook:dualpipev"]
 

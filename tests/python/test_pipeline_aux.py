@@ -98,3 +98,44 @@ def test_add_loss_outside_a_pipeline():
     with pytest.raises(ValueError, match="scalar"):
         with hp.pipeline.collect_losses():
             hp.pipeline.add_loss(torch.ones(2))
+
+
+def test_auxiliary_losses_of_checkpointed_chunks_count_once(one_rank_group):
+    """Chunks checkpointed whole (torch.utils.checkpoint) on a one-rank
+    dualpipev: the recompute inside I and W runs add_loss again, which adds
+    nothing (NOTE [Auxiliary losses]): the same steps as the plain chunks in
+    one process. Inside hyperparallel.recompute.checkpoint, whose block runs
+    its forward without autograd, add_loss fails saying so."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(torch.nn.Module):
+        def __init__(self, c, n):
+            super().__init__()
+            self.inner = aw.RoutedChunk(c, n)
+
+        def forward(self, x):
+            return checkpoint(self.inner, x, use_reentrant=False)
+
+    with pytest.raises(RuntimeError, match="add_loss inside hyperparallel.recompute.checkpoint"):
+        with hp.pipeline.collect_losses():
+            hp.recompute.checkpoint(aw.RoutedChunk(0, 2), torch.ones(2, pm.D, dtype=torch.float64))
+
+    sched = hp.pipeline.schedule("dualpipev", ranks=1, microbatches=4)
+    chunks = {c: Checkpointed(c, sched.num_chunks) for c in range(sched.num_chunks)}
+    pipe = hp.pipeline.Pipeline(chunks, sched, loss_fn=pm.loss_fn, group=one_rank_group)
+    opt = torch.optim.SGD([q for c in chunks.values() for q in c.parameters()], lr=pm.LR)
+    losses, aux = [], []
+    with pytest.warns(RuntimeWarning):
+        for step in range(pm.STEPS):  # the warning: torch recomputes in I and again in W
+            x, y = pm.batch(step, sched.num_microbatches)
+            opt.zero_grad()
+            losses.append(pipe.step(x, y))
+            aux.append(pipe.last_stats["aux_loss"])
+            opt.step()
+    ref_losses, ref_aux, ref_chunks = reference(sched.num_chunks, sched.num_microbatches)
+    assert min(ref_aux) > 0.01
+    for s in range(pm.STEPS):
+        assert close(losses[s], ref_losses[s]) and close(aux[s], ref_aux[s]), (s, losses, aux)
+    for c, mod in chunks.items():
+        for q, q_ref in zip(mod.inner.parameters(), ref_chunks[c]):
+            assert (q - q_ref).abs().max().item() <= 1e-9 * max(1.0, q_ref.abs().max().item())
