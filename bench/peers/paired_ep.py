@@ -37,11 +37,12 @@ that latency and bandwidth. The expert all-to-alls are our dispatcher's on
 both sides, so both pay the link; our side's pipeline transfers pay it too
 (over its Gloo group: p2p "auto" leaves out the shared-memory rings, which
 would bypass the link, and --hp-p2p shm is refused); PyTorch's own
-pipeline send and recv do not: its runtime has no link model, so they stay
-on loopback. The comparison under a link favours PyTorch by the cost of its
-pipeline transfers. The collectives of either side (the gradient all-reduce
-over the EP group, the losses) are not delayed. Without --link, loopback
-(an HP_LINK of the environment is cleared).
+pipeline sends pay a link of the same latency and bandwidth in Python
+(torch_link.py, replacing its schedules' _batch_p2p), beside the one its
+all-to-alls pay (two interfaces where ours share one, which favours PyTorch
+a little). The collectives of either side (the gradient all-reduce over the
+EP group, the losses) are not delayed. Without --link, loopback (an
+HP_LINK of the environment is cleared).
 
 Each side has its own AdamW and makes the same step: a barrier, zero_grad,
 the schedule's forward and backward of every microbatch, the data-parallel
@@ -94,6 +95,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import common  # noqa: E402
 import paired  # noqa: E402
+import torch_link  # noqa: E402
 from compare import max_rel_diff  # noqa: E402
 
 PP, EP = 2, 2
@@ -257,6 +259,7 @@ def worker(args):
     # Read when a Pipeline or an expert dispatcher is made: set before either.
     if args.link:
         os.environ["HP_LINK"] = args.link
+        torch_link.install(*parse_link(args.link))  # PyTorch's transfers pay it too
     else:
         os.environ.pop("HP_LINK", None)
     common.run_worker(args, run_rank)
@@ -318,9 +321,11 @@ def run_rank(args, rank, world, torch, dist, error):
                     if key in st}
     everyone = [None] * world
     dist.all_gather_object(everyone, {"actions": actions, "outside": outside,
-                                      "last_stats": stats})
+                                      "last_stats": stats, "torch_sends": torch_link.sends()})
     if rank == 0:
         result["last_stats"] = [e["last_stats"] for e in everyone]
+        # PyTorch's sends that paid the link, per rank (0 without --link).
+        result["torch_link_sends"] = [e["torch_sends"] for e in everyone]
         result.update({"schedule": theirs, "hp_schedule": ours, "nproc": world,
                        "mesh": "pp 2 x ep 2", "torch_version": torch.__version__,
                        "link": os.environ.get("HP_LINK", "")})
@@ -360,8 +365,8 @@ def link_text(link):
     if not link:
         return "loopback"
     return (f"{describe_link(link)} (HP_LINK) on both sides' expert all-to-alls and our "
-            "side's pipeline transfers (over its Gloo group); PyTorch's pipeline transfers "
-            "on loopback")
+            "side's pipeline transfers (over its Gloo group); PyTorch's pipeline sends "
+            "through a link of the same (torch_link.py)")
 
 
 def render(report):
@@ -410,9 +415,9 @@ def main():
     ap.add_argument("--hp-p2p", default="auto", choices=["auto", "group", "shm"])
     ap.add_argument("--link", default="", metavar="LATENCY_US,GBPS",
                     help="every rank under HP_LINK=LATENCY_US,GBPS (a modelled link, "
-                         "docs/overlap.md): both sides' expert all-to-alls and our "
-                         "side's pipeline transfers pay it, PyTorch's pipeline transfers "
-                         "do not (its runtime has no link model); default: loopback")
+                         "docs/overlap.md): both sides' expert all-to-alls and pipeline "
+                         "transfers pay it (PyTorch's sends through torch_link.py); "
+                         "default: loopback")
     ap.add_argument("--tolerance", type=float, default=1e-4)
     ap.add_argument("--json", default="")
     ap.add_argument("--markdown", default="")

@@ -96,8 +96,8 @@ def test_expert_parallel_stages_agree_with_torchs_dualpipev(tmp_path):
     by split_model and spread by expert_parallel, torch's ScheduleDualPipeV
     against our dualpipev, plain and fb_overlap, step for step, under a
     modelled link (--link: HP_LINK in every rank, paying the expert
-    all-to-alls of both sides and our pipeline transfers): the losses of
-    every side agree (the script exits non-zero otherwise; checked here too)."""
+    all-to-alls of both sides and our pipeline transfers, PyTorch's sends
+    through torch_link.py): the losses of every side agree (the script exits non-zero otherwise; checked here too)."""
     out = tmp_path / "paired_ep.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "peers", "paired_ep.py"),
@@ -109,6 +109,8 @@ def test_expert_parallel_stages_agree_with_torchs_dualpipev(tmp_path):
     assert report["failed"] == []
     (run_,) = report["runs"]["DualPipeV"]
     assert run_["link"] == "100,10"  # what the ranks ran under
+    # PyTorch's pipeline sends went through its link (torch_link.py) on every rank.
+    assert all(n > 0 for n in run_["torch_link_sends"]), run_["torch_link_sends"]
     assert "link: 100 us, 10 GB/s" in r.stdout
     theirs = run_["torch"]["losses"]
     assert len(theirs) == 3
