@@ -1,8 +1,18 @@
 // Test helper: runs `world` ranks as threads of this process, each with its
 // own Comm over real Gloo (a FileStore rendezvous in a fresh temporary file),
 // and rethrows the first rank's error after all joined.
+//
+// NOTE [SIGPIPE among ranks as threads]
+// A rank thread that ends (a failed step's test) closes its Gloo sockets
+// while a peer thread, or a Gloo thread it started, may still write to
+// them; the write raises SIGPIPE, which ends the whole test process (seen
+// once in a full run under load: PipelineStepHooks, "SIGPIPE"). Separate
+// processes would each lose only the writer. So each rank thread blocks
+// SIGPIPE before it makes its Comm (the threads Gloo starts inherit the
+// mask): such a write fails with EPIPE instead, as an error of that rank.
 #pragma once
 
+#include <signal.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -30,6 +40,10 @@ inline void run_ranks_as_threads(
   std::vector<std::thread> threads;
   for (int r = 0; r < world; ++r) {
     threads.emplace_back([&, r] {
+      sigset_t pipe;  // NOTE [SIGPIPE among ranks as threads]
+      sigemptyset(&pipe);
+      sigaddset(&pipe, SIGPIPE);
+      pthread_sigmask(SIG_BLOCK, &pipe, nullptr);
       try {
         distributed::CommOptions opts;
         opts.timeout = timeout;
