@@ -48,6 +48,8 @@ def rank_main(rank: int, world: int, store_path: str, args, out: str) -> None:
     import hyperparallel as hp
 
     sched = hp.pipeline.schedule("dualpipev", ranks=1, microbatches=M)
+    # pp 1: each rank's pipeline group is itself (every rank makes every group).
+    pp_group = [dist.new_group([r]) for r in range(world)][rank]
 
     def loss_fn(logits, labels):
         return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
@@ -69,7 +71,7 @@ def rank_main(rank: int, world: int, store_path: str, args, out: str) -> None:
         chunks = hp.pipeline.split_model(model, sched, 0)
         hp.moe.expert_parallel(model, dist.group.WORLD)
         pipe = hp.pipeline.Pipeline(chunks, sched, loss_fn=loss_fn, dp_group=dist.group.WORLD,
-                                    group=_one_rank_group(rank), fb_overlap=True, **kw)
+                                    group=pp_group, fb_overlap=True, **kw)
         steps, hid, exp = [], 0.0, 0.0
         for s in range(steps_wanted):
             model.zero_grad(set_to_none=False)
@@ -104,19 +106,6 @@ def rank_main(rank: int, world: int, store_path: str, args, out: str) -> None:
         with open(out, "w") as f:
             json.dump(results, f)
     dist.destroy_process_group()
-
-
-_groups = {}
-
-
-def _one_rank_group(rank):
-    """This rank's pipeline group: itself alone (pp 1), made once."""
-    import torch.distributed as dist
-
-    if "pp" not in _groups:
-        made = [dist.new_group([r]) for r in range(dist.get_world_size())]
-        _groups["pp"] = made[rank]
-    return _groups["pp"]
 
 
 def main():

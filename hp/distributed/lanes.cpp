@@ -116,6 +116,7 @@ thread_local std::string last_refusal;  // take_exchange_refusal's
 NoExchangeScope::NoExchangeScope(std::string why)
     : previous_(exchange_refusal), why_(std::move(why)) {
   exchange_refusal = &why_;
+  last_refusal.clear();  // none left over from an earlier scope's error
 }
 NoExchangeScope::~NoExchangeScope() {
   exchange_refusal = previous_;

@@ -885,6 +885,9 @@ void bind_schedule(py::module_& m) {
       "fraction, peak memory, communication volume and the timeline. fb_overlap runs each FB "
       "pair as hp train --fb-overlap does (defer_wgrad, pair_turns, w_parts as its flags).");
   sub.attr("DEFERRED_W_GAIN") = hs::kDeferredWGain;
+  sub.def("pair_turns_ready", &hs::pair_turns_ready, py::arg("pair_turns"), py::arg("defer_wgrad"),
+          "Whether turns spelt 'auto', 'ready' or 'fixed' take ready turns (on CPU ranks), with "
+          "or without deferred W's; ValueError for another spelling.");
   sub.def(
       "choose_deferred_w",
       [](hs::Schedule s, hs::CostModel costs, const std::string& pair_turns, bool cpu,

@@ -557,6 +557,11 @@ TEST(DistLanes, AnExchangeInsideANoExchangeScopeThrowsItsReason) {
     }
     EXPECT_EQ(hp::distributed::take_exchange_refusal(), "an expert dispatch: not here");
     EXPECT_EQ(hp::distributed::take_exchange_refusal(), "");  // once
+    EXPECT_THROW(hp::distributed::check_exchange_allowed("a combine"), std::runtime_error);
+  }
+  {
+    hp::distributed::NoExchangeScope again("a later scope");
+    EXPECT_EQ(hp::distributed::take_exchange_refusal(), "");  // none left from the last one
   }
   EXPECT_NO_THROW(hp::distributed::check_exchange_allowed("an expert dispatch"));
 }

@@ -395,8 +395,7 @@ class Pipeline:
         options.receive_lookahead, options.cache_cpu_memory = receive_lookahead, keep_freed_memory
         options.recompute_sessions = split
         options.fb_overlap, options.defer_wgrad = overlap[0], overlap[1] is True
-        turns = overlap[2]
-        options.pair_first_ready = turns == "ready" or (turns == "auto" and overlap[1] is not True)
+        options.pair_first_ready = _C.schedule.pair_turns_ready(overlap[2], overlap[1] is True)
         options.deferred_w_parts = overlap[3]
         store_of = dist.distributed_c10d._world.pg_map.get
         dp_group, expert_dp_group = dp_groups
